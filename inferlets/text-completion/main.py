@@ -1,0 +1,38 @@
+"""text-completion: answer one prompt, streaming the text.
+
+Args:
+    prompt (str, required): the user message (or raw text with ``raw``).
+    system (str): optional system message.
+    raw (bool): fill ``prompt`` as is, without the chat template.
+    max_tokens (int, default 256), temperature (float, default 0 = greedy),
+    top_p (float, default 1), top_k (int), seed (int), model (str).
+
+Returns ``{"text", "tokens", "finish_reason"}``.
+"""
+
+from tartlet import Model, Sampler, session
+
+
+async def main(args: dict) -> dict:
+    prompt = args.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("text-completion needs a non-empty string argument `prompt` (--prompt \"...\")")
+    model = Model.load(args.get("model"))
+    sampler = Sampler(
+        temperature=float(args.get("temperature", 0.0)),
+        top_p=float(args.get("top_p", 1.0)),
+        top_k=args.get("top_k"),
+        seed=args.get("seed"),
+    )
+    with model.new_context() as ctx:
+        if args.get("raw"):
+            ctx.fill(prompt)
+        else:
+            if args.get("system"):
+                ctx.system(args["system"])
+            ctx.user(prompt)
+        gen = ctx.generate(sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop"))
+        async for step in gen:
+            if step.text:
+                session.send(step.text)
+        return {"text": gen.text, "tokens": gen.tokens, "finish_reason": gen.finish_reason}

@@ -1,0 +1,35 @@
+"""Tartlet inferlet SDK.
+
+An inferlet is a Python file or package with ``async def main(args: dict)``.
+It drives generation itself through this SDK: :class:`Model`,
+:class:`Context` (fill, forward, generate, fork, truncate, snapshots, masks),
+:class:`Sampler`, stop conditions, and the client :mod:`~tartlet.session`.
+
+The SDK imports nothing heavy (no torch, no numpy): it is bundled into WASM
+builds. It reaches the host only through :mod:`tartlet._binding`.
+"""
+
+from . import brle, forward, session
+from .context import Context
+from .generator import Drafter, Generator, Step
+from .model import Model
+from .sampler import Sampler
+from .stop import EosTokens, MaxTokens, StopCondition, StopStrings
+
+__all__ = [
+    "Context",
+    "Drafter",
+    "EosTokens",
+    "Generator",
+    "MaxTokens",
+    "Model",
+    "Sampler",
+    "Step",
+    "StopCondition",
+    "StopStrings",
+    "brle",
+    "forward",
+    "session",
+]
+
+__version__ = "0.1.0"

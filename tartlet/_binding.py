@@ -1,0 +1,46 @@
+"""The SDK's single door to the host (native transport).
+
+Every SDK call goes through :func:`host` (synchronous host calls) and
+:func:`wait` (awaiting a host future). In native mode, the host is the
+:class:`tartlet.host.api.HostApi` of the instance running in the current
+asyncio task, set by the native runtime with :func:`bind`. A WASM build
+replaces this module with one backed by the component's WIT imports (same
+functions, blocking ``wait-any`` underneath), so inferlet code is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import Any
+
+_host: contextvars.ContextVar[Any] = contextvars.ContextVar("tartlet_host")
+
+
+def host() -> Any:
+    """The host API of the running inferlet.
+
+    Raises:
+        RuntimeError: called outside an inferlet (no instance is bound).
+    """
+    try:
+        return _host.get()
+    except LookupError:
+        raise RuntimeError(
+            "no inferlet is running here: tartlet SDK calls must be made from an inferlet's main() "
+            "(run it with `tartlet run`, or bind a host with tartlet._binding.bind)"
+        ) from None
+
+
+def bind(api: Any) -> contextvars.Token:
+    """Make ``api`` the host of the current context (and of tasks it starts)."""
+    return _host.set(api)
+
+
+def unbind(token: contextvars.Token) -> None:
+    _host.reset(token)
+
+
+async def wait(fut: Any) -> Any:
+    """Await a host future (a ``concurrent.futures.Future``)."""
+    return await asyncio.wrap_future(fut)

@@ -1,0 +1,193 @@
+"""The ``tartlet`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from .args import ArgsError, parse_inferlet_args
+
+app = typer.Typer(help="Tartlet: a programmable LLM serving system.", no_args_is_help=True, add_completion=False)
+model_app = typer.Typer(help="Manage models (download, list, remove).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+err = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    inferlet: str = typer.Argument(..., help="Bundled inferlet name, inferlet folder or .py file."),
+    model: str = typer.Option("smollm2-135m-instruct", "--model", "-m", help="Model name, .gguf file or HF folder."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    kv_cache_mb: int = typer.Option(1024, help="KV page pool budget in MiB."),
+    page_size: int = typer.Option(16, help="Tokens per KV page."),
+    max_batch_tokens: int = typer.Option(512, help="Token budget of one model call."),
+    threads: Optional[int] = typer.Option(None, help="Torch CPU threads."),
+    time_limit: Optional[float] = typer.Option(None, help="Wall-time limit of the inferlet, seconds."),
+    json_out: bool = typer.Option(False, "--json", help="Print the inferlet's return value as JSON."),
+    stats: bool = typer.Option(False, "--stats", help="Print engine statistics to stderr at the end."),
+) -> None:
+    """Run an inferlet once on a local engine and stream its output.
+
+    Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
+    """
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.loader import ModelLoadError
+    from ..runtime.program import ProgramError, find_program
+
+    words = list(ctx.args)
+    if words and words[0] == "--":
+        words = words[1:]
+    try:
+        args = parse_inferlet_args(words)
+        program = find_program(inferlet)
+        program.load_main()  # fail fast on a broken inferlet, before loading the model
+    except (ArgsError, ProgramError) as e:
+        _fail(str(e))
+    cfg = EngineConfig(
+        model=model, dtype=dtype, device=device, kv_cache_mb=kv_cache_mb, page_size=page_size,
+        max_batch_tokens=max_batch_tokens, threads=threads,
+    )
+    try:
+        with err.status(f"loading {model}") as status:
+            engine = Engine.load(cfg, progress=lambda m: status.update(m))
+    except (ModelLoadError, ValueError) as e:
+        _fail(str(e))
+    try:
+        code = asyncio.run(_run_instance(engine, program, args, time_limit, json_out))
+    finally:
+        if stats:
+            _print_stats(engine)
+        engine.close()
+    raise typer.Exit(code)
+
+
+async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float | None, json_out: bool) -> int:
+    from ..host.session import Session
+    from ..host.state import HostState
+    from ..runtime.instance import Status
+    from ..runtime.native import NativeRuntime
+
+    state = HostState()
+    state.add_engine(engine)
+    runtime = NativeRuntime(state, time_limit_s=time_limit)
+    session = Session()
+    streamed = False
+
+    def show(msg: str | bytes) -> None:
+        nonlocal streamed
+        streamed = True
+        if isinstance(msg, bytes):
+            sys.stdout.buffer.write(msg)
+        else:
+            sys.stdout.write(msg)
+        sys.stdout.flush()
+
+    session.listen(show)
+    inst = runtime.launch(program, args, session)
+    try:
+        await inst.wait()
+    except asyncio.CancelledError:
+        inst.abort("interrupted")
+        await inst.wait()
+    if streamed:
+        sys.stdout.write("\n")
+    if inst.status is Status.FINISHED:
+        if json_out:
+            print(json.dumps(inst.result))
+        elif not streamed and inst.result is not None:
+            print(inst.result if isinstance(inst.result, str) else json.dumps(inst.result, indent=2))
+        return 0
+    err.print(f"[bold red]inferlet {program.name} {inst.status.value}:[/] {inst.error}", highlight=False)
+    return 1
+
+
+def _print_stats(engine: Any) -> None:
+    st = engine.scheduler.stats
+    kv = engine.pool.stats()
+    err.print(
+        f"model calls {st.model_calls}, tokens computed {st.tokens_computed}, prefix tokens reused "
+        f"{st.prefix_tokens_reused}, forward time {st.forward_seconds:.2f} s, "
+        f"pages used {kv.used} cached {kv.cached} free {kv.free} of {kv.total}",
+        highlight=False,
+    )
+
+
+@model_app.command("download")
+def model_download(name: str = typer.Argument("smollm2-135m-instruct")) -> None:
+    """Fetch a known model into the model cache (verifying its hash)."""
+    from ..engine.loader import ModelLoadError
+    from ..engine.model_store import download
+
+    try:
+        with err.status(f"downloading {name}") as status:
+            path = download(name, progress=lambda m: status.update(m))
+    except ModelLoadError as e:
+        _fail(str(e))
+    print(path)
+
+
+@model_app.command("list")
+def model_list() -> None:
+    """Known models and whether they are downloaded."""
+    from rich.table import Table
+
+    from ..engine.model_store import list_models, models_dir
+
+    table = Table(title=f"models in {models_dir()}")
+    for col in ("name", "downloaded", "size", "path"):
+        table.add_column(col)
+    for m in list_models():
+        size = f"{m.size / 2**20:.1f} MiB" if m.size else "-"
+        table.add_row(m.name, "yes" if m.downloaded else "no", size, str(m.path))
+    Console().print(table)
+
+
+@model_app.command("remove")
+def model_remove(name: str) -> None:
+    """Delete a downloaded model from the cache."""
+    from ..engine.loader import ModelLoadError
+    from ..engine.model_store import remove
+
+    try:
+        removed = remove(name)
+    except ModelLoadError as e:
+        _fail(str(e))
+    print(f"removed {name}" if removed else f"{name} was not downloaded")
+
+
+@app.command("inferlets")
+def inferlets() -> None:
+    """List the bundled inferlets."""
+    from ..runtime.program import list_programs
+
+    for name, prog in sorted(list_programs().items()):
+        print(f"{name:24s} {prog.description}")
+
+
+@app.command()
+def version() -> None:
+    """Print the Tartlet version."""
+    from .. import __version__
+
+    print(__version__)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,119 @@
+"""The engine: one model, its tokenizer, its page pool and its scheduler.
+
+:class:`Engine` is what the host layer talks to. It is built from an
+:class:`EngineConfig` (usually the ``[engine]`` table of the TOML config):
+the model is resolved (a known name is downloaded on first use, see
+:mod:`tartlet.engine.model_store`), loaded and dequantized, the page pool is
+sized from a memory budget, and the scheduler thread is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import ModelConfig
+from .kv_cache import PagePool
+from .llama import LlamaModel
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        model: a known model name (``tartlet model list``), a ``.gguf`` file
+            or a Hugging Face folder.
+        dtype: ``float32`` (default on CPU), ``bfloat16`` or ``float16``.
+        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
+        page_size: tokens per KV page.
+        kv_cache_mb: memory budget of the page pool, in MiB.
+        max_batch_tokens: token budget of one model call.
+        batch_wait_ms: how long a round waits for last round's requests, ms.
+        threads: torch intra-op threads (``None``: torch's default).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "auto"
+    page_size: int = 16
+    kv_cache_mb: int = 1024
+    max_batch_tokens: int = 512
+    batch_wait_ms: float = 3.0
+    threads: int | None = None
+
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(_DTYPES)})") from None
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+class Engine:
+    """A loaded model ready to serve forward passes.
+
+    Attributes:
+        name: model name as given in the config.
+        config: the model's architecture.
+        tokenizer: its tokenizer and chat template.
+        pool: the page pool.
+        scheduler: the running scheduler.
+    """
+
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+        if cfg.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {cfg.page_size}")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.name = cfg.model
+        self.config = model_config
+        self.tokenizer = tokenizer
+        dtype, device = cfg.torch_dtype(), cfg.torch_device()
+        self.model = LlamaModel(model_config, weights, dtype=dtype, device=device)
+        c = model_config
+        per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+        num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
+        self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, device)
+        self.scheduler = Scheduler(
+            self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
+        )
+        self.scheduler.start()
+
+    @classmethod
+    def load(cls, cfg: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
+        """Resolve, load and start the model named by ``cfg.model``.
+
+        Raises:
+            tartlet.engine.loader.ModelLoadError: unknown name, missing or
+                invalid model file.
+        """
+        from .loader import load_model
+        from .model_store import resolve
+
+        path: Path = resolve(cfg.model, progress=progress)
+        if progress:
+            progress(f"loading {path.name}")
+        loaded = load_model(path, dtype=cfg.torch_dtype())
+        return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
+
+    def new_sequence(self) -> Sequence:
+        """An empty sequence on this engine's pool."""
+        return Sequence(self.pool)
+
+    def close(self) -> None:
+        """Stop the scheduler; pending requests fail."""
+        self.scheduler.stop()

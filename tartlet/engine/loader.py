@@ -1,0 +1,121 @@
+"""Load a model (config + weights + tokenizer) from a GGUF file or a Hugging Face folder.
+
+Whatever the source, weights come out under Hugging Face Llama names in
+PyTorch orientation (``[out_features, in_features]``)::
+
+    model.embed_tokens.weight                         [vocab, H]
+    model.layers.{i}.input_layernorm.weight           [H]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  [out, in]
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias      [out]      (Qwen2 only)
+    model.layers.{i}.post_attention_layernorm.weight  [H]
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
+    model.norm.weight                                 [H]
+    lm_head.weight                                    [vocab, H] (only when not tied)
+
+Q and K rows are in Hugging Face's ``rotate_half`` RoPE order.
+
+This module does not import torch at import time (``model_store`` uses
+:class:`ModelLoadError` without it); the loaders do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tartlet.engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from tartlet.engine.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found, read or understood. The message names the path and the problem."""
+
+
+@dataclass
+class LoadedModel:
+    """Everything needed to run a model.
+
+    Attributes:
+        config: architecture hyper-parameters.
+        weights: tensors by Hugging Face name (see module docstring), all of the
+            requested dtype, on CPU.
+        tokenizer: the model's tokenizer.
+        source: the ``.gguf`` file or folder it was read from.
+    """
+
+    config: ModelConfig
+    weights: dict[str, "torch.Tensor"]
+    tokenizer: "Tokenizer"
+    source: Path
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """The exact set of weight names a model with ``config`` has (see module docstring)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def check_weights(
+    path: Path, config: ModelConfig, weights: dict[str, "torch.Tensor"]
+) -> dict[str, "torch.Tensor"]:
+    """Keep exactly the expected weights, checking presence and the embedding shape.
+
+    Raises:
+        ModelLoadError: a weight is missing or ``embed_tokens`` is not ``[vocab, H]``.
+    """
+    names = expected_weight_names(config)
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    emb = tuple(weights["model.embed_tokens.weight"].shape)
+    if emb != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(f"{path}: embedding shape {emb} != (vocab, hidden) "
+                             f"({config.vocab_size}, {config.hidden_size})")
+    return {n: weights[n] for n in names}
+
+
+def load_model(path: str | Path, dtype: "torch.dtype | None" = None) -> LoadedModel:
+    """Load a model from a ``.gguf`` file or a Hugging Face folder with ``config.json``.
+
+    Args:
+        path: a ``.gguf`` file (any quantization ``gguf.quants`` can
+            dequantize) or a folder with ``config.json``, ``*.safetensors``
+            and ``tokenizer.json``.
+        dtype: dtype of the returned weights (default ``torch.float32``).
+            Quantized GGUF weights are dequantized to float32 first.
+
+    Raises:
+        ModelLoadError: missing path, not a GGUF file, truncated or corrupt
+            file, unsupported architecture or tokenizer, missing weights.
+    """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: folder has no config.json (expected a Hugging Face model folder)")
+        from tartlet.engine.hf_loader import load_hf_folder
+
+        return load_hf_folder(path, dtype)
+    from tartlet.engine.gguf_loader import load_gguf
+
+    return load_gguf(path, dtype)

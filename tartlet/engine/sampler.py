@@ -1,0 +1,186 @@
+"""Samplers and probes, run on the engine side on a batch of logits.
+
+A forward pass asks for outputs at chosen input positions ("slots"). Each slot
+carries either a :class:`SamplerSpec` (returns one token id) or a
+:class:`ProbeSpec` (returns a distribution, raw logits, log-probabilities of
+given tokens, or the entropy). All greedy slots of a batch are one ``argmax``;
+the others are handled row by row on a short candidate list.
+
+Formulas: temperature scaling ``softmax(logits / T)``; top-k keeps the k most
+likely tokens; top-p ("nucleus", Holtzman et al., 2020) keeps the smallest set
+whose probability reaches p; min-p (Nguyen et al., 2024) keeps tokens with
+probability >= ``min_p * p_max``. Filters apply in that order, as in HF
+``transformers`` logits processors. Multinomial draws use the exponential-race
+trick ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``, which samples exactly
+proportionally to ``p`` with a per-slot seeded generator.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampler import validate_sampler as _sdk_validate
+
+#: Candidates examined before falling back to a full sort for top-p.
+_TOP_P_CANDIDATES = 512
+
+
+class SamplingError(ValueError):
+    """A sampler or probe cannot produce a result (bad parameters, or a logit
+    mask that allows no token)."""
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """How to pick one token from a slot's logits.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 scales the logits.
+        top_k: keep the ``top_k`` most likely tokens (``None``: no limit).
+        top_p: nucleus threshold in (0, 1]; 1 disables it.
+        min_p: relative probability floor in [0, 1]; 0 disables it.
+        seed: seed of this draw; equal seeds give equal draws whatever else
+            is in the batch. ``None`` draws from the engine's generator.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_sampler(self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p: float) -> None:
+    """Raise :class:`SamplingError` naming the first out-of-range parameter
+    (the rules of :func:`tartlet.sampler.validate_sampler`)."""
+    try:
+        _sdk_validate(temperature, top_k, top_p, min_p)
+    except ValueError as e:
+        raise SamplingError(str(e)) from None
+
+
+PROBE_KINDS = ("distribution", "logits", "logprobs", "entropy")
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """A read-out of a slot's next-token distribution.
+
+    Kinds and results:
+        ``distribution``: the ``k`` most likely tokens of
+            ``softmax(logits / temperature)`` as ``(ids, probs)``, descending.
+        ``logits``: the raw float32 logits, a list of ``vocab_size`` floats.
+        ``logprobs``: ``log_softmax(logits)`` at ``token_ids``, a list of floats.
+        ``entropy``: ``-sum p log p`` in nats of ``softmax(logits)``, a float.
+    """
+
+    kind: str
+    k: int = 1
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROBE_KINDS:
+            raise SamplingError(f"unknown probe kind {self.kind!r} (known: {', '.join(PROBE_KINDS)})")
+        if self.kind == "distribution" and (not isinstance(self.k, int) or self.k < 1):
+            raise SamplingError(f"distribution probe needs k >= 1, got {self.k!r}")
+        if self.kind == "distribution" and not self.temperature > 0:
+            raise SamplingError(f"distribution probe needs temperature > 0, got {self.temperature!r}")
+
+
+@dataclass
+class OutputSlot:
+    """One requested output of a forward pass.
+
+    Attributes:
+        index: input token (0-based within the request) whose logits are used.
+        spec: sampler or probe.
+        allowed: bool ``[vocab_size]`` logit mask (True = allowed), or None.
+    """
+
+    index: int
+    spec: SamplerSpec | ProbeSpec
+    allowed: torch.Tensor | None = None
+
+
+class SlotSampler:
+    """Applies the slots of one batch to its logits."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def run(self, logits: torch.Tensor, slots: list[OutputSlot]) -> list[object]:
+        """Results of ``slots`` given float32 ``logits`` ``[S, V]`` (row i
+        for slot i). A slot that fails yields its :class:`SamplingError`
+        instead of a result, so one bad request does not fail the batch."""
+        out: list[object] = [None] * len(slots)
+        masked_rows = [i for i, s in enumerate(slots) if s.allowed is not None]
+        if masked_rows:
+            logits = logits.clone()
+            for i in masked_rows:
+                allowed = slots[i].allowed
+                if not bool(allowed.any()):
+                    out[i] = SamplingError("the logit mask allows no token")
+                    continue
+                logits[i].masked_fill_(~allowed, float("-inf"))
+        greedy = [i for i, s in enumerate(slots) if out[i] is None and isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0]
+        if greedy:
+            ids = logits[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, ids):
+                out[i] = t
+        for i, s in enumerate(slots):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = self._sample(logits[i], s.spec) if isinstance(s.spec, SamplerSpec) else self._probe(logits[i], s.spec)
+            except SamplingError as e:
+                out[i] = e
+        return out
+
+    def _sample(self, logits: torch.Tensor, s: SamplerSpec) -> int:
+        probs = torch.softmax(logits / s.temperature, dim=-1)
+        if s.top_k is not None or s.top_p < 1:
+            k = min(self.vocab_size, s.top_k or _TOP_P_CANDIDATES)
+            p, ids = probs.topk(k)
+            if s.top_p < 1:
+                csum = p.cumsum(0)
+                if s.top_k is None and csum[-1] < s.top_p:
+                    p, ids = probs.sort(descending=True)
+                    csum = p.cumsum(0)
+                # keep tokens whose preceding mass is below top_p (always the first)
+                keep = int((csum - p < s.top_p).sum())
+                p, ids = p[:keep], ids[:keep]
+        else:
+            p, ids = probs, None
+        if s.min_p > 0:
+            keep = p >= s.min_p * p.max()
+            p = p[keep]
+            ids = keep.nonzero().squeeze(1) if ids is None else ids[keep]
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else self._rng
+        e = torch.empty_like(p).exponential_(generator=gen)
+        j = int((p / e).argmax())
+        return j if ids is None else int(ids[j])
+
+    def _probe(self, logits: torch.Tensor, s: ProbeSpec) -> object:
+        if s.kind == "distribution":
+            probs = torch.softmax(logits / s.temperature, dim=-1)
+            p, ids = probs.topk(min(s.k, self.vocab_size))
+            return ids.tolist(), p.tolist()
+        if s.kind == "logits":
+            return logits.tolist()
+        logp = torch.log_softmax(logits, dim=-1)
+        if s.kind == "logprobs":
+            bad = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SamplingError(f"logprobs probe: token ids {bad[:5]} outside [0, {self.vocab_size})")
+            return logp[list(s.token_ids)].tolist()
+        p = logp.exp()
+        return float(-(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum())

@@ -1,0 +1,442 @@
+"""The scheduler: one thread owns the model and runs every forward pass.
+
+Everything else submits work to it, from any thread:
+
+* **forward requests** (:class:`ForwardRequest`): tokens to append to a
+  sequence, with optional positions, attention masks and output slots;
+* **commands**: small KV edits (fork, truncate, mask, free, ...) that must be
+  ordered with respect to the forward passes of the sequences they touch.
+
+Both resolve a :class:`concurrent.futures.Future`, which native inferlets
+await through ``asyncio.wrap_future`` and sandboxed ones block on.
+
+Each round the loop drains the queue in FIFO order: commands run at once
+unless they touch a sequence that already has a forward pass in the batch
+being built (then the round stops there, which keeps per-sequence order);
+forward requests join the batch under a token budget (``max_batch_tokens``),
+long prefills being split into chunks across rounds (chunked prefill). The
+batch then runs as one model call and each request's future resolves with its
+slot results.
+
+Batching needs requests to arrive together: after a round, the loop waits up
+to ``batch_wait_s`` for the sequences it just served to submit their next
+step, so concurrent decoders land in the same batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .batch import AttentionGroup, BatchInputs
+from .kv_cache import KvCacheFullError, PagePool
+from .llama import LlamaModel
+from .sampler import OutputSlot, SlotSampler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class SequenceFreedError(RuntimeError):
+    """A request names a sequence that was already freed."""
+
+
+class ContextLengthError(ValueError):
+    """A request would make a sequence longer than the model's context."""
+
+
+@dataclass
+class ForwardRequest:
+    """Tokens to run through the model for one sequence.
+
+    Attributes:
+        seq: the sequence the tokens are appended to.
+        tokens: input token ids (at least one).
+        positions: RoPE position per token; ``None`` = ``len(seq) + i``.
+        attention: per input token, a bool ``[len(seq) + i + 1]`` tensor of
+            the logical positions it may attend (True = may attend), or
+            ``None`` for causal attention. Positions hidden with
+            :meth:`Sequence.mask_range` stay hidden either way.
+        outputs: results wanted at given input indexes.
+        future: resolves to the list of slot results, in ``outputs`` order.
+    """
+
+    seq: Sequence
+    tokens: list[int]
+    positions: list[int] | None = None
+    attention: list[torch.Tensor] | None = None
+    outputs: list[OutputSlot] = field(default_factory=list)
+    future: Future = field(default_factory=Future)
+    # progress of a chunked prefill
+    done: int = 0
+    start_len: int = -1
+    results: list[object] = field(default_factory=list)
+    enqueued_at: float = 0.0
+
+
+@dataclass
+class Command:
+    fn: Callable[[], object]
+    touches: tuple[Sequence, ...]
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (monotonic; read without locking)."""
+
+    model_calls: int = 0
+    batched_requests: int = 0
+    tokens_computed: int = 0
+    prefix_tokens_reused: int = 0
+    decode_steps: int = 0
+    forward_seconds: float = 0.0
+    queue_wait_seconds: float = 0.0
+    batch_sizes: collections.Counter = field(default_factory=collections.Counter)
+
+
+@dataclass
+class _Item:
+    req: ForwardRequest
+    start: int  # logical index of the first token of this chunk
+    n: int
+    slots: list[int]
+    out_slots: list[tuple[int, OutputSlot]]  # (slot position in req.outputs, slot)
+
+
+class Scheduler:
+    """Owns ``model`` and ``pool``; runs submitted work on its own thread.
+
+    Args:
+        model: the model to run.
+        pool: its page pool.
+        max_batch_tokens: token budget of one model call (>= 1).
+        batch_wait_s: how long a round waits for last round's sequences to
+            come back before running without them (seconds).
+        max_seq_len: longest sequence allowed, in tokens.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: PagePool,
+        max_batch_tokens: int = 512,
+        batch_wait_s: float = 0.003,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.sampler = SlotSampler(model.config.vocab_size)
+        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.batch_wait_s = batch_wait_s
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.stats = SchedulerStats()
+        self._queue: collections.deque[ForwardRequest | Command] = collections.deque()
+        self._cond = threading.Condition()
+        self._expected: set[int] = set()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # -- submission (any thread) -------------------------------------------
+    def submit(self, req: ForwardRequest) -> Future:
+        """Queue a forward request; returns its future.
+
+        Raises:
+            ValueError: empty input, or an output index outside the input.
+        """
+        if not req.tokens:
+            raise ValueError("a forward pass needs at least one input token")
+        for s in req.outputs:
+            if not 0 <= s.index < len(req.tokens):
+                raise ValueError(f"output index {s.index} outside the {len(req.tokens)} input tokens")
+        req.enqueued_at = time.perf_counter()
+        self._put(req, req.seq)
+        return req.future
+
+    def command(self, fn: Callable[[], object], *touches: Sequence) -> Future:
+        """Queue ``fn`` to run on the scheduler thread, ordered after earlier
+        forward passes of the sequences in ``touches``; returns a future of
+        its return value (or exception)."""
+        cmd = Command(fn, touches)
+        self._put(cmd, *touches)
+        return cmd.future
+
+    def _put(self, item: ForwardRequest | Command, *seqs: Sequence) -> None:
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("the scheduler is not running")
+            self._queue.append(item)
+            for s in seqs:
+                self._expected.discard(id(s))
+            self._cond.notify()
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._running:
+                return
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tartlet-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop; pending work fails with RuntimeError."""
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(RuntimeError("the engine stopped"))
+
+    # -- the loop (scheduler thread) ----------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._queue:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                deadline = time.perf_counter() + self.batch_wait_s
+                while self._running and self._expected:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                self._expected.clear()
+                items = self._build()
+            if items:
+                self._run(items)
+
+    def _build(self) -> list[_Item]:
+        """Drain the queue into a batch (called with the condition held)."""
+        items: list[_Item] = []
+        busy: set[int] = set()
+        budget = self.max_batch_tokens
+        q = self._queue
+        while q and budget > 0:
+            head = q[0]
+            if isinstance(head, Command):
+                if any(id(s) in busy for s in head.touches):
+                    break
+                q.popleft()
+                if head.future.set_running_or_notify_cancel():
+                    try:
+                        head.future.set_result(head.fn())
+                    except BaseException as e:  # reported to the submitter
+                        head.future.set_exception(e)
+                continue
+            req = head
+            seq = req.seq
+            if id(seq) in busy:
+                break
+            if req.future.cancelled() or (req.done == 0 and not req.future.set_running_or_notify_cancel()):
+                q.popleft()
+                self._rollback(req)
+                continue
+            if seq.freed:
+                q.popleft()
+                req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
+                continue
+            if req.done == 0:
+                req.start_len = len(seq)
+                if len(seq) + len(req.tokens) > self.max_seq_len:
+                    q.popleft()
+                    req.future.set_exception(
+                        ContextLengthError(
+                            f"context would hold {len(seq) + len(req.tokens)} tokens, "
+                            f"more than the model's {self.max_seq_len}"
+                        )
+                    )
+                    continue
+                if req.positions is None and req.attention is None:
+                    first_out = min((s.index for s in req.outputs), default=len(req.tokens))
+                    reused = seq.match_prefix(req.tokens, first_out)
+                    req.done = reused
+                    self.stats.prefix_tokens_reused += reused
+                    if reused == len(req.tokens):
+                        q.popleft()
+                        req.future.set_result([])
+                        continue
+            n = min(len(req.tokens) - req.done, budget)
+            lo, hi = req.done, req.done + n
+            start = len(seq)
+            positions = req.positions[lo:hi] if req.positions is not None else list(range(start, start + n))
+            try:
+                slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None)
+            except KvCacheFullError as e:
+                if items:
+                    break  # retry once this batch is done
+                q.popleft()
+                self._rollback(req)
+                req.future.set_exception(e)
+                continue
+            outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
+            items.append(_Item(req, start, n, slots, outs))
+            busy.add(id(seq))
+            budget -= n
+            req.done = hi
+            if hi == len(req.tokens):
+                q.popleft()
+            else:
+                break  # the rest of this prefill goes in the next round
+        return items
+
+    def _rollback(self, req: ForwardRequest) -> None:
+        if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:
+            req.seq.truncate(req.start_len)
+
+    def _run(self, items: list[_Item]) -> None:
+        t0 = time.perf_counter()
+        try:
+            batch = self._tensors(items).to(self.model.device)
+            logits = self.model.forward(batch, self.pool.k, self.pool.v)
+            slots = [s for it in items for _, s in it.out_slots]
+            results = self.sampler.run(logits, slots) if slots else []
+        except BaseException as e:  # a model failure fails this batch only
+            log.exception("forward pass failed")
+            for it in items:
+                self._rollback(it.req)
+                if not it.req.future.done():
+                    it.req.future.set_exception(e)
+            return
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.model_calls += 1
+        st.forward_seconds += dt
+        st.batched_requests += len(items)
+        st.batch_sizes[len(items)] += 1
+        st.tokens_computed += sum(it.n for it in items)
+        st.decode_steps += sum(1 for it in items if it.n == 1)
+        k = 0
+        finished: list[ForwardRequest] = []
+        for it in items:
+            req = it.req
+            req.seq.commit_full_pages()
+            if not req.results:
+                req.results = [None] * len(req.outputs)
+            for pos, _ in it.out_slots:
+                req.results[pos] = results[k]
+                k += 1
+            if req.done == len(req.tokens):
+                finished.append(req)
+        # Expect these sequences back before resolving, so a resubmission
+        # that races with this line is not waited for.
+        with self._cond:
+            self._expected = {id(r.seq) for r in finished}
+        for req in finished:
+            st.queue_wait_seconds += t0 - req.enqueued_at
+            err = next((r for r in req.results if isinstance(r, Exception)), None)
+            if err is not None:
+                self._rollback(req)
+                req.future.set_exception(err)
+            else:
+                req.future.set_result(req.results)
+
+    def _tensors(self, items: list[_Item]) -> BatchInputs:
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[int] = []
+        out_rows: list[int] = []
+        groups: list[AttentionGroup] = []
+        decode: list[tuple[int, _Item]] = []
+        for it in items:
+            row0 = len(ids)
+            req, lo = it.req, it.req.done - it.n
+            ids.extend(req.tokens[lo : lo + it.n])
+            pos.extend(it.req.seq.positions[it.start : it.start + it.n])
+            write.extend(it.slots)
+            out_rows.extend(row0 + s.index - lo for _, s in it.out_slots)
+            if it.n == 1:
+                decode.append((row0, it))
+            else:
+                kv, mask = self._kv_and_mask(it, lo)
+                groups.append(AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None]))
+        if decode:
+            groups.append(self._decode_group(decode))
+        return BatchInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            write_slots=torch.tensor(write, dtype=torch.long),
+            groups=groups,
+            output_rows=torch.tensor(out_rows, dtype=torch.long),
+        )
+
+    def _kv_and_mask(self, it: _Item, lo: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KV slots ``[L]`` of the item's sequence up to the end of its chunk,
+        and its bool mask ``[n, L]`` (None when plain causal suffices)."""
+        seq = it.req.seq
+        end = it.start + it.n
+        slots, logical = kv_view(seq, end)
+        hidden = seq.masked.find(1, 0, end) != -1
+        custom = it.req.attention
+        if custom is None and not hidden and (it.n == 1 or (it.start == 0 and logical is None)):
+            return slots, None  # causal: a lone query sees everything before it
+        if logical is None:
+            logical = torch.arange(end)
+        q_idx = torch.arange(it.start, end)
+        if custom is None:
+            mask = logical[None, :] <= q_idx[:, None]
+        else:
+            full = torch.zeros(it.n, end, dtype=torch.bool)
+            for j in range(it.n):
+                m = custom[lo + j]
+                full[j, : m.shape[0]] = m[:end]
+            mask = full[:, logical]
+        if hidden:
+            vis = ~torch.frombuffer(bytearray(seq.masked[:end]), dtype=torch.bool)
+            mask &= vis[logical][None, :]
+        # a token always attends to itself, so no row is empty
+        self_col = (logical[None, :] == q_idx[:, None])
+        mask |= self_col
+        return slots, mask
+
+    def _decode_group(self, decode: list[tuple[int, _Item]]) -> AttentionGroup:
+        views = []
+        masks = []
+        for _, it in decode:
+            slots, mask = self._kv_and_mask(it, it.req.done - 1)
+            views.append(slots)
+            masks.append(mask)
+        B = len(decode)
+        L = max(v.shape[0] for v in views)
+        kv = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, 1, L, dtype=torch.bool)
+        for b, (v, m) in enumerate(zip(views, masks)):
+            kv[b, : v.shape[0]] = v
+            if m is None:
+                mask[b, 0, : v.shape[0]] = True
+            else:
+                mask[b, 0, : v.shape[0]] = m[0]
+        rows = torch.tensor([r for r, _ in decode], dtype=torch.long)
+        return AttentionGroup(rows, 0, 1, kv, mask)
+
+
+def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pool rows ``[L]`` holding the KV of logical tokens ``[0, end)`` of
+    ``seq`` that are still live, and their logical indexes (``None`` when no
+    page was dropped, i.e. ``L == end`` and the index is the row number)."""
+    ps = seq.page_size
+    npages = -(-end // ps)
+    table = seq.pages[:npages]
+    if all(p is not None for p in table):
+        base = torch.tensor(table, dtype=torch.long)
+        slots = (base[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
+        return slots, None
+    live = [(j, p) for j, p in enumerate(table) if p is not None]
+    js = torch.tensor([j for j, _ in live], dtype=torch.long)
+    base = torch.tensor([p for _, p in live], dtype=torch.long)
+    off = torch.arange(ps)[None, :]
+    slots = (base[:, None] * ps + off).reshape(-1)
+    logical = (js[:, None] * ps + off).reshape(-1)
+    keep = logical < end
+    return slots[keep], logical[keep]

@@ -1,0 +1,227 @@
+"""A sequence: one context's tokens and the page table of their KV.
+
+Logical token ``i`` of a sequence lives in page table entry ``i // page_size``
+at slot ``i % page_size``. Entries are page ids of the :class:`PagePool`, or
+``None`` for a page dropped by :meth:`Sequence.drop_masked_pages` (its tokens
+stay in ``tokens`` but no longer take part in attention). All full pages are
+immutable; only the last, partly filled page is written, and it is made
+private (copy-on-write) before a write.
+
+Sequences are owned by the scheduler thread: their methods are called with no
+forward pass of the same sequence in flight.
+"""
+
+from __future__ import annotations
+
+from .kv_cache import EMPTY_KEY, PagePool, page_key
+
+
+class Sequence:
+    """Tokens, positions and page table of one context.
+
+    Attributes:
+        tokens: token ids in the KV cache, in logical order.
+        positions: RoPE position of each token (``positions[i] == i`` unless
+            the inferlet chose explicit positions).
+        pages: page table; ``pages[j]`` holds tokens ``[j*ps, (j+1)*ps)``.
+        masked: per token, ``1`` when hidden from attention by
+            :meth:`mask_range`.
+        pure: every token so far was computed the default way (causal, no
+            masks, positions == indexes); only then are full pages registered
+            in the prefix cache.
+        keys: content key of each full page while the sequence is pure.
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.pages: list[int | None] = []
+        self.masked = bytearray()
+        self.pure = True
+        self.keys: list[bytes] = []
+        self.freed = False
+        #: why the sequence is unusable (set with ``freed`` when a fork into it failed)
+        self.error: str | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def live_pages(self) -> int:
+        """Page table entries that still hold KV (not dropped)."""
+        return sum(1 for p in self.pages if p is not None)
+
+    # -- growth -------------------------------------------------------------
+    def match_prefix(self, tokens: list[int], limit: int) -> int:
+        """Attach committed pages from the prefix cache for a leading run of
+        ``tokens`` that is about to be appended, so they need no compute.
+
+        Only whole pages are matched, only while this sequence is pure and
+        page-aligned, and never more than ``limit`` tokens. Returns the number
+        of tokens attached (their KV is already in the cache).
+        """
+        ps = self.page_size
+        if not self.pure or len(self.tokens) % ps:
+            return 0
+        n = 0
+        prev = self.keys[-1] if self.keys else EMPTY_KEY
+        while n + ps <= min(limit, len(tokens)):
+            block = tokens[n : n + ps]
+            key = page_key(prev, block)
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            start = len(self.tokens)
+            self.tokens.extend(block)
+            self.positions.extend(range(start, start + ps))
+            self.masked.extend(bytes(ps))
+            self.pages.append(page)
+            self.keys.append(key)
+            prev = key
+            n += ps
+        return n
+
+    def reserve(self, tokens: list[int], positions: list[int], custom_attention: bool) -> list[int]:
+        """Append ``tokens`` (with their RoPE ``positions``) and return the KV
+        slot (pool row) each one is written to. Allocates pages as needed and
+        makes the partly filled last page private first.
+
+        Raises:
+            KvCacheFullError: the pool cannot supply the pages; the sequence
+                is left unchanged.
+        """
+        ps = self.page_size
+        n0 = len(self.tokens)
+        n1 = n0 + len(tokens)
+        need = -(-n1 // ps) - len(self.pages)
+        tail_copy = n0 % ps != 0 and not self._tail_private()
+        with self.pool.lock:
+            self.pool.ensure_available(need + int(tail_copy))
+            if n0 % ps:
+                tail = self.pages[-1]
+                # A dropped tail (truncated into a dropped page) gets a fresh
+                # page; its old tokens stay masked, so their slots are unused.
+                self.pages[-1] = self.pool.allocate(1)[0] if tail is None else self.pool.make_private(tail, n0 % ps)
+            if need > 0:
+                self.pages.extend(self.pool.allocate(need))
+        if self.pure and (custom_attention or positions != list(range(n0, n1))):
+            self.pure = False
+        self.tokens.extend(tokens)
+        self.positions.extend(positions)
+        self.masked.extend(bytes(len(tokens)))
+        return [self.pages[i // ps] * ps + i % ps for i in range(n0, n1)]
+
+    def _tail_private(self) -> bool:
+        p = self.pages[-1]
+        return p is not None and self.pool.refcount(p) == 1 and not self.pool.is_committed(p)
+
+    def commit_full_pages(self) -> None:
+        """Register pages that became full (after a forward pass wrote them)
+        in the prefix cache, adopting an identical page if one exists."""
+        if not self.pure:
+            return
+        ps = self.page_size
+        full = len(self.tokens) // ps
+        while len(self.keys) < full:
+            j = len(self.keys)
+            prev = self.keys[-1] if self.keys else EMPTY_KEY
+            key = page_key(prev, self.tokens[j * ps : (j + 1) * ps])
+            self.pages[j] = self.pool.commit(self.pages[j], key)
+            self.keys.append(key)
+
+    # -- edits --------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens; later pages are released. The new
+        last page, if partly filled, is made private on the next write."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"truncate to {n} outside [0, {len(self.tokens)}]")
+        ps = self.page_size
+        keep = -(-n // ps)
+        for p in self.pages[keep:]:
+            if p is not None:
+                self.pool.release(p)
+        del self.pages[keep:]
+        del self.tokens[n:], self.positions[n:], self.masked[n:]
+        del self.keys[n // ps :]
+
+    def mask_range(self, start: int, end: int, masked: bool) -> None:
+        """Hide (or show again) tokens ``[start, end)`` from attention of all
+        later forward passes."""
+        if not 0 <= start <= end <= len(self.tokens):
+            raise ValueError(f"mask range [{start}, {end}) outside [0, {len(self.tokens)}]")
+        self.masked[start:end] = (b"\x01" if masked else b"\x00") * (end - start)
+        if masked and end > start:
+            self.pure = False
+
+    def drop_masked_pages(self) -> int:
+        """Release every full page whose tokens are all masked; returns how
+        many pages were dropped. The partly filled last page is kept."""
+        ps = self.page_size
+        dropped = 0
+        for j in range(len(self.tokens) // ps):
+            p = self.pages[j]
+            if p is not None and all(self.masked[j * ps : (j + 1) * ps]):
+                self.pool.release(p)
+                self.pages[j] = None
+                dropped += 1
+        return dropped
+
+    def fork(self) -> "Sequence":
+        """A new sequence with the same tokens: full pages are shared
+        (refcount + 1), the partly filled last page is copied.
+
+        Raises:
+            KvCacheFullError: no page is available for the copy.
+        """
+        child = Sequence(self.pool)
+        self.fork_into(child)
+        return child
+
+    def fork_into(self, child: "Sequence") -> None:
+        """Make the empty sequence ``child`` a fork of this one (see
+        :meth:`fork`). Used when the child's handle must exist before the
+        fork runs on the scheduler thread.
+
+        Raises:
+            KvCacheFullError: no page is available for the copy; ``child`` is
+                left empty.
+        """
+        assert not child.tokens and not child.pages, "fork_into needs an empty sequence"
+        ps = self.page_size
+        n = len(self.tokens)
+        last = len(self.pages) - 1
+        with self.pool.lock:
+            copy_tail = bool(n % ps) and self.pages[last] is not None
+            self.pool.ensure_available(int(copy_tail))
+            for j, p in enumerate(self.pages):
+                if p is None:
+                    child.pages.append(None)
+                elif copy_tail and j == last:
+                    (copy,) = self.pool.allocate(1)
+                    self.pool.copy_tokens(p, copy, n % ps)
+                    child.pages.append(copy)
+                else:
+                    self.pool.retain(p)
+                    child.pages.append(p)
+        child.tokens = list(self.tokens)
+        child.positions = list(self.positions)
+        child.masked = bytearray(self.masked)
+        child.pure = self.pure
+        child.keys = list(self.keys)
+
+    def free(self, error: str | None = None) -> None:
+        """Release every page. Idempotent. ``error`` records why, for later
+        requests that still name this sequence."""
+        if error and not self.error:
+            self.error = error
+        if self.freed:
+            return
+        for p in self.pages:
+            if p is not None:
+                self.pool.release(p)
+        self.pages.clear()
+        self.freed = True

@@ -1,0 +1,376 @@
+"""Text <-> token ids, built on Hugging Face ``tokenizers``.
+
+Two sources are supported:
+
+* a GGUF file's ``tokenizer.ggml.*`` metadata (GGUF spec,
+  https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, "Tokenizer"), for
+  byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``). The
+  construction follows ``transformers.integrations.gguf.gguf_tokenizer_mapping``
+  so ids match ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``;
+* a Hugging Face folder with ``tokenizer.json`` and ``tokenizer_config.json``.
+
+Special-token strings that appear in text (``<|im_start|>``) are always parsed
+as their single special token, as ``tokenizers`` does for added tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from tartlet.engine.chat_template import render_chat_template
+
+try:  # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream as _HFDecodeStream
+except ImportError:  # pragma: no cover - older tokenizers
+    _HFDecodeStream = None
+
+if TYPE_CHECKING:
+    import gguf
+
+log = logging.getLogger(__name__)
+
+# GGUF token types (gguf.TokenType / llama.cpp llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Texts of tokens that end a turn or a document. A *special* token with one of
+# these texts counts as end-of-sequence in addition to the declared eos id;
+# this is llama.cpp's "end of generation" rule (llama-vocab.cpp, special_eog_ids).
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+    "<|end|>", "<end_of_turn>", "<EOT>", "<|return|>", "<end_of_utterance>",
+})
+
+# Pre-tokenizer split regexes by ``tokenizer.ggml.pre`` (llama.cpp llama-vocab.cpp
+# and transformers' GGUF_PRE_TOKENIZER_SPLITS).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+# GPT-2 regex after splitting every digit on its own (StarCoder / SmolLM tokenizer.json).
+_INDIVIDUAL_DIGITS = frozenset({"smollm", "starcoder", "refact", "codeshell"})
+_GPT2_DEFAULT = frozenset({"default", "gpt-2", "gpt2"})
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (openai/gpt-2 encoder.py)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _gguf_value(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer for a GGUF ``tokenizer.ggml.pre`` name."""
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre in _INDIVIDUAL_DIGITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre is not None and pre not in _GPT2_DEFAULT:
+        log.warning("unknown tokenizer.ggml.pre %r: using the GPT-2 pre-tokenizer", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A byte-level BPE (or any ``tokenizer.json``) tokenizer plus its special ids and chat template.
+
+    Build one with :meth:`from_gguf` or :meth:`from_hf_folder`.
+
+    ``eos_token_ids`` rule: the declared eos id first (GGUF
+    ``tokenizer.ggml.eos_token_id``; for folders ``generation_config.json``,
+    ``config.json`` and ``tokenizer_config.json``), then every *special* token
+    whose text is in :data:`END_OF_GENERATION_TEXTS` (``<|im_end|>``,
+    ``<|endoftext|>``, ``<|eot_id|>``, ...), ascending by id. This is
+    llama.cpp's end-of-generation set; a chat model ending a turn with
+    ``<|im_end|>`` stops even when its metadata names another eos.
+    """
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        pad_token_id: int | None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = backend
+        self.bos_token_id = bos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        declared = [i for i in eos_token_ids if i is not None]
+        by_text = sorted(
+            i for i in self.special_token_ids if backend.id_to_token(i) in END_OF_GENERATION_TEXTS
+        )
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(declared + by_text))
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_gguf(cls, reader: "gguf.GGUFReader") -> "Tokenizer":
+        """Build from GGUF ``tokenizer.ggml.*`` metadata.
+
+        Uses ``tokens``, ``merges``, ``token_type`` (3 = CONTROL -> special
+        token, 4 = USER_DEFINED -> plain added token), ``bos/eos/padding/
+        unknown_token_id``, ``add_bos_token``/``add_eos_token``, ``pre`` (split
+        regex) and ``tokenizer.chat_template``.
+
+        Raises:
+            NotImplementedError: ``tokenizer.ggml.model`` is not ``"gpt2"``
+                (e.g. ``"llama"`` SentencePiece vocabularies).
+            ValueError: the metadata has no token list or no merges.
+        """
+        kind = _gguf_value(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise NotImplementedError(
+                f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+            )
+        tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
+        if not tokens or not merges:
+            raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+
+        # Some converters store tokens as raw UTF-8 instead of GPT-2's byte alphabet: respell those.
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        backend = _HFTokenizer(bpe)
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(_gguf_value(reader, "tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        # A CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
+        backend.add_special_tokens([
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
+        ])
+        backend.add_tokens([
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED and t in vocab
+        ])
+
+        bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+        eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
+        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+        if add_bos or add_eos:
+            head = [(tokens[bos], bos)] if add_bos else []
+            tail = [(tokens[eos], eos)] if add_eos else []
+            single = [t for t, _ in head] + ["$A"] + [t for t, _ in tail]
+            backend.post_processor = processors.TemplateProcessing(
+                single=single, pair=single + ["$B:1"], special_tokens=head + tail
+            )
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[eos] if eos is not None else [],
+            pad_token_id=_gguf_value(reader, "tokenizer.ggml.padding_token_id"),
+            unk_token_id=_gguf_value(reader, "tokenizer.ggml.unknown_token_id"),
+            chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> "Tokenizer":
+        """Build from a Hugging Face model folder.
+
+        Reads ``tokenizer.json`` (required), ``tokenizer_config.json``
+        (special tokens, ``chat_template``), ``chat_template.jinja``, and the
+        ``eos_token_id``/``bos_token_id``/``pad_token_id`` of
+        ``generation_config.json`` and ``config.json`` when present.
+
+        Raises:
+            FileNotFoundError: ``tokenizer.json`` is missing.
+        """
+        path = Path(path)
+        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+
+        def read(name: str) -> dict[str, Any]:
+            f = path / name
+            return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+
+        tcfg, gen, cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+
+        def token_id(key: str) -> int | None:
+            text = _token_text(tcfg.get(key))
+            return backend.token_to_id(text) if text is not None else None
+
+        def first(*values: Any) -> Any:
+            return next((v for v in values if v is not None), None)
+
+        eos: list[int] = []
+        for v in (gen.get("eos_token_id"), cfg.get("eos_token_id"), token_id("eos_token")):
+            eos += v if isinstance(v, list) else [v] if v is not None else []
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            backend,
+            bos_token_id=first(token_id("bos_token"), gen.get("bos_token_id"), cfg.get("bos_token_id")),
+            eos_token_ids=eos,
+            pad_token_id=first(token_id("pad_token"), gen.get("pad_token_id"), cfg.get("pad_token_id")),
+            unk_token_id=token_id("unk_token"),
+            chat_template=template,
+        )
+
+    # ------------------------------------------------------------------ encoding
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Special-token strings inside ``text`` become their special ids.
+        ``add_special_tokens=True`` adds what the model's post-processor adds
+        (e.g. BOS when ``add_bos_token`` is set); chat prompts rendered by a
+        template already contain their special tokens, so the default is False.
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``. Incomplete UTF-8 sequences decode to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry spelled as stored (byte-level: ``"Ġthe"``), or None."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Vocabulary entry of ``token_id`` as stored, or None when out of range."""
+        return self._tok.id_to_token(token_id)
+
+    def decode_stream(self, skip_special_tokens: bool = False) -> "DecodeStream":
+        """A new :class:`DecodeStream` over this tokenizer."""
+        return DecodeStream(self, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+    def special_tokens_map(self) -> dict[str, str | None]:
+        """``bos_token``/``eos_token``/``pad_token``/``unk_token`` texts, as passed to chat templates."""
+        def text(i: int | None) -> str | None:
+            return self._tok.id_to_token(i) if i is not None else None
+        return {
+            "bos_token": text(self.bos_token_id),
+            "eos_token": text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            "pad_token": text(self.pad_token_id),
+            "unk_token": text(self.unk_token_id),
+        }
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render a conversation to prompt text with the model's chat template.
+
+        Same output as ``transformers``' ``apply_chat_template(..., tokenize=False)``.
+
+        Raises:
+            ValueError: the model has no chat template.
+            ChatTemplateError: the template failed (see :mod:`tartlet.engine.chat_template`).
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt,
+            special_tokens=self.special_tokens_map(), **kwargs,
+        )
+
+
+class DecodeStream:
+    """Incremental detokenizer: feed ids one at a time, get text deltas.
+
+    A delta never ends in a broken UTF-8 sequence: bytes of a character split
+    over several tokens are held back until the character is complete. The
+    deltas of :meth:`step` followed by :meth:`flush` concatenate to exactly
+    ``tokenizer.decode(all_ids)``. Uses ``tokenizers.decoders.DecodeStream``
+    when available, else the prefix-offset technique (as in HF TGI / vLLM).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._emitted = 0  # characters returned so far
+        self._stream = _HFDecodeStream(skip_special_tokens=skip_special_tokens) if _HFDecodeStream else None
+        self._prefix = 0  # prefix-offset fallback state
+        self._read = 0
+
+    @property
+    def ids(self) -> list[int]:
+        """All ids fed so far."""
+        return list(self._ids)
+
+    def step(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly ``""``)."""
+        self._ids.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._tokenizer.backend, token_id) or ""
+        else:
+            delta = self._prefix_offset_step()
+        self._emitted += len(delta)
+        return delta
+
+    def _prefix_offset_step(self) -> str:
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read], self._skip)
+        after = decode(self._ids[self._prefix:], self._skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """End the stream: return text still held back (``""`` unless the last
+        character is unfinished, which decodes to U+FFFD). Call once, after the last :meth:`step`."""
+        rest = self._tokenizer.decode(self._ids, self._skip)[self._emitted:]
+        self._emitted += len(rest)
+        return rest

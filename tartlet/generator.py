@@ -1,0 +1,271 @@
+"""Token-by-token generation over a context.
+
+Each step runs one forward pass: the pending tokens go in, one token (or,
+with a drafter, several) comes out and becomes the new pending token. Steps
+stream as :class:`Step` objects; ``collect_*`` drain the generator.
+
+Speculative decoding: with a ``drafter``, a step sends the pending token plus
+the drafter's guesses, samples at every position in one pass, and keeps
+guesses while they equal the sampled tokens (then one more, the correction
+or bonus token). The KV of rejected guesses is dropped with ``truncate``.
+Every kept token is the sampler's own draw given the kept prefix, so the
+output is exactly what plain decoding with the same sampler gives (token for
+token with greedy sampling); only the number of passes changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import _binding
+from .sampler import Sampler
+from .stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
+
+if TYPE_CHECKING:
+    from .context import Context
+
+
+class Drafter(Protocol):
+    """Proposes tokens for speculative decoding.
+
+    ``update(tokens)`` is called first with every token of the context, then
+    after each step with the tokens accepted in it; ``draft()`` returns the
+    guessed continuation (possibly empty).
+    """
+
+    def update(self, tokens: list[int]) -> None: ...
+
+    def draft(self) -> list[int]: ...
+
+
+@dataclass
+class Step:
+    """One generation step: the tokens it produced and their text (the text
+    may lag behind the tokens while a stop string or a multi-byte character
+    is undecided)."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Generator:
+    """Async iterator of :class:`Step`; see :meth:`Context.generate`.
+
+    Attributes:
+        tokens: generated token ids (the final stop token included).
+        text: generated text (stop tokens and stop strings excluded).
+        finish_reason: ``"eos"``, ``"stop"``, ``"length"``, ``"constraint"``
+            or None while running.
+        stats: steps, drafted and accepted token counts.
+    """
+
+    def __init__(
+        self,
+        ctx: "Context",
+        sampler: Sampler,
+        *,
+        max_tokens: int | None,
+        stop: StopCondition | list[str] | str | None,
+        eos: bool,
+        drafter: Drafter | None,
+        constraint: Any,
+    ) -> None:
+        self.ctx = ctx
+        self.sampler = sampler
+        conds: list[StopCondition] = []
+        if max_tokens is not None:
+            conds.append(MaxTokens(max_tokens))
+        if eos:
+            conds.append(EosTokens(ctx.model.eos_token_ids))
+        if isinstance(stop, str):
+            stop = [stop]
+        if isinstance(stop, list):
+            stop = StopStrings(stop) if stop else None
+        if stop is not None:
+            conds.append(stop)
+        self._stop = AnyOf(conds)
+        self._strings = self._stop.find(StopStrings)
+        self._eos = self._stop.find(EosTokens)
+        self.drafter = drafter
+        self.constraint = constraint
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+        self._raw = ""  # decoded text before stop-string cutting
+        self._emitted = 0
+        self._decoder: int | None = None
+        self._started = False
+
+    def __aiter__(self) -> "Generator":
+        return self
+
+    async def __anext__(self) -> Step:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        if not self._started:
+            self._start()
+        n0 = len(self.tokens)
+        try:
+            await self._step()
+        except BaseException:
+            self._finish(None)
+            raise
+        new = self.tokens[n0:]
+        text = self._visible()[self._emitted :]
+        self._emitted += len(text)
+        return Step(new, text)
+
+    def _start(self) -> None:
+        self._started = True
+        ctx = self.ctx
+        ctx._begin_assistant_turn()
+        if not ctx._pending:
+            n = ctx.kv_len
+            if n == 0:
+                raise ValueError("generate on an empty context: fill a prompt first")
+            # re-run the last token to get its logits
+            last = ctx.tokens[-1]
+            ctx._truncate(n - 1)
+            ctx._pending = [last]
+        if self.drafter is not None:
+            self.drafter.update(ctx.tokens)
+        self._decoder = _binding.host().decoder_new(ctx.model.name)
+
+    async def _step(self) -> None:
+        ctx = self.ctx
+        host = _binding.host()
+        inputs = ctx._pending
+        draft = self._draft()
+        kv0 = ctx.kv_len
+        base = len(inputs) - 1
+        slots = []
+        for i in range(len(draft) + 1):
+            slot = self.sampler.slot(base + i, len(self.tokens) + i)
+            if self.constraint is not None:
+                mask = self.constraint.mask()
+                if mask is not None:
+                    slot["logit_mask"] = mask
+            slots.append(slot)
+        ctx._pending = []
+        try:
+            results = await _binding.wait(host.forward(ctx._h, inputs + draft, None, None, slots))
+        except BaseException:
+            ctx._pending = inputs
+            raise
+        self.stats.steps += 1
+        accepted: list[int] = []
+        for i, r in enumerate(results):
+            tok = self.sampler.pick(r)
+            accepted.append(tok)
+            if i >= len(draft) or draft[i] != tok:
+                break
+        self.stats.drafted += len(draft)
+        self.stats.accepted += len(accepted) - 1
+        used = len(accepted)
+        for j, tok in enumerate(accepted):
+            self.tokens.append(tok)
+            if self._consume(tok):
+                used = j + 1
+                break
+        # keep the KV of the inputs and the used drafts; the last token is pending
+        kept = kv0 + len(inputs) + used - 1
+        if kept < kv0 + len(inputs) + len(draft):
+            ctx._truncate(kept)
+        ctx._pending = [accepted[used - 1]]
+        if self.drafter is not None:
+            self.drafter.update(accepted[:used])
+
+    def _draft(self) -> list[int]:
+        if self.drafter is None:
+            return []
+        draft = list(self.drafter.draft())
+        vocab = self.ctx.model.vocab_size
+        for t in draft:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"drafter returned token id {t!r} outside the vocabulary [0, {vocab})")
+        if self.constraint is not None:
+            return []  # a draft would need masks for states not reached yet
+        room = self.ctx.model.max_seq_len - self.ctx.seq_len - 1
+        return draft[: max(0, room)]
+
+    def _consume(self, tok: int) -> bool:
+        """Account one generated token; True when generation must end."""
+        is_eos = any(tok in e.ids for e in self._eos)
+        if not is_eos:
+            self._raw += _binding.host().decoder_push(self._decoder, [tok])
+        if self.constraint is not None:
+            self.constraint.advance(tok)
+        if is_eos:
+            self._finish("eos")
+            return True
+        for s in self._strings:
+            if s.cut(self._raw) is not None:
+                self._finish("stop")
+                return True
+        if self.constraint is not None and self.constraint.is_finished():
+            self._finish("constraint")
+            return True
+        if self._stop.should_stop(self.tokens, self._raw):
+            self._finish("length" if any(isinstance(c, MaxTokens) and c.should_stop(self.tokens, "") for c in self._stop.conditions) else "stop")
+            return True
+        return False
+
+    def _visible(self) -> str:
+        raw = self._raw
+        cuts = [c for c in (s.cut(raw) for s in self._strings) if c is not None]
+        if cuts:
+            return raw[: min(cuts)]
+        if self.finish_reason is None and self._strings:
+            hold = max(s.holdback(raw) for s in self._strings)
+            return raw[: len(raw) - hold]
+        return raw
+
+    def _finish(self, reason: str | None) -> None:
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason or "error"
+        self.text = self._visible()
+        if self._decoder is not None:
+            _binding.host().decoder_free(self._decoder)
+            self._decoder = None
+        if reason is not None:
+            self.ctx._end_assistant_turn(self.text, stopped_on_eos=reason == "eos")
+
+    # -- draining ------------------------------------------------------------
+    async def collect_tokens(self) -> list[int]:
+        """Run to the end; the generated token ids."""
+        async for _ in self:
+            pass
+        return self.tokens
+
+    async def collect_text(self) -> str:
+        """Run to the end; the generated text."""
+        async for _ in self:
+            pass
+        return self.text
+
+    async def collect_json(self) -> Any:
+        """Run to the end and parse the text as JSON.
+
+        Raises:
+            ValueError: the text is not valid JSON (message shows the text).
+        """
+        text = await self.collect_text()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"generated text is not valid JSON ({e}): {text[:200]!r}") from None

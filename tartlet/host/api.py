@@ -1,0 +1,452 @@
+"""The host API: every call an inferlet can make, implemented once.
+
+One :class:`HostApi` object serves one inferlet instance. The native runtime
+calls it directly (through :mod:`tartlet._binding`); the WASM runtime calls it
+from its WIT host functions. Arguments are plain data (ints, strings, lists,
+dicts) so the same calls map onto WIT types. Every argument is validated here,
+because a sandboxed caller is untrusted: a bad call raises a ``ValueError``
+subclass naming the problem and changes nothing.
+
+Handles are small integers private to the instance. Calls that wait on the
+engine return a :class:`concurrent.futures.Future`; the runtime turns it into
+something the inferlet can await (native) or block on (WASM ``wait-any``).
+
+Ordering: context edits (fork, truncate, mask, save, ...) are queued on the
+scheduler behind earlier forward passes of the same context, so an inferlet
+sees its calls take effect in the order it made them. The host keeps each
+context's token list as submitted, so lengths and bounds are checked at call
+time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..engine.engine import Engine
+from ..engine.kv_cache import KvCacheFullError
+from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError
+from ..engine.scheduler import ForwardRequest
+from ..engine.sequence import Sequence
+from .errors import InvalidHandleError
+from .session import Session
+from .snapshots import Snapshot
+from .state import HostState, ModelSlot
+
+#: Largest number of input tokens in one forward call.
+MAX_FORWARD_TOKENS = 65536
+#: Largest number of output slots in one forward call.
+MAX_OUTPUT_SLOTS = 4096
+
+
+class HostContext:
+    """Host-side record of one inferlet context."""
+
+    def __init__(self, slot: ModelSlot, seq: Sequence, tokens: list[int]) -> None:
+        self.slot = slot
+        self.seq = seq
+        self.tokens = tokens  # as submitted
+        self.lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        return self.slot.engine
+
+
+class HostApi:
+    """Host calls of one instance.
+
+    Args:
+        state: the engines and registries shared by all instances.
+        session: this instance's client session.
+        instance_id: shown in errors and logs.
+    """
+
+    def __init__(self, state: HostState, session: Session | None = None, instance_id: str = "") -> None:
+        self.state = state
+        self.session = session or Session()
+        self.instance_id = instance_id
+        self._contexts: dict[int, HostContext] = {}
+        self._decoders: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+
+    # -- models --------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        """Names of the served models; the first is the default."""
+        names = list(self.state.models)
+        d = self.state.default_model
+        return [d] + [n for n in names if n != d] if d else names
+
+    def model_info(self, model: str | None) -> dict[str, Any]:
+        """Facts about a model: ``name``, ``vocab_size``, ``eos_token_ids``,
+        ``bos_token_id``, ``page_size``, ``max_seq_len``,
+        ``has_chat_template``.
+
+        Raises:
+            ValueError: the model is not served.
+        """
+        slot = self.state.model(model)
+        e = slot.engine
+        return {
+            "name": model or self.state.default_model,
+            "vocab_size": e.config.vocab_size,
+            "eos_token_ids": list(e.tokenizer.eos_token_ids),
+            "bos_token_id": e.tokenizer.bos_token_id,
+            "page_size": e.pool.page_size,
+            "max_seq_len": e.scheduler.max_seq_len,
+            "has_chat_template": e.tokenizer.chat_template is not None,
+        }
+
+    def tokenize(self, model: str | None, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings become special tokens."""
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
+        return self.state.model(model).engine.tokenizer.encode(text)
+
+    def detokenize(self, model: str | None, ids: list[int]) -> str:
+        """Text of token ids (special tokens included).
+
+        Raises:
+            ValueError: an id outside the vocabulary.
+        """
+        e = self.state.model(model).engine
+        self._check_ids(e, ids)
+        return e.tokenizer.decode(ids)
+
+    def apply_chat_template(self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """Render ``messages`` (``role``/``content`` dicts) with the model's
+        own chat template (jinja2).
+
+        Raises:
+            ValueError: the model has no chat template, or the template
+                rejects the messages.
+        """
+        tok = self.state.model(model).engine.tokenizer
+        if tok.chat_template is None:
+            raise ValueError(f"model {model or self.state.default_model!r} has no chat template")
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def decoder_new(self, model: str | None) -> int:
+        """A streaming detokenizer handle (UTF-8 safe, see ``decoder_push``)."""
+        h = next(self._ids)
+        self._decoders[h] = self.state.model(model).engine.tokenizer.decode_stream()
+        return h
+
+    def decoder_push(self, handle: int, ids: list[int]) -> str:
+        """Feed token ids; returns the text they complete (possibly empty
+        while a multi-byte character is still split)."""
+        dec = self._decoders.get(handle)
+        if dec is None:
+            raise InvalidHandleError(f"no decoder with handle {handle}")
+        return "".join(dec.step(i) for i in ids)
+
+    def decoder_free(self, handle: int) -> None:
+        self._decoders.pop(handle, None)
+
+    # -- contexts --------------------------------------------------------------
+    def _ctx(self, handle: int) -> HostContext:
+        c = self._contexts.get(handle)
+        if c is None:
+            raise InvalidHandleError(f"no context with handle {handle!r} (destroyed, or never created)")
+        return c
+
+    def _add(self, ctx: HostContext) -> int:
+        h = next(self._ids)
+        self._contexts[h] = ctx
+        return h
+
+    def context_new(self, model: str | None) -> int:
+        """An empty context on ``model``; returns its handle."""
+        slot = self.state.model(model)
+        return self._add(HostContext(slot, slot.engine.new_sequence(), []))
+
+    def context_fork(self, handle: int) -> int:
+        """A copy of a context sharing its full pages (copy-on-write); the
+        copy happens after the parent's queued forward passes."""
+        parent = self._ctx(handle)
+        child = HostContext(parent.slot, parent.engine.new_sequence(), list(parent.tokens))
+        self._fork_later(parent.engine, parent.seq, child.seq)
+        return self._add(child)
+
+    def _fork_later(self, engine: Engine, src: Sequence, dst: Sequence) -> Future:
+        def run() -> None:
+            if src.freed:
+                dst.free(src.error or "forked from a destroyed context")
+                return
+            try:
+                src.fork_into(dst)
+            except KvCacheFullError as e:
+                dst.free(f"fork failed: {e}")
+                raise
+
+        return engine.scheduler.command(run, src, dst)
+
+    def context_free(self, handle: int) -> None:
+        """Destroy a context and release its pages (after its queued passes)."""
+        ctx = self._contexts.pop(handle, None)
+        if ctx is None:
+            raise InvalidHandleError(f"no context with handle {handle!r}")
+        self._free_later(ctx)
+
+    def _free_later(self, ctx: HostContext) -> None:
+        seq = ctx.seq
+        try:
+            ctx.engine.scheduler.command(seq.free, seq)
+        except RuntimeError:  # scheduler stopped: nothing runs any more
+            seq.free()
+
+    def context_tokens(self, handle: int) -> list[int]:
+        """Token ids of the context, as submitted so far."""
+        return list(self._ctx(handle).tokens)
+
+    def context_len(self, handle: int) -> int:
+        return len(self._ctx(handle).tokens)
+
+    def context_truncate(self, handle: int, n: int) -> None:
+        """Keep the first ``n`` tokens.
+
+        Raises:
+            ValueError: ``n`` outside ``[0, len]``.
+        """
+        ctx = self._ctx(handle)
+        with ctx.lock:
+            if not isinstance(n, int) or not 0 <= n <= len(ctx.tokens):
+                raise ValueError(f"truncate to {n!r} outside [0, {len(ctx.tokens)}]")
+            del ctx.tokens[n:]
+        ctx.engine.scheduler.command(lambda: ctx.seq.truncate(min(n, len(ctx.seq))), ctx.seq)
+
+    def context_mask(self, handle: int, start: int, end: int, masked: bool) -> None:
+        """Hide (``masked=True``) or show tokens ``[start, end)`` from all
+        later forward passes.
+
+        Raises:
+            ValueError: the range is empty-reversed or outside the context.
+        """
+        ctx = self._ctx(handle)
+        n = len(ctx.tokens)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+            raise ValueError(f"mask range [{start!r}, {end!r}) outside the context's [0, {n})")
+        ctx.engine.scheduler.command(lambda: ctx.seq.mask_range(start, end, bool(masked)), ctx.seq)
+
+    def context_drop_masked_pages(self, handle: int) -> Future:
+        """Release full pages whose tokens are all masked; future of the
+        number of pages dropped."""
+        ctx = self._ctx(handle)
+        return ctx.engine.scheduler.command(ctx.seq.drop_masked_pages, ctx.seq)
+
+    def context_stats(self, handle: int) -> Future:
+        """Future of ``{"tokens", "pages", "live_pages", "shared_pages"}``
+        of a context, after its queued passes (``shared_pages``: pages also
+        referenced by another context or snapshot)."""
+        ctx = self._ctx(handle)
+        seq = ctx.seq
+
+        def stats() -> dict[str, int]:
+            live = [p for p in seq.pages if p is not None]
+            return {
+                "tokens": len(seq),
+                "pages": len(seq.pages),
+                "live_pages": len(live),
+                "shared_pages": sum(1 for p in live if seq.pool.refcount(p) > 1),
+            }
+
+        return ctx.engine.scheduler.command(stats, seq)
+
+    # -- snapshots -------------------------------------------------------------
+    def snapshot_save(self, handle: int, name: str) -> None:
+        """Save the context under ``name`` (engine-wide, outlives this instance).
+
+        Raises:
+            SnapshotError: the name exists already.
+        """
+        ctx = self._ctx(handle)
+        snap = Snapshot(ctx.engine.new_sequence(), list(ctx.tokens))
+        ctx.slot.snapshots.add(name, snap)
+        self._fork_later(ctx.engine, ctx.seq, snap.seq)
+
+    def snapshot_open(self, model: str | None, name: str) -> int:
+        """A new context forked from snapshot ``name`` (which stays).
+
+        Raises:
+            SnapshotError: no such snapshot.
+        """
+        slot = self.state.model(model)
+        snap = slot.snapshots.get(name)
+        child = HostContext(slot, slot.engine.new_sequence(), list(snap.tokens))
+        self._fork_later(slot.engine, snap.seq, child.seq)
+        return self._add(child)
+
+    def snapshot_take(self, model: str | None, name: str) -> int:
+        """A context that takes over snapshot ``name``'s pages; the name is
+        removed. Raises: SnapshotError when absent."""
+        slot = self.state.model(model)
+        snap = slot.snapshots.pop(name)
+        return self._add(HostContext(slot, snap.seq, list(snap.tokens)))
+
+    def snapshot_delete(self, model: str | None, name: str) -> None:
+        """Remove snapshot ``name`` and release its pages. Raises:
+        SnapshotError when absent."""
+        slot = self.state.model(model)
+        snap = slot.snapshots.pop(name)
+        slot.engine.scheduler.command(snap.seq.free, snap.seq)
+
+    def snapshot_names(self, model: str | None) -> list[str]:
+        return self.state.model(model).snapshots.names()
+
+    # -- forward pass ----------------------------------------------------------
+    def forward(
+        self,
+        handle: int,
+        tokens: list[int],
+        positions: list[int] | None = None,
+        attention: list[list[int]] | None = None,
+        outputs: list[dict[str, Any]] | None = None,
+    ) -> Future:
+        """Append ``tokens`` to the context and run them through the model.
+
+        Args:
+            handle: the context.
+            tokens: input token ids (1 to 65,536).
+            positions: RoPE position per token (default: consecutive from the
+                context's length).
+            attention: per token, a BRLE mask over the context's logical
+                positions after this pass (True = may attend); shorter masks
+                are padded with False. Default: causal.
+            outputs: output slots, each a dict with ``index`` (input token
+                whose logits are used), ``kind`` (``sample``,
+                ``distribution``, ``logits``, ``logprobs``, ``entropy``), the
+                kind's parameters (``temperature``, ``top_k``, ``top_p``,
+                ``min_p``, ``seed``; ``k``; ``token_ids``) and an optional
+                ``logit_mask`` (BRLE over the vocabulary, True = allowed).
+
+        Returns:
+            A future of one result per output slot: an int token id for
+            ``sample``; ``(ids, probs)`` for ``distribution``; a list of
+            floats for ``logits`` and ``logprobs``; a float for ``entropy``.
+
+        Raises:
+            ValueError: any malformed argument (nothing is queued then).
+        """
+        ctx = self._ctx(handle)
+        e = ctx.engine
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("forward needs a non-empty list of input tokens")
+        if len(tokens) > MAX_FORWARD_TOKENS:
+            raise ValueError(f"forward takes at most {MAX_FORWARD_TOKENS} tokens, got {len(tokens)}")
+        self._check_ids(e, tokens)
+        with ctx.lock:
+            start = len(ctx.tokens)
+            end = start + len(tokens)
+            if end > e.scheduler.max_seq_len:
+                raise ValueError(f"context would hold {end} tokens, more than the model's {e.scheduler.max_seq_len}")
+            pos = None
+            if positions is not None:
+                if len(positions) != len(tokens) or not all(isinstance(p, int) and 0 <= p < 2**31 for p in positions):
+                    raise ValueError(f"positions must be {len(tokens)} non-negative ints, one per input token")
+                pos = list(positions)
+            attn = None
+            if attention is not None:
+                if len(attention) != len(tokens):
+                    raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
+                attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
+            slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
+            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots)
+            fut = e.scheduler.submit(req)
+            ctx.tokens.extend(tokens)
+
+        def on_done(f: Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                with ctx.lock:  # the scheduler rolled the sequence back
+                    if len(ctx.tokens) == end:
+                        del ctx.tokens[start:]
+
+        fut.add_done_callback(on_done)
+        return fut
+
+    def _slot(self, e: Engine, o: dict[str, Any], n_inputs: int) -> OutputSlot:
+        if not isinstance(o, dict):
+            raise ValueError(f"an output slot is a dict, got {type(o).__name__}")
+        idx = o.get("index", n_inputs - 1)
+        if not isinstance(idx, int) or not 0 <= idx < n_inputs:
+            raise ValueError(f"output index {idx!r} outside the {n_inputs} input tokens")
+        kind = o.get("kind", "sample")
+        try:
+            if kind == "sample":
+                spec: SamplerSpec | ProbeSpec = SamplerSpec(
+                    temperature=float(o.get("temperature", 0.0)),
+                    top_k=o.get("top_k"),
+                    top_p=float(o.get("top_p", 1.0)),
+                    min_p=float(o.get("min_p", 0.0)),
+                    seed=o.get("seed"),
+                )
+            else:
+                spec = ProbeSpec(
+                    kind=kind,
+                    k=o.get("k", 1),
+                    token_ids=tuple(o.get("token_ids", ())),
+                    temperature=float(o.get("temperature", 1.0)),
+                )
+        except (TypeError, ValueError) as err:
+            raise SamplingError(str(err)) from None
+        if isinstance(spec, ProbeSpec) and spec.kind == "logprobs":
+            self._check_ids(e, list(spec.token_ids))
+        if isinstance(spec, SamplerSpec) and spec.seed is not None and not isinstance(spec.seed, int):
+            raise SamplingError(f"seed must be an int, got {spec.seed!r}")
+        mask = o.get("logit_mask")
+        allowed = None if mask is None else _brle_tensor(mask, e.config.vocab_size, "logit mask")
+        return OutputSlot(idx, spec, allowed)
+
+    @staticmethod
+    def _check_ids(e: Engine, ids: list[int]) -> None:
+        v = e.config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < v:
+                raise ValueError(f"token id {t!r} outside the vocabulary [0, {v})")
+
+    # -- stats -------------------------------------------------------------------
+    def kv_stats(self, model: str | None) -> dict[str, int]:
+        """Page counts of a model's pool: ``total``, ``free``, ``cached``,
+        ``used``, ``page_size``."""
+        return vars(self.state.model(model).engine.pool.stats())
+
+    # -- session -----------------------------------------------------------------
+    def session_send(self, msg: str | bytes) -> None:
+        self.session.send(msg)
+
+    def session_receive(self) -> Future:
+        return self.session.receive()
+
+    # -- end of instance -----------------------------------------------------------
+    def close(self) -> None:
+        """Free every context and decoder this instance still holds (the
+        instance ended, failed or was killed). Snapshots stay."""
+        if self.closed:
+            return
+        self.closed = True
+        for ctx in self._contexts.values():
+            self._free_later(ctx)
+        self._contexts.clear()
+        self._decoders.clear()
+
+
+def _brle_tensor(runs: Any, size: int, what: str) -> torch.Tensor:
+    """Decode a BRLE list into a bool tensor ``[size]`` (padded with False).
+
+    Raises:
+        ValueError: not a list of non-negative ints, or longer than ``size``.
+    """
+    if not isinstance(runs, (list, tuple)) or not all(isinstance(r, int) and r >= 0 for r in runs):
+        raise ValueError(f"{what} must be a list of non-negative run lengths (BRLE)")
+    total = sum(runs)
+    if total > size:
+        raise ValueError(f"{what} covers {total} positions, more than {size}")
+    values = torch.arange(len(runs)) % 2 == 1
+    bits = torch.repeat_interleave(values, torch.tensor(runs, dtype=torch.long)) if runs else torch.zeros(0, dtype=torch.bool)
+    if total < size:
+        bits = torch.cat([bits, torch.zeros(size - total, dtype=torch.bool)])
+    return bits

