@@ -33,6 +33,8 @@ from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
 from .errors import InvalidHandleError
+from .grammar_api import GrammarHostMixin
+from .io_api import IoHostMixin
 from .session import Session
 from .snapshots import Snapshot
 from .state import HostState, ModelSlot
@@ -57,8 +59,10 @@ class HostContext:
         return self.slot.engine
 
 
-class HostApi:
-    """Host calls of one instance.
+class HostApi(IoHostMixin, GrammarHostMixin):
+    """Host calls of one instance (context, forward pass and model calls
+    here; I/O in :class:`IoHostMixin`, grammar matchers in
+    :class:`GrammarHostMixin`).
 
     Args:
         state: the engines and registries shared by all instances.
