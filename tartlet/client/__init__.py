@@ -1,0 +1,5 @@
+"""Python client of ``tartlet serve``: :class:`Client` (async)."""
+
+from .client import Client, ExitInfo, RemoteInstance, TartletError
+
+__all__ = ["Client", "ExitInfo", "RemoteInstance", "TartletError"]

@@ -1,11 +1,196 @@
 """Host calls for I/O beyond the client session: messaging between
 inferlets, the key-value store, HTTP, and child inferlets.
 
-Mixed into :class:`tartlet.host.api.HostApi`.
+Mixed into :class:`tartlet.host.api.HostApi`. The instance's ``owner`` (its
+user) scopes messaging topics and store keys. ``runtime`` (set by the
+runtime that launched the instance) launches children. Everything an
+instance opened here (subscriptions, pending pulls, running children) is
+closed by :meth:`IoHostMixin.close_io` when the instance ends.
 """
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import Future
+from typing import Any
+
+from .errors import InvalidHandleError, LimitError
+from .http import HttpError
+
 
 class IoHostMixin:
-    """I/O host calls (see the server issue)."""
+    """I/O host calls. Expects ``self.state`` (HostState) and
+    ``self.instance_id``; ``owner``, ``runtime`` and ``on_limit`` are set
+    by the runtime."""
+
+    owner: str = ""
+    runtime: Any = None
+    #: called with a message when this instance passes a limit (the runtime ends it)
+    on_limit: Any = None
+    #: pages the instance's contexts may span (None: unlimited)
+    max_pages: int | None = None
+
+    def _io(self) -> dict[str, Any]:
+        io = self.__dict__.get("_io_state")
+        if io is None:
+            io = {"subs": set(), "pulls": set(), "children": {}, "ids": itertools.count(1)}
+            self.__dict__["_io_state"] = io
+        return io
+
+    # -- limits --------------------------------------------------------------------
+    def check_page_limit(self, handle: int, n_new: int) -> None:
+        """Raise :class:`LimitError` (and ask the runtime to end the
+        instance) if appending ``n_new`` tokens to context ``handle`` would
+        make the instance's contexts span more than ``max_pages`` pages
+        (``sum(ceil(tokens / page_size))``; a fork counts its shared pages)."""
+        if self.max_pages is None:
+            return
+        contexts = self._contexts  # type: ignore[attr-defined]
+        total = 0
+        for h, c in contexts.items():
+            ps = c.engine.pool.page_size
+            total += -(-(len(c.tokens) + (n_new if h == handle else 0)) // ps)
+        if total > self.max_pages:
+            msg = f"page limit exceeded: the instance's contexts would span {total} KV pages, the limit is {self.max_pages}"
+            if self.on_limit is not None:
+                self.on_limit(msg)
+            raise LimitError(msg)
+
+    # -- messaging -------------------------------------------------------------------
+    def messaging_push(self, topic: str, msg: str | bytes) -> None:
+        """Queue ``msg`` on ``topic`` for exactly one puller."""
+        self.state.bus.push(self.owner, topic, msg)  # type: ignore[attr-defined]
+
+    def messaging_pull(self, topic: str) -> Future:
+        """Future of the next message pushed on ``topic``."""
+        fut = self.state.bus.pull(self.owner, topic)  # type: ignore[attr-defined]
+        pulls = self._io()["pulls"]
+        if not fut.done():
+            pulls.add(fut)
+            fut.add_done_callback(pulls.discard)
+        return fut
+
+    def messaging_broadcast(self, topic: str, msg: str | bytes) -> int:
+        """Send ``msg`` to every subscriber of ``topic``; returns how many."""
+        return self.state.bus.broadcast(self.owner, topic, msg)  # type: ignore[attr-defined]
+
+    def messaging_subscribe(self, topic: str) -> int:
+        """Open a subscription to ``topic``; returns its handle."""
+        sid = self.state.bus.subscribe(self.owner, topic)  # type: ignore[attr-defined]
+        self._io()["subs"].add(sid)
+        return sid
+
+    def messaging_next(self, sid: int) -> Future:
+        """Future of the subscription's next message.
+
+        Raises:
+            InvalidHandleError: not a subscription of this instance.
+        """
+        if sid not in self._io()["subs"]:
+            raise InvalidHandleError(f"no subscription with handle {sid!r}")
+        return self.state.bus.next(sid)  # type: ignore[attr-defined]
+
+    def messaging_unsubscribe(self, sid: int) -> None:
+        subs = self._io()["subs"]
+        if sid in subs:
+            subs.discard(sid)
+            self.state.bus.unsubscribe(sid)  # type: ignore[attr-defined]
+
+    # -- store ---------------------------------------------------------------------
+    def _store(self) -> Any:
+        st = self.state  # type: ignore[attr-defined]
+        if st.store is None:
+            from .store import Store
+
+            st.store = Store(":memory:")
+        return st.store
+
+    def store_get(self, key: str) -> str | None:
+        """The owner's value of ``key`` or None."""
+        return self._store().get(self.owner, key)
+
+    def store_set(self, key: str, value: str) -> None:
+        """Set the owner's ``key`` (persistent when the server has a store file)."""
+        self._store().set(self.owner, key, value)
+
+    def store_delete(self, key: str) -> bool:
+        return self._store().delete(self.owner, key)
+
+    def store_keys(self, prefix: str = "") -> list[str]:
+        return self._store().keys(self.owner, prefix)
+
+    # -- http ------------------------------------------------------------------------
+    def http_fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> Future:
+        """Future of ``{"status", "headers", "body"}`` (see :mod:`tartlet.host.http`).
+
+        Raises:
+            HttpError: HTTP is off, or the request is refused.
+        """
+        fetcher = self.state.http  # type: ignore[attr-defined]
+        if fetcher is None:
+            raise HttpError("HTTP from inferlets is disabled on this host (configure [http] allow_hosts)")
+        return fetcher.fetch(url, method, headers, body)
+
+    # -- child inferlets -------------------------------------------------------------
+    def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:
+        """Launch inferlet ``name`` (bundled or installed) as a child of this
+        instance, same owner and limits; returns a child handle. Children
+        still running when the parent ends are aborted.
+
+        Raises:
+            RuntimeError: no runtime can launch children here.
+            tartlet.runtime.program.ProgramError: unknown name.
+            LimitError: the owner runs too many instances.
+        """
+        if self.runtime is None:
+            raise RuntimeError("this host cannot launch child inferlets (no runtime)")
+        child = self.runtime.launch_child(self, name, args or {})
+        io = self._io()
+        h = next(io["ids"])
+        io["children"][h] = child
+        return h
+
+    def _child(self, h: int) -> Any:
+        child = self._io()["children"].get(h)
+        if child is None:
+            raise InvalidHandleError(f"no child inferlet with handle {h!r}")
+        return child
+
+    def child_wait(self, h: int) -> Future:
+        """Future of ``{"id", "status", "result", "error", "output"}`` once
+        the child ends (``output``: its session sends, text only)."""
+        child = self._child(h)
+        fut: Future = Future()
+
+        def finish(_: Any = None) -> None:
+            if not fut.done():
+                fut.set_result({
+                    "id": child.id, "status": child.status.value, "result": child.result,
+                    "error": child.error, "output": list(getattr(child, "output", [])),
+                })
+
+        if child.task is None or child.task.done():
+            finish()
+        else:
+            child.task.add_done_callback(finish)
+        return fut
+
+    def child_abort(self, h: int) -> None:
+        self._child(h).abort("aborted by its parent")
+
+    def child_id(self, h: int) -> str:
+        return self._child(h).id
+
+    # -- end -------------------------------------------------------------------------
+    def close_io(self) -> None:
+        """Close subscriptions, forget pending pulls, abort running children."""
+        io = self._io()
+        bus = self.state.bus  # type: ignore[attr-defined]
+        for sid in list(io["subs"]):
+            bus.unsubscribe(sid)
+        io["subs"].clear()
+        for fut in list(io["pulls"]):
+            bus.cancel_pull(fut)
+        io["pulls"].clear()
+        for child in io["children"].values():
+            child.abort("its parent ended")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
+from .messaging import MessageBus
 from .snapshots import SnapshotRegistry
 
 
@@ -27,6 +28,9 @@ class HostState:
     def __init__(self) -> None:
         self.models: dict[str, ModelSlot] = {}
         self.default_model: str | None = None
+        self.bus = MessageBus()  # inferlet messaging (tartlet.host.messaging)
+        self.store = None  # tartlet.host.store.Store; None: an in-memory one on first use
+        self.http = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
 
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
         name = name or engine.name

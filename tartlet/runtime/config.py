@@ -1,0 +1,219 @@
+"""Server configuration (TOML).
+
+``tartlet config init`` writes a commented default file; ``tartlet serve``
+reads it with :func:`load_config`. Layout::
+
+    host = "127.0.0.1"
+    port = 8080
+    data_dir = "..."            # keys file, store, uploaded programs
+    program_dir = "..."         # `tartlet install` puts inferlets here
+    store_path = "..."          # SQLite file of the key-value store
+
+    [[models]]                  # one table per served model: EngineConfig fields
+    model = "smollm2-135m-instruct"
+    kv_cache_mb = 1024          # the page budget of this model, MiB
+    ...
+
+    [limits]   max_pages_per_instance, max_wall_time_s, max_instances_per_user,
+               max_message_bytes, max_upload_bytes
+    [auth]     enabled, keys_file
+    [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
+    [programs] allow_uploads, uploaded_runtime ("native" now; "wasm" later)
+
+Missing keys take the defaults below; unknown keys are an error (a typo
+must not silently change a limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..engine.engine import EngineConfig
+
+
+class ConfigError(ValueError):
+    """An invalid configuration file (the message names the file and key)."""
+
+
+def _data_home() -> Path:
+    env = os.environ.get("TARTLET_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("tartlet"))
+
+
+def default_config_path() -> Path:
+    """``$TARTLET_CONFIG``, else ``<user config dir>/tartlet/config.toml``."""
+    env = os.environ.get("TARTLET_CONFIG")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("tartlet")) / "config.toml"
+
+
+@dataclass
+class LimitsConfig:
+    """Per-instance and per-user limits (None: unlimited).
+
+    Attributes:
+        max_pages_per_instance: KV pages the contexts of one instance may
+            span (counted as ``ceil(tokens / page_size)`` per context).
+        max_wall_time_s: wall time of one instance, seconds.
+        max_instances_per_user: running instances of one user (children
+            included).
+        max_message_bytes: largest protocol message, bytes.
+        max_upload_bytes: largest uploaded program (all files), bytes.
+    """
+
+    max_pages_per_instance: int | None = None
+    max_wall_time_s: float | None = 600.0
+    max_instances_per_user: int | None = 64
+    max_message_bytes: int = 4 * 2**20
+    max_upload_bytes: int = 8 * 2**20
+
+
+@dataclass
+class AuthConfig:
+    """``enabled``: refuse clients without a valid key. ``keys_file``: the
+    JSON file of ``tartlet auth`` (default ``<data_dir>/keys.json``)."""
+
+    enabled: bool = True
+    keys_file: str = ""
+
+
+@dataclass
+class HttpConfig:
+    """HTTP from inferlets: only hosts in ``allow_hosts`` (``"example.com"``,
+    ``"*.example.com"``, ``"127.0.0.1:8000"``); bodies and time bounded."""
+
+    allow_hosts: list[str] = field(default_factory=list)
+    max_response_bytes: int = 4 * 2**20
+    max_request_bytes: int = 2**20
+    timeout_s: float = 30.0
+
+
+@dataclass
+class ProgramsConfig:
+    """Client-uploaded programs: ``allow_uploads``; ``uploaded_runtime`` is
+    ``"native"`` (trusted, in-process; the only runtime today) or
+    ``"wasm"`` (sandboxed, refused until the WASM runtime lands)."""
+
+    allow_uploads: bool = True
+    uploaded_runtime: str = "native"
+
+
+@dataclass
+class ServerConfig:
+    """Everything ``tartlet serve`` needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    data_dir: str = ""
+    program_dir: str = ""
+    store_path: str = ""
+    models: list[EngineConfig] = field(default_factory=lambda: [EngineConfig()])
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    programs: ProgramsConfig = field(default_factory=ProgramsConfig)
+
+    def __post_init__(self) -> None:
+        self.resolve_paths()
+
+    def resolve_paths(self) -> None:
+        """Fill empty paths from ``data_dir`` (default: the user data dir)."""
+        data = Path(self.data_dir).expanduser() if self.data_dir else _data_home()
+        self.data_dir = str(data)
+        self.program_dir = self.program_dir or str(data / "programs")
+        self.store_path = self.store_path or str(data / "store.sqlite")
+        self.auth.keys_file = self.auth.keys_file or str(data / "keys.json")
+
+    @property
+    def upload_dir(self) -> Path:
+        return Path(self.data_dir) / "uploads"
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a table, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    try:
+        return cls(**raw)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def config_from_dict(raw: dict[str, Any], where: str = "config") -> ServerConfig:
+    """A :class:`ServerConfig` from parsed TOML.
+
+    Raises:
+        ConfigError: unknown keys, wrong types, no models.
+    """
+    raw = dict(raw)
+    sub = {
+        "limits": LimitsConfig, "auth": AuthConfig, "http": HttpConfig, "programs": ProgramsConfig,
+    }
+    built: dict[str, Any] = {}
+    for key, cls in sub.items():
+        if key in raw:
+            built[key] = _build(cls, raw.pop(key), f"{where} [{key}]")
+    if "models" in raw:
+        models = raw.pop("models")
+        if not isinstance(models, list) or not models:
+            raise ConfigError(f"{where}: [[models]] must list at least one model")
+        built["models"] = [_build(EngineConfig, m, f"{where} [[models]] #{i + 1}") for i, m in enumerate(models)]
+    cfg = _build(ServerConfig, {**raw, **built}, where)
+    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
+        raise ConfigError(f"{where}: port must be an int in [0, 65535], got {cfg.port!r}")
+    if cfg.programs.uploaded_runtime not in ("native", "wasm"):
+        raise ConfigError(f"{where} [programs]: uploaded_runtime must be 'native' or 'wasm'")
+    return cfg
+
+
+def load_config(path: Path | str | None = None) -> ServerConfig:
+    """Read the TOML config at ``path`` (default :func:`default_config_path`);
+    a missing default file gives the defaults.
+
+    Raises:
+        ConfigError: an explicit path that does not exist, invalid TOML, bad keys.
+    """
+    p = Path(path).expanduser() if path else default_config_path()
+    if not p.exists():
+        if path:
+            raise ConfigError(f"no config file at {p} (create one with `tartlet config init`)")
+        return ServerConfig()
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    return config_from_dict(raw, str(p))
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: drop None values."""
+    return {k: (_clean(v) if isinstance(v, dict) else v) for k, v in d.items() if v is not None}
+
+
+def render_config(cfg: ServerConfig) -> str:
+    """``cfg`` as TOML text (round-trips through :func:`config_from_dict`)."""
+    import tomli_w
+
+    d = dataclasses.asdict(cfg)
+    d["models"] = [_clean(m) for m in d["models"]]
+    header = (
+        "# Tartlet server configuration (`tartlet serve --config THIS_FILE`).\n"
+        "# Limits left out are unlimited; [programs] uploaded_runtime = \"wasm\" will\n"
+        "# sandbox uploaded programs once the WASM runtime lands.\n\n"
+    )
+    return header + tomli_w.dumps(_clean(d))

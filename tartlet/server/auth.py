@@ -1,0 +1,110 @@
+"""API keys: ``tartlet auth add|list|remove`` and the server's check.
+
+Keys live in a JSON file (``[auth] keys_file``) as SHA-256 hashes, never in
+clear: ``{"keys": [{"user", "sha256", "prefix", "created"}]}``. A key is
+``tk_`` + 32 random hex digits; it is shown once, when added. The server
+rereads the file when it changes, so new keys work without a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_USER = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+
+
+class AuthError(PermissionError):
+    """A missing or invalid API key."""
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore:
+    """The keys file.
+
+    Args:
+        path: JSON file (created on the first ``add``).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self._lock = threading.Lock()
+        self._cache: tuple[float, list[dict[str, Any]]] | None = None
+
+    def _load(self) -> list[dict[str, Any]]:
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            return []
+        if self._cache and self._cache[0] == mtime:
+            return self._cache[1]
+        try:
+            keys = json.loads(self.path.read_text()).get("keys", [])
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise AuthError(f"keys file {self.path} is not valid: {e}") from None
+        self._cache = (mtime, keys)
+        return keys
+
+    def _save(self, keys: list[dict[str, Any]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"keys": keys}, indent=2))
+        os.chmod(tmp, 0o600)
+        tmp.replace(self.path)
+        self._cache = None
+
+    def add(self, user: str) -> str:
+        """A new key for ``user`` (returned once, stored hashed).
+
+        Raises:
+            ValueError: a user name outside ``[A-Za-z0-9_.@-]{1,64}``.
+        """
+        if not _USER.match(user or ""):
+            raise ValueError(f"user names are 1-64 characters of letters, digits, _ . @ -, got {user!r}")
+        key = "tk_" + secrets.token_hex(16)
+        with self._lock:
+            keys = list(self._load())
+            keys.append({"user": user, "sha256": _digest(key), "prefix": key[:7], "created": int(time.time())})
+            self._save(keys)
+        return key
+
+    def list(self) -> list[dict[str, Any]]:
+        """``[{"user", "prefix", "created"}]`` (no hashes)."""
+        with self._lock:
+            return [{k: e[k] for k in ("user", "prefix", "created")} for e in self._load()]
+
+    def remove(self, who: str) -> int:
+        """Remove the keys of user ``who`` (or the key with prefix ``who``);
+        returns how many were removed."""
+        with self._lock:
+            keys = self._load()
+            kept = [e for e in keys if e["user"] != who and e["prefix"] != who]
+            if len(kept) != len(keys):
+                self._save(kept)
+            return len(keys) - len(kept)
+
+    def user_of(self, key: str | None) -> str:
+        """The user owning ``key``.
+
+        Raises:
+            AuthError: no key, or an unknown one.
+        """
+        if not key:
+            raise AuthError("this server needs an API key (Authorization: Bearer KEY; see `tartlet auth add`)")
+        d = _digest(key)
+        with self._lock:
+            for e in self._load():
+                if hmac.compare_digest(e["sha256"], d):
+                    return e["user"]
+        raise AuthError("invalid API key")

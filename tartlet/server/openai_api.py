@@ -1,0 +1,292 @@
+"""OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``
+and ``POST /v1/completions`` (streaming with server-sent events, or not).
+
+Each request runs the ``openai-completion`` inferlet (next to this file), so
+API requests batch with every other inferlet. Greedy requests
+(``temperature`` 0, the default here) give exactly the ``text-completion``
+inferlet's output for the same prompt. Request and response shapes follow
+the OpenAI API reference (chat.completion, chat.completion.chunk,
+text_completion objects; ``data: ...`` SSE frames ending with
+``data: [DONE]``).
+
+Parameters this server cannot honour (tools, logprobs, n > 1, penalties,
+logit_bias, ...) are refused with HTTP 400 naming the parameter, never
+silently ignored. A client that disconnects aborts its request's instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..runtime.instance import Status
+from ..runtime.program import load_program
+from .auth import AuthError
+from .protocol import ProtocolError
+from .service import Service
+from .ws import bearer
+
+PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-completion"
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
+CHAT_PARAMS = _COMMON | {
+    "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
+    "response_format", "metadata", "store",
+}
+COMPLETION_PARAMS = _COMMON | {"prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix"}
+#: Known OpenAI parameters and why they are refused.
+UNSUPPORTED = {
+    "tools": "tool calling is not supported by this server (run an agent inferlet instead)",
+    "tool_choice": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "logit_bias": "logit_bias is not supported (write an inferlet with a logit mask instead)",
+    "parallel_tool_calls": "tool calling is not supported by this server",
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported", "reasoning_effort": "reasoning_effort is not supported",
+    "web_search_options": "web search is not supported", "service_tier": "service tiers are not supported",
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {v!r}", key)
+    return float(v)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise _bad(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
+
+
+def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
+    """Validate an OpenAI request body; returns the inferlet args plus
+    ``stream`` / ``include_usage`` / ``model``.
+
+    Raises:
+        ApiError: 400 naming the offending parameter.
+    """
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
+    for key in body:
+        if key in UNSUPPORTED:
+            raise _bad(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
+        if key not in allowed:
+            raise _bad(f"unsupported parameter '{key}'", key, "unsupported_parameter")
+    if body.get("n") not in (None, 1):
+        raise _bad("'n' must be 1: one choice per request is supported", "n", "unsupported_parameter")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise _bad(f"'{key}' is not supported (only 0)", key, "unsupported_parameter")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise _bad("'logprobs' is not supported", "logprobs", "unsupported_parameter")
+    if body.get("echo") or body.get("suffix"):
+        raise _bad("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _bad("only response_format {'type': 'text'} is supported (use the constrained-decoding inferlet)", "response_format", "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
+    args: dict[str, Any] = {"model": model}
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("'messages' must be a non-empty list", "messages")
+        out = []
+        for i, m in enumerate(msgs):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+                raise _bad(f"{where}.role must be system, developer, user or assistant", where)
+            role = "system" if m["role"] == "developer" else m["role"]
+            out.append({"role": role, "content": _text(m.get("content"), where)})
+        args["messages"] = out
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+        args["prompt"] = prompt
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = body.get(key)
+    if mt is None:
+        mt = 256 if chat else 16  # the OpenAI default for completions is 16
+    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_seq_len:
+        raise _bad(f"'{key}' must be an integer in [1, {max_seq_len}], got {mt!r}", key)
+    args["max_tokens"] = mt
+    args["temperature"] = _number(body, "temperature", 0.0, 2.0, 0.0)
+    args["top_p"] = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if args["top_p"] == 0.0:
+        raise _bad("'top_p' must be > 0", "top_p")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad("'seed' must be an integer", "seed")
+    args["seed"] = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)):
+        raise _bad("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+    args["stop"] = stop
+    so = body.get("stream_options") or {}
+    if not isinstance(so, dict) or set(so) - {"include_usage"}:
+        raise _bad("'stream_options' supports only include_usage", "stream_options")
+    return {"args": args, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
+
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class OpenAiRoutes:
+    """Route handlers bound to a :class:`Service`."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.program = load_program(PROGRAM_DIR)
+
+    def _user(self, request: Request) -> str:
+        try:
+            return self.service.authenticate(bearer(request.headers, request.query_params))
+        except AuthError as e:
+            raise ApiError(401, str(e), code="invalid_api_key", kind="authentication_error") from None
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._user(request)
+        except ApiError as e:
+            return e.response()
+        created = int(self.service.started_at)
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "tartlet"} for n in self.service.state.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        try:
+            user = self._user(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _bad("the request body is not valid JSON") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if isinstance(model, str) and model not in self.service.state.models:
+                served = ", ".join(self.service.state.models)
+                raise ApiError(404, f"model {model!r} is not served here (served: {served})", "model", "model_not_found")
+            slot = self.service.state.model(model if isinstance(model, str) else None)
+            req = parse_request(body, chat, slot.engine.scheduler.max_seq_len)
+            queue: asyncio.Queue[str | None] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            listener = lambda m: loop.call_soon_threadsafe(queue.put_nowait, m if isinstance(m, str) else m.decode(errors="replace"))  # noqa: E731
+            try:
+                inst = self.service.launch(user, self.program, req["args"], listener=listener)
+            except ProtocolError as e:
+                status = 429 if e.code == "limit" else 400
+                raise ApiError(status, str(e), code=e.code, kind="rate_limit_error" if status == 429 else "invalid_request_error") from None
+        except ApiError as e:
+            return e.response()
+        assert inst.task is not None
+        inst.task.add_done_callback(lambda _t: loop.call_soon_threadsafe(queue.put_nowait, None))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        model_name = req["args"]["model"]
+        if req["stream"]:
+            stream = self._stream(inst, queue, rid, created, model_name, chat, req["include_usage"])
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        # non-streaming: wait, but abort if the client goes away
+        while not inst.done.is_set():
+            try:
+                await asyncio.wait_for(inst.done.wait(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    inst.abort("the client disconnected")
+                    await inst.wait()
+                    return Response(status_code=499)
+        if inst.status is not Status.FINISHED:
+            return ApiError(500, f"generation {inst.status.value}: {inst.error}", code="generation_failed", kind="server_error").response()
+        r = inst.result
+        usage = _usage(r)
+        finish = _FINISH.get(r["finish_reason"], "stop")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": r["text"], "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice], "usage": usage})
+
+    async def _stream(self, inst: Any, queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    break
+                yield chunk(msg)
+            await inst.wait()
+            if inst.status is not Status.FINISHED:
+                err = {"error": {"message": f"generation {inst.status.value}: {inst.error}", "type": "server_error", "code": "generation_failed"}}
+                yield f"data: {json.dumps(err)}\n\n"
+                return
+            r = inst.result
+            yield chunk(None, _FINISH.get(r["finish_reason"], "stop"))
+            if include_usage:
+                body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(r)}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or we are done): never leave it running
+            if not inst.done.is_set():
+                inst.abort("the client disconnected")
+
+
+def _usage(r: dict[str, Any]) -> dict[str, int]:
+    p, c = int(r["prompt_tokens"]), int(r["completion_tokens"])
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
