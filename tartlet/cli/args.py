@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
@@ -10,22 +11,29 @@ class ArgsError(ValueError):
     """Inferlet arguments that cannot be parsed (the message says where)."""
 
 
+#: Decimal literals only: words like ``nan``, ``inf``, ``1_000`` or `` 3 ``
+#: stay strings (Python's ``int``/``float`` would accept them).
+_INT = re.compile(r"[+-]?\d+", re.ASCII)
+_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?", re.ASCII)
+
+
 def infer_value(text: str) -> Any:
-    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"``/``"false"`` -> bool,
-    ``"null"`` -> None, JSON objects/arrays parsed, anything else a string."""
+    """``"3"`` -> 3, ``"-0.5"`` / ``"1e3"`` -> float, ``"true"``/``"false"``
+    -> bool, ``"null"`` -> None, JSON objects/arrays parsed, anything else
+    (``"nan"``, ``"inf"``, ``""`` included) a string.
+
+    Raises:
+        ArgsError: a value starting with ``[`` or ``{`` that is not valid JSON.
+    """
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
     if low == "null":
         return None
-    try:
+    if _INT.fullmatch(text):
         return int(text)
-    except ValueError:
-        pass
-    try:
+    if _FLOAT.fullmatch(text):
         return float(text)
-    except ValueError:
-        pass
     if text[:1] and text[0] in "[{":
         try:
             return json.loads(text)

@@ -75,6 +75,7 @@ class ForwardRequest:
     outputs: list[OutputSlot] = field(default_factory=list)
     future: Future = field(default_factory=Future)
     # progress of a chunked prefill
+    started: bool = False
     done: int = 0
     start_len: int = -1
     results: list[object] = field(default_factory=list)
@@ -239,15 +240,15 @@ class Scheduler:
             seq = req.seq
             if id(seq) in busy:
                 break
-            if req.future.cancelled() or (req.done == 0 and not req.future.set_running_or_notify_cancel()):
-                q.popleft()
-                self._rollback(req)
-                continue
-            if seq.freed:
-                q.popleft()
-                req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
-                continue
-            if req.done == 0:
+            if not req.started:
+                if not req.future.set_running_or_notify_cancel():
+                    q.popleft()  # cancelled while queued
+                    continue
+                req.started = True
+                if seq.freed:
+                    q.popleft()
+                    req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
+                    continue
                 req.start_len = len(seq)
                 if len(seq) + len(req.tokens) > self.max_seq_len:
                     q.popleft()
@@ -257,6 +258,11 @@ class Scheduler:
                             f"more than the model's {self.max_seq_len}"
                         )
                     )
+                    continue
+                too_big = self._never_fits(seq, len(req.tokens))
+                if too_big is not None:
+                    q.popleft()
+                    req.future.set_exception(too_big)
                     continue
                 if req.positions is None and req.attention is None:
                     first_out = min((s.index for s in req.outputs), default=len(req.tokens))
@@ -290,6 +296,22 @@ class Scheduler:
             else:
                 break  # the rest of this prefill goes in the next round
         return items
+
+    def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
+        """The error for appending ``n`` tokens to ``seq`` when the result
+        would need more live pages than the whole pool has (so it could never
+        run, even with every other sequence gone), else ``None``. Checked
+        before any compute, so such a prompt fails at once instead of after
+        prefilling (and evicting) the pool's worth of tokens."""
+        ps = self.pool.page_size
+        end = len(seq) + n
+        need = seq.live_pages() + max(0, -(-end // ps) - len(seq.pages))
+        if need <= self.pool.num_pages:
+            return None
+        return KvCacheFullError(
+            f"KV cache too small: the context would hold {end} tokens in {need} page(s) of {ps} tokens, "
+            f"but the whole pool has {self.pool.num_pages} pages ({self.pool.num_pages * ps} tokens)"
+        )
 
     def _rollback(self, req: ForwardRequest) -> None:
         if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:

@@ -1,0 +1,198 @@
+"""Batching and page sharing on the real model.
+
+Concurrent inferlets must produce exactly what each produces alone while the
+scheduler packs their passes into shared model calls; forks and identical
+prefixes must share physical KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from harness import inline_program, run, run_ok
+from tartlet.runtime.instance import Status
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a neural network is.",
+    "List three fruits and their colours.",
+    "Describe a sunset in the mountains.",
+    "What is the best way to learn to cook?",
+    "Tell me a fun fact about octopuses.",
+    "Why is the sky blue?",
+    "Give me advice for a job interview.",
+]
+MAX_TOKENS = 24
+
+
+async def run_all(runtime, args_list: list[dict]) -> list:
+    insts = await asyncio.gather(*(run(runtime, "text-completion", a) for a in args_list))
+    for inst in insts:
+        assert inst.status is Status.FINISHED, f"{inst.status.value}: {inst.error}"
+    return [inst.result for inst in insts]
+
+
+async def test_concurrent_inferlets_match_solo_runs_and_are_batched(runtime, engine):
+    args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
+    solo = [await run_ok(runtime, "text-completion", a) for a in args]
+    st = engine.scheduler.stats
+    calls0, sizes0 = st.model_calls, st.batch_sizes.copy()
+    together = await run_all(runtime, args)
+    calls = st.model_calls - calls0
+    sizes = st.batch_sizes - sizes0
+    total = sum(len(r["tokens"]) for r in together)
+    for p, a, b in zip(PROMPTS, solo, together):
+        assert b["tokens"] == a["tokens"], f"{p!r}: concurrent run differs from the solo run"
+        assert b["text"] == a["text"]
+    assert total >= 4 * MAX_TOKENS
+    print(f"8 concurrent inferlets: {total} tokens in {calls} model calls, batch sizes {dict(sorted(sizes.items()))}")
+    assert calls < total, f"{calls} model calls for {total} generated tokens: not batched"
+    assert max(sizes) >= 4, f"no batch held 4 or more requests: {dict(sizes)}"
+
+
+FORK = """
+import asyncio
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    ps = model.page_size
+    used0 = model.kv_stats()["used"]
+    prefix = model.new_context()
+    prefix.system(args["system"])
+    await prefix.flush()
+    prefix_len = prefix.kv_len
+    a, b = prefix.fork(), prefix.fork()
+    sa, sb, sp = await a.stats(), await b.stats(), await prefix.stats()
+    used_forked = model.kv_stats()["used"] - used0
+    a.user(args["questions"][0])
+    b.user(args["questions"][1])
+    # the two forks decode concurrently (their passes share batches)
+    gen_a, gen_b = await asyncio.gather(
+        a.generate(max_tokens=args["max_tokens"]).collect_tokens(),
+        b.generate(max_tokens=args["max_tokens"]).collect_tokens(),
+    )
+    fresh = []
+    for q in args["questions"]:
+        with model.new_context() as c:
+            c.system(args["system"])
+            c.user(q)
+            fresh.append({"prompt": c.tokens, "tokens": await c.generate(max_tokens=args["max_tokens"]).collect_tokens()})
+    return {
+        "ps": ps, "prefix_len": prefix_len, "stats": [sp, sa, sb], "used_forked": used_forked,
+        "prompts": [a.tokens[: len(fresh[0]["prompt"])], b.tokens[: len(fresh[1]["prompt"])]],
+        "forked": [gen_a, gen_b], "fresh": fresh,
+    }
+"""
+
+
+async def test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(runtime, tmp_path):
+    system = f"Session {uuid.uuid4().hex[:8]}. You are a concise assistant. Answer plainly and briefly."
+    res = await run_ok(runtime, inline_program(tmp_path, FORK, "fork"), {
+        "system": system,
+        "questions": ["What is the capital of Italy?", "Name a primary colour."],
+        "max_tokens": 16,
+    })
+    ps, n = res["ps"], res["prefix_len"]
+    full, tail = divmod(n, ps)
+    assert full >= 1 and tail > 0, f"the prefix ({n} tokens) should end mid-page for this test"
+    sp, sa, sb = res["stats"]
+    for s in (sp, sa, sb):
+        assert s["tokens"] == n and s["pages"] == full + 1
+    # the full pages are shared by the prefix and both forks; each fork copied only the tail page
+    assert sa["shared_pages"] == sb["shared_pages"] == sp["shared_pages"] == full
+    assert res["used_forked"] == full + 3, res["used_forked"]
+    for k in range(2):
+        assert res["prompts"][k] == res["fresh"][k]["prompt"], "fork and fresh context hold different prompts"
+        assert len(res["forked"][k]) > 0
+        assert res["forked"][k] == res["fresh"][k]["tokens"], f"fork {k} decodes differently from a fresh context"
+
+
+async def test_fork_pages_in_pool_stats(runtime, engine, tmp_path):
+    """The same sharing seen from the engine's pool while the inferlet holds its contexts."""
+    code = """
+    from tartlet import Model, session
+
+    async def main(args):
+        model = Model.load()
+        ctx = model.new_context()
+        ctx.fill_tokens(list(range(100, 100 + args["n"])))
+        await ctx.flush()
+        forks = [ctx.fork() for _ in range(3)]
+        for f in forks:
+            await f.stats()
+        session.send("forked")
+        await session.receive()   # the test inspects the pool now
+    """
+    prog = inline_program(tmp_path, code, "pool_fork")
+    from tartlet.host.session import Session
+
+    n = 3 * engine.pool.page_size + 5
+    session = Session()
+    got = asyncio.Event()
+    session.listen(lambda m: got.set())
+    used0 = engine.pool.stats().used
+    inst = runtime.launch(prog, {"n": n}, session)
+    await asyncio.wait_for(got.wait(), 60)
+    try:
+        used = engine.pool.stats().used - used0
+        assert used == 4 + 3, f"3 forks of a 4-page context should add only 3 tail pages, {used} pages in use"
+        shared = sum(1 for p in range(engine.pool.num_pages) if engine.pool.refcount(p) == 4)
+        assert shared == 3, f"{shared} pages have 4 references (expected the 3 full pages)"
+    finally:
+        session.push("done")
+        await inst.wait()
+    assert inst.status is Status.FINISHED, inst.error
+
+
+SAME_SYSTEM = """
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    out = []
+    ctxs = []
+    for q in args["questions"]:
+        c = model.new_context()
+        c.system(args["system"])
+        await c.flush()
+        out.append({"len": c.kv_len, "used": model.kv_stats()["used"], "stats": await c.stats()})
+        c.user(q)
+        ctxs.append(c)
+    texts = [await c.generate(max_tokens=8).collect_text() for c in ctxs]
+    return {"ctx": out, "texts": texts}
+"""
+
+
+async def test_same_system_prompt_shares_committed_pages_without_asking(runtime, engine, tmp_path):
+    system = f"Conversation {uuid.uuid4().hex}. You are a friendly assistant that answers in one short sentence."
+    ps = engine.pool.page_size
+    reused0 = engine.scheduler.stats.prefix_tokens_reused
+    used0 = engine.pool.stats().used
+    res = await run_ok(runtime, inline_program(tmp_path, SAME_SYSTEM, "same_system"), {
+        "system": system, "questions": ["Hello!", "How are you?"]})
+    first, second = res["ctx"]
+    n = first["len"]
+    assert second["len"] == n and n > 2 * ps
+    full = n // ps
+    reused = engine.scheduler.stats.prefix_tokens_reused - reused0
+    assert reused == full * ps, f"second prefill reused {reused} tokens, expected its {full} full pages"
+    pages = -(-n // ps)
+    assert first["used"] - used0 == pages
+    assert second["used"] - used0 == pages + (pages - full), "the second context did not share the first one's pages"
+    assert second["stats"]["shared_pages"] == full and first["stats"]["shared_pages"] == 0
+    assert all(t for t in res["texts"])
+
+
+async def test_seeded_sampling_is_reproducible_alone_and_concurrently(runtime):
+    seeded = {"prompt": "Invent a name for a new planet and describe it.", "max_tokens": 24,
+              "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    a = await run_ok(runtime, "text-completion", seeded)
+    b = await run_ok(runtime, "text-completion", seeded)
+    assert a["tokens"] == b["tokens"]
+    others = [{"prompt": p, "max_tokens": 24, "temperature": 1.0, "seed": i} for i, p in enumerate(PROMPTS[:3])]
+    together = await run_all(runtime, [seeded, *others, seeded])
+    assert together[0]["tokens"] == a["tokens"] and together[-1]["tokens"] == a["tokens"]
+    other_seed = await run_ok(runtime, "text-completion", {**seeded, "seed": 99})
+    assert other_seed["tokens"] != a["tokens"]
