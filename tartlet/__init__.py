@@ -10,24 +10,38 @@ builds. It reaches the host only through :mod:`tartlet._binding`.
 """
 
 from . import brle, forward, session
-from .context import Context
+from . import children, http, messaging, store  # I/O: child inferlets, host HTTP, messaging, key-value store
+from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
+from .context import Context, ContextClosedError
+from .drafter import NgramDrafter
 from .generator import Drafter, Generator, Step
 from .model import Model
 from .sampler import Sampler
 from .stop import EosTokens, MaxTokens, StopCondition, StopStrings
 
 __all__ = [
+    "AnyJson",
+    "Constraint",
+    "Grammar",
+    "JsonSchema",
+    "Regex",
     "Context",
+    "ContextClosedError",
     "Drafter",
     "EosTokens",
     "Generator",
     "MaxTokens",
+    "NgramDrafter",
     "Model",
     "Sampler",
     "Step",
     "StopCondition",
     "StopStrings",
     "brle",
+    "children",
+    "http",
+    "messaging",
+    "store",
     "forward",
     "session",
 ]

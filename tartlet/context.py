@@ -22,12 +22,16 @@ if TYPE_CHECKING:
     from .model import Model
 
 
+class ContextClosedError(ValueError):
+    """A call on a context after :meth:`Context.close`."""
+
+
 class Context:
     """A context on ``model``. Create with :meth:`Model.new_context`,
     :meth:`fork`, :meth:`open` or :meth:`take`.
 
-    Raises (any method):
-        tartlet.host.errors.InvalidHandleError: the context was closed.
+    Raises (any method that reaches the KV cache):
+        ContextClosedError: the context was closed.
     """
 
     def __init__(self, model: "Model", _handle: int | None = None) -> None:
@@ -38,6 +42,15 @@ class Context:
         self._rendered = ""
         self._closed = False
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ContextClosedError(f"{what} on a closed context (handle {self._h}): it was closed and its pages freed")
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
     # -- facts -------------------------------------------------------------------
     @property
     def page_size(self) -> int:
@@ -46,6 +59,7 @@ class Context:
     @property
     def kv_len(self) -> int:
         """Tokens already run through the model (in the KV cache)."""
+        self._check_open("kv_len")
         return _binding.host().context_len(self._h)
 
     @property
@@ -56,6 +70,7 @@ class Context:
     @property
     def tokens(self) -> list[int]:
         """Token ids of the context, pending ones included."""
+        self._check_open("tokens")
         return _binding.host().context_tokens(self._h) + self._pending
 
     @property
@@ -96,6 +111,30 @@ class Context:
         """Append an assistant message, rendered with the model's chat template."""
         self._chat("assistant", text)
 
+    def adopt_chat(self, messages: list[dict[str, Any]]) -> None:
+        """Declare that this context's tokens already hold ``messages``
+        rendered with the chat template (typically after :meth:`open` of a
+        snapshot saved from a chat: snapshots keep tokens, not messages), so
+        later :meth:`user`/:meth:`assistant` calls append only the new turns.
+
+        Raises:
+            ValueError: the context's text is not exactly the rendering of
+                ``messages``.
+        """
+        rendered = self.model.apply_chat_template(list(messages), add_generation_prompt=False)
+        if self.text != rendered:
+            raise ValueError("adopt_chat: the context's tokens are not the chat template rendering of these messages")
+        self._messages = [dict(m) for m in messages]
+        self._rendered = rendered
+
+    def begin_assistant(self) -> None:
+        """Append the chat template's generation prompt (the assistant
+        header), so the next tokens are the assistant's reply.
+        :meth:`generate` does this itself; call it before decoding with
+        :meth:`forward`, or to prefill the header once before forking. A
+        no-op outside a chat or when the assistant turn is already open."""
+        self._begin_assistant_turn()
+
     def _chat(self, role: str, content: str) -> None:
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
@@ -116,18 +155,19 @@ class Context:
             self._messages.append({"role": "assistant", "content": None})
 
     def _end_assistant_turn(self, text: str, stopped_on_eos: bool) -> None:
+        """Record the reply. What the template adds after it (the rest of
+        the end-of-turn markup) is filled lazily by the next chat helper, so
+        a generation cut by ``max_tokens`` can be resumed by another
+        ``generate`` (a snapshot taken after it holds no closing markup)."""
         if not self._messages or self._messages[-1] != {"role": "assistant", "content": None}:
             return
         self._messages[-1] = {"role": "assistant", "content": text}
-        have = self._rendered + text + (self.model.detokenize(self._pending[-1:]) if stopped_on_eos else "")
-        full = self.model.apply_chat_template(self._messages, add_generation_prompt=False)
-        if full.startswith(have):
-            self.fill(full[len(have) :])
-        self._rendered = full
+        self._rendered += text + (self.model.detokenize(self._pending[-1:]) if stopped_on_eos else "")
 
     # -- forward passes -------------------------------------------------------------
     async def flush(self) -> None:
         """Run pending tokens through the model (prefill), sampling nothing."""
+        self._check_open("flush")
         if self._pending:
             tokens, self._pending = self._pending, []
             try:
@@ -161,22 +201,46 @@ class Context:
             One result per output slot (see :mod:`tartlet.forward`).
 
         Raises:
-            ValueError: no input at all, malformed positions, masks or slots.
+            ValueError: no input at all; a position outside
+                ``[0, model.max_seq_len)``; the pass would outgrow the
+                model's context; positions, masks or slots that do not match
+                ``tokens``; an output index outside the input.
+            ContextClosedError: the context was closed.
         """
+        self._check_open("forward")
         tokens = list(tokens or [])
         pending = self._pending
         if not pending and not tokens:
             raise ValueError("forward needs input: the context has no pending tokens and no tokens were given")
         n0 = len(pending)
         start = self.kv_len
+        limit = self.model.max_seq_len
+        if start + n0 + len(tokens) > limit:
+            raise ValueError(f"forward would make the context {start + n0 + len(tokens)} tokens long, more than the model's {limit}")
         pos = None
         if positions is not None:
-            pos = list(range(start, start + n0)) + list(positions)
+            positions = list(positions)
+            if len(positions) != len(tokens):
+                raise ValueError(f"positions: need one per token of `tokens` ({len(tokens)}), got {len(positions)}")
+            for p in positions:
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < limit:
+                    raise ValueError(f"position {p!r} outside the model's context [0, {limit})")
+            pos = list(range(start, start + n0)) + positions
         attn = None
         if attention is not None:
+            attention = list(attention)
+            if len(attention) != len(tokens):
+                raise ValueError(f"attention: need one mask per token of `tokens` ({len(tokens)}), got {len(attention)}")
             attn = [brle.causal(start + j) for j in range(n0)] + [list(m) for m in attention]
         shift = n0 if tokens else 0
-        slots = [dict(o, index=o.get("index", 0) + shift) for o in outputs]
+        n_out = len(tokens) if tokens else n0
+        slots = []
+        for o in outputs:
+            i = o.get("index", 0)
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_out:
+                where = "`tokens`" if tokens else "the pending tokens"
+                raise ValueError(f"output index {i!r} outside {where} (0..{n_out - 1})")
+            slots.append(dict(o, index=i + shift))
         self._pending = []
         try:
             fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots)
@@ -215,7 +279,12 @@ class Context:
     def fork(self) -> "Context":
         """A copy of this context (pending tokens and chat state included)
         that shares its full KV pages; only the partly filled last page is
-        copied."""
+        copied.
+
+        Raises:
+            ContextClosedError: this context was closed.
+        """
+        self._check_open("fork")
         child = Context(self.model, _handle=_binding.host().context_fork(self._h))
         child._pending = list(self._pending)
         child._messages = [dict(m) for m in self._messages]
@@ -247,18 +316,23 @@ class Context:
         every later pass (``masked=False`` shows them again).
 
         Raises:
-            ValueError: the range is outside ``[0, kv_len]``.
+            ValueError: the range is outside ``[0, kv_len]`` (pending tokens
+                cannot be masked: flush first).
         """
+        self._check_open("mask_token_range")
         _binding.host().context_mask(self._h, start, end, masked)
 
     async def drop_masked_pages(self) -> int:
         """Free the KV pages whose tokens are all masked; returns how many.
         Their tokens stay in :attr:`tokens` but can never be attended again."""
+        self._check_open("drop_masked_pages")
         return await _binding.wait(_binding.host().context_drop_masked_pages(self._h))
 
     async def stats(self) -> dict[str, int]:
         """``tokens``, ``pages``, ``live_pages``, ``shared_pages`` of this
-        context's KV cache."""
+        context's KV cache (``live_pages`` excludes dropped pages,
+        ``shared_pages`` counts pages another context or snapshot also holds)."""
+        self._check_open("stats")
         return await _binding.wait(_binding.host().context_stats(self._h))
 
     # -- snapshots --------------------------------------------------------------------
@@ -267,8 +341,10 @@ class Context:
         outlives this inferlet and is immutable.
 
         Raises:
-            ValueError: pending tokens (flush first), or the name exists.
+            ValueError: pending tokens (flush first), or the name exists
+                (``tartlet.host.errors.SnapshotError``).
         """
+        self._check_open("save")
         if self._pending:
             raise ValueError(f"save({name!r}): {len(self._pending)} pending tokens; await ctx.flush() first")
         _binding.host().snapshot_save(self._h, name)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _binding
+from .constraint import slot_fields
 from .sampler import Sampler
 from .stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
 
@@ -143,6 +144,9 @@ class Generator:
             ctx._pending = [last]
         if self.drafter is not None:
             self.drafter.update(ctx.tokens)
+        cmodel = getattr(self.constraint, "model", None)
+        if isinstance(cmodel, str) and cmodel != ctx.model.name:
+            raise ValueError(f"the constraint was compiled for model {cmodel!r}, the context is on {ctx.model.name!r}")
         self._decoder = _binding.host().decoder_new(ctx.model.name)
 
     async def _step(self) -> None:
@@ -156,9 +160,7 @@ class Generator:
         for i in range(len(draft) + 1):
             slot = self.sampler.slot(base + i, len(self.tokens) + i)
             if self.constraint is not None:
-                mask = self.constraint.mask()
-                if mask is not None:
-                    slot["logit_mask"] = mask
+                slot.update(slot_fields(self.constraint))
             slots.append(slot)
         ctx._pending = []
         try:
@@ -268,4 +270,38 @@ class Generator:
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"generated text is not valid JSON ({e}): {text[:200]!r}") from None
+            why = " (generation stopped at max_tokens)" if self.finish_reason == "length" else ""
+            raise ValueError(f"generated text is not valid JSON{why} ({e}): {text[:200]!r}") from None
+
+    # -- forking ---------------------------------------------------------------
+    def fork(self, sampler: Sampler | None = None) -> "Generator":
+        """Continue this generation in two branches: a generator over a fork
+        of the context (:meth:`Context.fork`, KV pages shared) with the same
+        tokens, text, stop conditions and a fork of the constraint (its
+        matcher state copied), so both branches keep satisfying it.
+
+        Args:
+            sampler: the branch's sampler (default: this one; with a seeded
+                sampler both branches then draw the same tokens).
+
+        Raises:
+            ValueError: the generation has finished, or uses a drafter.
+        """
+        if self.finish_reason is not None:
+            raise ValueError(f"cannot fork a finished generation (finish_reason {self.finish_reason!r})")
+        if self.drafter is not None:
+            raise ValueError("cannot fork a generation that uses a drafter (its state is not copyable)")
+        if not self._started:
+            self._start()
+        child = Generator.__new__(Generator)
+        child.__dict__.update(self.__dict__)
+        child.ctx = self.ctx.fork()
+        child.sampler = sampler or self.sampler
+        child.constraint = self.constraint.fork() if self.constraint is not None else None
+        child.tokens = list(self.tokens)
+        child.stats = GenerationStats(self.stats.steps, self.stats.drafted, self.stats.accepted)
+        host = _binding.host()
+        child._decoder = host.decoder_new(child.ctx.model.name)
+        eos = {i for e in self._eos for i in e.ids}
+        host.decoder_push(child._decoder, [t for t in self.tokens if t not in eos])
+        return child

@@ -5,7 +5,10 @@ Args:
     system (str): optional system message.
     raw (bool): fill ``prompt`` as is, without the chat template.
     max_tokens (int, default 256), temperature (float, default 0 = greedy),
-    top_p (float, default 1), top_k (int), seed (int), model (str).
+    top_p (float, default 1), top_k (int), seed (int), model (str),
+    stop (str or list of str): stop strings,
+    ignore_eos (bool): keep generating past end-of-sequence tokens (for
+    benchmarks that need a fixed number of tokens).
 
 Returns ``{"text", "tokens", "finish_reason"}``.
 """
@@ -31,7 +34,12 @@ async def main(args: dict) -> dict:
             if args.get("system"):
                 ctx.system(args["system"])
             ctx.user(prompt)
-        gen = ctx.generate(sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop"))
+        gen = ctx.generate(
+            sampler,
+            max_tokens=int(args.get("max_tokens", 256)),
+            stop=args.get("stop"),
+            eos=not args.get("ignore_eos", False),
+        )
         async for step in gen:
             if step.text:
                 session.send(step.text)

@@ -326,7 +326,9 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 ``distribution``, ``logits``, ``logprobs``, ``entropy``), the
                 kind's parameters (``temperature``, ``top_k``, ``top_p``,
                 ``min_p``, ``seed``; ``k``; ``token_ids``) and an optional
-                ``logit_mask`` (BRLE over the vocabulary, True = allowed).
+                ``logit_mask`` (BRLE over the vocabulary, True = allowed)
+                and/or ``grammar`` (a matcher handle from ``grammar_new``:
+                the host computes its mask during the pass).
 
         Returns:
             A future of one result per output slot: an int token id for
@@ -403,6 +405,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             raise SamplingError(f"seed must be an int, got {spec.seed!r}")
         mask = o.get("logit_mask")
         allowed = None if mask is None else _brle_tensor(mask, e.config.vocab_size, "logit mask")
+        if o.get("grammar") is not None:  # mask computed by the host from a matcher
+            return self._grammar_output_slot(e, idx, spec, o["grammar"], allowed)
         return OutputSlot(idx, spec, allowed)
 
     @staticmethod
@@ -436,6 +440,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             self._free_later(ctx)
         self._contexts.clear()
         self._decoders.clear()
+        self._grammar_close()
 
 
 def _brle_tensor(runs: Any, size: int, what: str) -> torch.Tensor:

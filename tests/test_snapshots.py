@@ -1,0 +1,148 @@
+"""Named KV snapshots on the real model: save, open, take, delete, snapshot().
+
+A snapshot is an immutable, engine-wide copy-on-write reference to a
+context's pages. It outlives the inferlet that saved it; ``open`` forks it,
+``take`` hands its pages over and removes the name.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from harness import drain, inline_program, run_ok
+
+PROMPT = (
+    "You are a careful assistant. Answer in one short sentence, and never use more words than needed. "
+    "Question: what colour is the sky on a clear day?"
+)
+
+SAVE = f"""
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    ctx = model.new_context()
+    ctx.user({PROMPT!r})
+    ctx.begin_assistant()
+    await ctx.flush()
+    ctx.save(args["name"])
+    saved = ctx.tokens
+    # generating on the saver's context must not touch the snapshot
+    text = await ctx.generate(max_tokens=16).collect_text()
+    return {{"tokens": saved, "text": text, "used": model.kv_stats()["used"]}}
+"""
+
+OPEN = """
+from tartlet import Context, Model
+
+async def main(args):
+    model = Model.load()
+    ctx = (Context.take if args.get("take") else Context.open)(model, args["name"])
+    tokens = ctx.tokens
+    stats = await ctx.stats()
+    used = model.kv_stats()["used"]
+    gen = ctx.generate(max_tokens=16)
+    text = await gen.collect_text()
+    return {"tokens": tokens, "stats": stats, "used": used, "text": text}
+"""
+
+
+async def test_snapshot_outlives_its_inferlet_and_opens_as_a_fork(runtime, engine, tmp_path):
+    name = f"test-snap-{uuid.uuid4().hex[:8]}"
+    saved = await run_ok(runtime, inline_program(tmp_path, SAVE, "save"), {"name": name})
+    n = len(saved["tokens"])
+    pages = -(-n // 16)
+    drain(runtime.state)
+    # the saver ended: its context is gone, the snapshot's pages are not
+    assert engine.pool.stats().used == pages
+    assert runtime.state.model(None).snapshots.names() == [name]
+
+    opened = await run_ok(runtime, inline_program(tmp_path, OPEN, "open"), {"name": name})
+    assert opened["tokens"] == saved["tokens"]
+    assert opened["stats"] == {"tokens": n, "pages": pages, "live_pages": pages, "shared_pages": n // 16}
+    # the fork shares the snapshot's full pages: only the partly filled tail was copied
+    assert opened["used"] == pages + (1 if n % 16 else 0)
+    ref = await run_ok(runtime, "text-completion", {"prompt": PROMPT, "max_tokens": 16})
+    assert opened["text"] == saved["text"] == ref["text"] and ref["text"].startswith("The sky")
+
+    again = await run_ok(runtime, inline_program(tmp_path, OPEN, "open2"), {"name": name})
+    assert again["tokens"] == saved["tokens"] and again["text"] == saved["text"]  # immutable
+
+    taken = await run_ok(runtime, inline_program(tmp_path, OPEN, "take"), {"name": name, "take": True})
+    assert taken["tokens"] == saved["tokens"] and taken["text"] == saved["text"]
+    assert taken["used"] == pages  # take hands the pages over: nothing copied
+    drain(runtime.state)
+    assert runtime.state.model(None).snapshots.names() == []
+    assert engine.pool.stats().used == 0
+
+
+async def test_snapshot_errors_are_clear_and_change_nothing(runtime, engine, tmp_path):
+    code = """
+    from tartlet import Context, Model
+
+    async def main(args):
+        model = Model.load()
+        errors = {}
+        def expect(key, fn):
+            try:
+                fn()
+            except ValueError as e:
+                errors[key] = f"{type(e).__name__}: {e}"
+        ctx = model.new_context()
+        ctx.fill("Snapshot error cases.")
+        expect("pending", lambda: ctx.save("x"))
+        await ctx.flush()
+        auto = ctx.snapshot()
+        expect("exists", lambda: ctx.save(auto))
+        expect("empty name", lambda: ctx.save(""))
+        for verb in ("open", "take", "delete"):
+            expect(verb, lambda: getattr(Context, verb)(model, "no-such-snapshot"))
+        used = model.kv_stats()["used"]
+        reopened = Context.open(model, auto)
+        toks = reopened.tokens == ctx.tokens
+        reopened.close()
+        Context.delete(model, auto)
+        expect("deleted", lambda: Context.open(model, auto))
+        ctx.close()
+        expect("closed", lambda: ctx.save("late"))
+        return {"errors": errors, "auto": auto, "toks": toks}
+    """
+    out = await run_ok(runtime, inline_program(tmp_path, code, "snaperr"))
+    e = out["errors"]
+    assert out["auto"].startswith("snapshot-") and out["toks"]
+    assert "pending tokens" in e["pending"] and "flush" in e["pending"]
+    assert e["exists"] == f"SnapshotError: a snapshot named {out['auto']!r} already exists"
+    assert e["empty name"].startswith("SnapshotError: snapshot name must be a non-empty string")
+    for verb in ("open", "take", "delete"):
+        assert e[verb] == "SnapshotError: no snapshot named 'no-such-snapshot'"
+    assert e["deleted"] == f"SnapshotError: no snapshot named {out['auto']!r}"
+    assert e["closed"].startswith("ContextClosedError: save on a closed context")
+    drain(runtime.state)
+    assert runtime.state.model(None).snapshots.names() == []
+    assert engine.pool.stats().used == 0
+
+
+async def test_snapshot_of_a_forked_generation_resumes_exactly(runtime, tmp_path):
+    """Save mid-generation, reopen, continue: the continuation equals the
+    uninterrupted greedy generation."""
+    code = """
+    from tartlet import Context, Model
+
+    async def main(args):
+        model = Model.load()
+        full = model.new_context()
+        full.user("List the planets of the solar system.")
+        whole = await full.generate(max_tokens=24).collect_tokens()
+        ctx = model.new_context()
+        ctx.user("List the planets of the solar system.")
+        first = await ctx.generate(max_tokens=10).collect_tokens()
+        await ctx.flush()  # the last sampled token is pending until flushed
+        name = ctx.snapshot()
+        ctx.close()
+        with Context.open(model, name) as resumed:
+            rest = await resumed.generate(max_tokens=14).collect_tokens()
+        Context.delete(model, name)
+        return {"whole": whole, "parts": first + rest}
+    """
+    out = await run_ok(runtime, inline_program(tmp_path, code, "resume"))
+    assert out["parts"] == out["whole"]
