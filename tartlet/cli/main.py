@@ -38,12 +38,12 @@ def run(
     time_limit: Optional[float] = typer.Option(None, help="Wall-time limit of the inferlet, seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print the inferlet's return value as JSON."),
     stats: bool = typer.Option(False, "--stats", help="Print engine statistics to stderr at the end."),
+    sandbox: bool = typer.Option(False, "--sandbox", help="Build the inferlet and run it as a WASM component (.wasm files always are)."),
 ) -> None:
     """Run an inferlet once on a local engine and stream its output.
 
     Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
     """
-    from ..engine.engine import Engine, EngineConfig
     from ..engine.loader import ModelLoadError
     from ..runtime.program import ProgramError, find_program
 
@@ -52,10 +52,18 @@ def run(
         words = words[1:]
     try:
         args = parse_inferlet_args(words)
-        program = find_program(inferlet)
-        program.load_main()  # fail fast on a broken inferlet, before loading the model
+        wasm = None
+        if sandbox or inferlet.endswith(".wasm"):
+            from .build_commands import sandboxed_component
+
+            program, wasm = sandboxed_component(inferlet)
+        else:
+            program = find_program(inferlet)
+            program.load_main()  # fail fast on a broken inferlet, before loading the model
     except (ArgsError, ProgramError) as e:
         _fail(str(e))
+    from ..engine.engine import Engine, EngineConfig  # imports torch: only once the arguments are good
+
     cfg = EngineConfig(
         model=model, dtype=dtype, device=device, kv_cache_mb=kv_cache_mb, page_size=page_size,
         max_batch_tokens=max_batch_tokens, threads=threads,
@@ -66,7 +74,7 @@ def run(
     except (ModelLoadError, ValueError) as e:
         _fail(str(e))
     try:
-        code = asyncio.run(_run_instance(engine, program, args, time_limit, json_out))
+        code = asyncio.run(_run_instance(engine, program, args, time_limit, json_out, wasm))
     finally:
         if stats:
             _print_stats(engine)
@@ -74,7 +82,7 @@ def run(
     raise typer.Exit(code)
 
 
-async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float | None, json_out: bool) -> int:
+async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float | None, json_out: bool, wasm: Any = None) -> int:
     from ..host.session import Session
     from ..host.state import HostState
     from ..runtime.instance import Status
@@ -83,6 +91,10 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
     state = HostState()
     state.add_engine(engine)
     runtime = NativeRuntime(state, time_limit_s=time_limit)
+    if wasm is not None:
+        from ..runtime.wasm import WasmRuntime
+
+        runtime = WasmRuntime(state, time_limit_s=time_limit)
     session = Session()
     streamed = False
 
@@ -96,7 +108,7 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
         sys.stdout.flush()
 
     session.listen(show)
-    inst = runtime.launch(program, args, session)
+    inst = runtime.launch(wasm if wasm is not None else program, args, session)
     try:
         await inst.wait()
     except asyncio.CancelledError:
@@ -183,6 +195,14 @@ def version() -> None:
     from .. import __version__
 
     print(__version__)
+
+
+from .client_commands import register as _register_client_commands  # noqa: E402
+
+_register_client_commands(app)  # serve, submit, list, attach, abort, ping, config, auth, install
+from .build_commands import register as _register_build_commands  # noqa: E402
+
+_register_build_commands(app)  # build, new
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -1,0 +1,161 @@
+"""The programmability tax: time per output token (TPOT) of greedy
+text-completion as
+
+  (a) a direct loop over the engine's scheduler (no inferlet, no host API),
+  (b) a native inferlet (host API + SDK, asyncio),
+  (c) a WASM inferlet (the same source built into a component),
+
+with the per-token overhead of (b) and (c) over (a) in µs and as a fraction
+of (a)'s TPOT; plus cold launch (first build, first compile, in a fresh cache
+folder), loading the cached compiled component in a new engine, and warm
+launch (``launch()``, i.e. store + instantiate, and launch to the result of a
+1-token generation, model time included).
+
+Run: ``python benchmarks/bench_wasm.py`` (``--quick`` for a short smoke run).
+Timings on a shared 2-core VM are noisy; compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import load_engine, report
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def direct_tpot(engine, prompt_ids: list[int], n: int) -> float:
+    """(a): prefill, then ``n`` greedy decode steps submitted straight to the
+    scheduler; seconds per decode step."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.scheduler import ForwardRequest
+
+    seq = engine.new_sequence()
+    try:
+        greedy = lambda i: [OutputSlot(i, SamplerSpec(temperature=0.0))]  # noqa: E731
+        tok = engine.scheduler.submit(ForwardRequest(seq, list(prompt_ids), None, None, greedy(len(prompt_ids) - 1))).result()[0]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = engine.scheduler.submit(ForwardRequest(seq, [tok], None, None, greedy(0))).result()[0]
+        return (time.perf_counter() - t0) / n
+    finally:
+        engine.scheduler.command(seq.free, seq).result()
+
+
+async def inferlet_tpot(runtime, program, n: int) -> float:
+    """(b)/(c): seconds per token of one instance generating ``n`` tokens,
+    minus the same instance generating 1 token (cancels prefill and launch)."""
+    from tartlet.host.session import Session
+
+    async def once(k: int) -> float:
+        t0 = time.perf_counter()
+        inst = runtime.launch(program, {"prompt": PROMPT, "max_tokens": k, "ignore_eos": True}, Session())
+        await inst.wait()
+        assert inst.status.value == "finished", inst.error
+        assert len(inst.result["tokens"]) == k, "generation stopped early: use a prompt that runs longer"
+        return time.perf_counter() - t0
+
+    return (await once(n + 1) - await once(1)) / n
+
+
+async def main_async(opts) -> dict:
+    from tartlet.host.state import HostState
+    from tartlet.runtime.builder import build
+    from tartlet.runtime.native import NativeRuntime
+    from tartlet.runtime.program import find_program
+    from tartlet.runtime.wasm import WasmRuntime
+    from tartlet.runtime.wasm_engine import WasmEngine
+
+    engine = load_engine(threads=opts.threads)
+    state = HostState()
+    state.add_engine(engine)
+    n, reps = (8, 1) if opts.quick else (opts.tokens, opts.repeats)
+    program = find_program("text-completion")
+    try:
+        # cold launch: a fresh cache dir, so the build and the compile both happen
+        import os
+
+        cold_dir = Path(tempfile.mkdtemp(prefix="tartlet-bench-cache-"))
+        old = os.environ.get("TARTLET_CACHE_DIR")
+        os.environ["TARTLET_CACHE_DIR"] = str(cold_dir)
+        try:
+            t0 = time.perf_counter()
+            wasm_path = build(program)
+            t_build = time.perf_counter() - t0
+            fresh = WasmEngine()
+            t0 = time.perf_counter()
+            fresh.load(wasm_path)
+            t_compile = time.perf_counter() - t0
+            fresh2 = WasmEngine()  # a new process would find the .cwasm on disk
+            t0 = time.perf_counter()
+            fresh2.load(wasm_path)
+            t_deserialize = time.perf_counter() - t0
+            wasm_rt = WasmRuntime(state, engine=fresh2)
+            # warm launch: cached component, launch to first result (1 token)
+            from tartlet.host.session import Session
+
+            warm = []
+            for _ in range(3 if opts.quick else 10):
+                t0 = time.perf_counter()
+                inst = wasm_rt.launch(wasm_path, {"prompt": "Hi", "max_tokens": 1}, Session())
+                t_launch = time.perf_counter() - t0
+                await inst.wait()
+                warm.append((t_launch, time.perf_counter() - t0))
+            native_rt = NativeRuntime(state)
+            tpot_a = min(direct_tpot(engine, engine.tokenizer.encode(PROMPT), n) for _ in range(reps))
+            tpot_b = min([await inferlet_tpot(native_rt, program, n) for _ in range(reps)])
+            tpot_c = min([await inferlet_tpot(wasm_rt, wasm_path, n) for _ in range(reps)])
+        finally:
+            if old is None:
+                os.environ.pop("TARTLET_CACHE_DIR", None)
+            else:
+                os.environ["TARTLET_CACHE_DIR"] = old
+            shutil.rmtree(cold_dir, ignore_errors=True)
+    finally:
+        engine.close()
+    rows = [
+        ["(a) direct scheduler loop", tpot_a * 1e3, 0.0, 0.0],
+        ["(b) native inferlet", tpot_b * 1e3, (tpot_b - tpot_a) * 1e6, (tpot_b - tpot_a) / tpot_a],
+        ["(c) WASM inferlet", tpot_c * 1e3, (tpot_c - tpot_a) * 1e6, (tpot_c - tpot_a) / tpot_a],
+    ]
+    report(
+        f"programmability tax, text-completion, {n} tokens (best of {reps})",
+        ["path", "TPOT ms", "overhead µs/token", "overhead / TPOT"],
+        rows,
+        {},
+    )
+    launch_rows = [
+        ["cold: build (componentize-py)", t_build * 1e3],
+        ["cold: compile (Cranelift) + cache", t_compile * 1e3],
+        ["new process: load cached .cwasm", t_deserialize * 1e3],
+        ["warm: launch() (instantiate)", statistics.median(w[0] for w in warm) * 1e3],
+        ["warm: launch to result (1 token)", statistics.median(w[1] for w in warm) * 1e3],
+    ]
+    payload = {
+        "tokens": n, "tpot_direct_ms": tpot_a * 1e3, "tpot_native_ms": tpot_b * 1e3, "tpot_wasm_ms": tpot_c * 1e3,
+        "wasm_overhead_us": (tpot_c - tpot_a) * 1e6, "native_overhead_us": (tpot_b - tpot_a) * 1e6,
+        "build_s": t_build, "compile_s": t_compile, "load_cached_ms": t_deserialize * 1e3,
+        "warm_launch_ms": statistics.median(w[0] for w in warm) * 1e3,
+        "warm_launch_to_result_ms": statistics.median(w[1] for w in warm) * 1e3,
+    }  # fmt: skip
+    report("WASM launch", ["phase", "ms"], launch_rows, payload)
+    return payload
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 tokens, 1 repeat (smoke run)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

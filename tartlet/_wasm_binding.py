@@ -1,0 +1,542 @@
+"""The SDK's single door to the host inside a WASM component.
+
+``tartlet build`` bundles this file as ``tartlet/_binding.py`` in place of
+the native binding, so the SDK calls the same two functions in both modes:
+
+- :func:`host` returns an adapter whose methods have the names, arguments
+  and return values of :class:`tartlet.host.api.HostApi` and call the
+  component's WIT imports (``wit/tartlet.wit``, interface ``host``).
+  Calls that wait on the engine return a :class:`HostFuture` (a ``u64``
+  handle) instead of a ``concurrent.futures.Future``.
+- :func:`wait` awaits a :class:`HostFuture` on the guest's asyncio loop
+  (:class:`HostLoop`), whose selector blocks in the host's ``wait-any``
+  when no coroutine is ready, so several forward passes of one instance
+  stay in flight together and batch in the scheduler.
+
+Host errors arrive as ``result`` error strings ``"ClassName: message"``
+and are raised again as the exception class of that name (the host's
+``InvalidHandleError``, ``SnapshotError``, ... are mirrored here with the
+same bases, ``ValueError`` / ``RuntimeError``).
+
+This module imports the componentize-py bindings (``wit_world``), so it
+only imports inside a component build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import inspect
+import json
+import traceback
+from typing import Any
+
+from componentize_py_types import Err
+from wit_world.imports import host as _wit
+
+
+# -- errors ---------------------------------------------------------------------
+class HostError(RuntimeError):
+    """Base class of errors raised by host calls (as in tartlet.host.errors)."""
+
+
+class InvalidHandleError(HostError, ValueError):
+    """A call named a handle this instance does not own."""
+
+
+class SnapshotError(HostError, ValueError):
+    """A snapshot name that already exists or does not exist."""
+
+
+class LimitError(HostError):
+    """An instance went past one of its limits."""
+
+
+class SamplingError(ValueError):
+    """Bad sampler or probe parameters."""
+
+
+class ContextLengthError(ValueError):
+    """A context longer than the model allows."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages."""
+
+
+class KvCacheFullError(RuntimeError):
+    """No free KV pages for a request."""
+
+
+class SequenceFreedError(RuntimeError):
+    """A pass on a context that was destroyed."""
+
+
+_ERRORS: dict[str, type[BaseException]] = {
+    c.__name__: c
+    for c in (
+        HostError, InvalidHandleError, SnapshotError, LimitError, SamplingError, ContextLengthError,
+        ChatTemplateError, KvCacheFullError, SequenceFreedError,
+    )
+}  # fmt: skip
+
+
+def _error(text: str) -> BaseException:
+    """The exception for a host error string ``"ClassName: message"``."""
+    name, sep, msg = text.partition(": ")
+    cls = _ERRORS.get(name) or getattr(builtins, name, None)
+    if not sep or not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return HostError(text)
+    return cls(msg)
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    """Call a WIT import; a host error is raised as its exception class, and
+    an argument the WIT types cannot carry (a negative handle, a huge int)
+    as ``ValueError`` naming the call."""
+    try:
+        return fn(*args)
+    except Err as e:
+        raise _error(e.value) from None
+    except (OverflowError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"host call {fn.__name__.replace('_', '-')}: invalid argument ({type(e).__name__}: {e})") from None
+
+
+# -- argument checks ------------------------------------------------------------
+# componentize-py aborts the whole component (a trap) when a value does not fit
+# its WIT type, so every argument is checked here first and a misfit raises
+# the same kind of error the native host raises.
+_U32 = 1 << 32
+
+
+def _handle(v: Any, what: str = "context") -> int:
+    if type(v) is not int or not 0 <= v < _U32:
+        raise InvalidHandleError(f"no {what} with handle {v!r}")
+    return v
+
+
+def _u32(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+        raise ValueError(f"{what} must be an integer in [0, 2**32), got {v!r}")
+    return int(v)
+
+
+def _u32s(vs: Any, what: str) -> list[int]:
+    if isinstance(vs, (str, bytes)) or not hasattr(vs, "__iter__"):
+        raise ValueError(f"{what} must be a list of integers, got {type(vs).__name__}")
+    vs = list(vs)
+    for v in vs:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+            raise ValueError(f"{what}: {v!r} is not an integer in [0, 2**32)")
+    return vs
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a str, got {type(v).__name__}")
+    return v
+
+
+def _model(v: Any) -> str | None:
+    return None if v is None else _str(v, "model name")
+
+
+def _float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SamplingError(f"{what} must be a number, got {v!r}")
+    return float(v)
+
+
+# -- futures ---------------------------------------------------------------------
+class HostFuture:
+    """A host operation in flight (``u64`` handle); await with :func:`wait`."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        return f"HostFuture({self.handle})"
+
+
+_waiting: dict[int, asyncio.Future] = {}
+
+
+def _slot_result(r: Any) -> Any:
+    if isinstance(r, _wit.SlotResult_Distribution):
+        ids, probs = r.value
+        return (list(ids), list(probs))
+    return r.value
+
+
+def _future_value(v: Any) -> Any:
+    if isinstance(v, _wit.FutureValue_Forward):
+        return [_slot_result(r) for r in v.value]
+    if isinstance(v, _wit.FutureValue_Count):
+        return v.value
+    if isinstance(v, _wit.FutureValue_Stats):
+        s = v.value
+        return {"tokens": s.tokens, "pages": s.pages, "live_pages": s.live_pages, "shared_pages": s.shared_pages}
+    if isinstance(v, _wit.FutureValue_Message):
+        return v.value.value
+    if isinstance(v, _wit.FutureValue_Http):
+        r = v.value
+        return {"status": r.status, "headers": dict(r.headers), "body": bytes(r.body)}
+    if isinstance(v, _wit.FutureValue_Child):
+        c = v.value
+        return {"id": c.id, "status": c.status, "result": json.loads(c.result_json), "error": c.error, "output": list(c.output)}
+    raise HostError(f"unknown future value {v!r}")
+
+
+def _complete(handle: int) -> None:
+    fut = _waiting.pop(handle, None)
+    try:
+        value = _future_value(_wit.future_take(handle))
+    except Err as e:
+        if fut is not None and not fut.done():
+            fut.set_exception(_error(e.value))
+        return
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+async def wait(fut: HostFuture) -> Any:
+    """Await a host future; returns its value (as the native binding does).
+
+    Raises:
+        the host's error for the operation (e.g. ``KvCacheFullError``).
+    """
+    if not isinstance(fut, HostFuture):
+        raise TypeError(f"wait takes a host future, got {type(fut).__name__}")
+    _handle(fut.handle, "future")
+    af = asyncio.get_running_loop().create_future()
+    _waiting[fut.handle] = af
+    try:
+        return await af
+    except asyncio.CancelledError:
+        if _waiting.pop(fut.handle, None) is not None:
+            _wit.future_drop(fut.handle)
+        raise
+
+
+class _HostSelector:
+    """The loop's 'selector': blocks in the host's ``wait-any`` until a host
+    future is ready or the next timer is due."""
+
+    def select(self, timeout: float | None) -> list:
+        if timeout is not None and timeout <= 0:
+            return []
+        handles = list(_waiting)
+        if not handles and timeout is None:
+            raise RuntimeError("deadlock: the inferlet waits for something that no host call or timer will complete")
+        done = _call(_wit.wait_any, handles, None if timeout is None else int(timeout * 1e9))
+        if done:
+            _complete(done)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class HostLoop(asyncio.BaseEventLoop):
+    """asyncio loop of a component: no sockets, no self-pipe; idles in the
+    host (``wait-any``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._selector = _HostSelector()
+
+    def _process_events(self, event_list: list) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        pass
+
+
+# -- the adapter -------------------------------------------------------------------
+def _sampler_params(o: dict) -> Any:
+    top_k, seed = o.get("top_k"), o.get("seed")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < _U32):
+        raise SamplingError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+        raise SamplingError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return _wit.SamplerParams(
+        temperature=_float(o.get("temperature", 0.0), "temperature"),
+        top_k=top_k,
+        top_p=_float(o.get("top_p", 1.0), "top_p"),
+        min_p=_float(o.get("min_p", 0.0), "min_p"),
+        seed=seed,
+    )
+
+
+def _output_slot(o: Any, n_inputs: int) -> Any:
+    if not isinstance(o, dict):
+        raise SamplingError(f"an output slot is a dict, got {type(o).__name__}")
+    kind = o.get("kind", "sample")
+    if kind == "sample":
+        k: Any = _wit.SlotKind_Sample(_sampler_params(o))
+    elif kind == "distribution":
+        kk = o.get("k", 1)
+        if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk < _U32:
+            raise SamplingError(f"distribution k must be an integer >= 1, got {kk!r}")
+        k = _wit.SlotKind_Distribution(_wit.DistributionParams(kk, _float(o.get("temperature", 1.0), "temperature")))
+    elif kind == "logits":
+        k = _wit.SlotKind_Logits()
+    elif kind == "logprobs":
+        k = _wit.SlotKind_Logprobs(_u32s(o.get("token_ids", ()), "logprobs token_ids"))
+    elif kind == "entropy":
+        k = _wit.SlotKind_Entropy()
+    else:
+        raise SamplingError(f"unknown output kind {kind!r} (sample, distribution, logits, logprobs, entropy)")
+    mask = o.get("logit_mask")
+    index = _u32(o.get("index", n_inputs - 1), "output index")
+    grammar = o.get("grammar")
+    grammar = None if grammar is None else _handle(grammar, "grammar matcher")
+    return _wit.OutputSlot(index, k, None if mask is None else _u32s(mask, "logit mask"), grammar)
+
+
+class WasmHost:
+    """:class:`tartlet.host.api.HostApi`'s methods over the WIT imports."""
+
+    # models
+    def model_names(self) -> list[str]:
+        return _call(_wit.model_names)
+
+    def model_info(self, model: str | None) -> dict[str, Any]:
+        m = _call(_wit.model_info, _model(model))
+        return {
+            "name": m.name, "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids),
+            "bos_token_id": m.bos_token_id, "page_size": m.page_size, "max_seq_len": m.max_seq_len,
+            "has_chat_template": m.has_chat_template,
+        }  # fmt: skip
+
+    def tokenize(self, model: str | None, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
+        return _call(_wit.tokenize, _model(model), text)
+
+    def detokenize(self, model: str | None, ids: list[int]) -> str:
+        return _call(_wit.detokenize, _model(model), _u32s(ids, "token ids"))
+
+    def apply_chat_template(self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        msgs = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"a chat message is a dict with `role` and `content`, got {m!r}")
+            content = m.get("content")
+            msgs.append(_wit.ChatMessage(_str(m["role"], "role"), None if content is None else _str(content, "content")))
+        return _call(_wit.apply_chat_template, _model(model), msgs, bool(add_generation_prompt))
+
+    def decoder_new(self, model: str | None) -> int:
+        return _call(_wit.decoder_new, _model(model))
+
+    def decoder_push(self, handle: int, ids: list[int]) -> str:
+        return _call(_wit.decoder_push, _handle(handle, "decoder"), _u32s(ids, "token ids"))
+
+    def decoder_free(self, handle: int) -> None:
+        _call(_wit.decoder_free, _handle(handle, "decoder"))
+
+    # contexts
+    def context_new(self, model: str | None) -> int:
+        return _call(_wit.context_new, _model(model))
+
+    def context_fork(self, handle: int) -> int:
+        return _call(_wit.context_fork, _handle(handle))
+
+    def context_free(self, handle: int) -> None:
+        _call(_wit.context_free, _handle(handle))
+
+    def context_tokens(self, handle: int) -> list[int]:
+        return _call(_wit.context_tokens, _handle(handle))
+
+    def context_len(self, handle: int) -> int:
+        return _call(_wit.context_len, _handle(handle))
+
+    def context_truncate(self, handle: int, n: int) -> None:
+        _handle(handle)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _U32:
+            raise ValueError(f"truncate to {n!r} outside [0, len]")
+        _call(_wit.context_truncate, handle, n)
+
+    def context_mask(self, handle: int, start: int, end: int, masked: bool) -> None:
+        _handle(handle)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U32 for x in (start, end)):
+            raise ValueError(f"mask range [{start!r}, {end!r}) outside the context")
+        _call(_wit.context_mask, handle, start, end, bool(masked))
+
+    def context_drop_masked_pages(self, handle: int) -> HostFuture:
+        return HostFuture(_call(_wit.context_drop_masked_pages, _handle(handle)))
+
+    def context_stats(self, handle: int) -> HostFuture:
+        return HostFuture(_call(_wit.context_stats, _handle(handle)))
+
+    # snapshots
+    def snapshot_save(self, handle: int, name: str) -> None:
+        _call(_wit.snapshot_save, _handle(handle), _str(name, "snapshot name"))
+
+    def snapshot_open(self, model: str | None, name: str) -> int:
+        return _call(_wit.snapshot_open, _model(model), _str(name, "snapshot name"))
+
+    def snapshot_take(self, model: str | None, name: str) -> int:
+        return _call(_wit.snapshot_take, _model(model), _str(name, "snapshot name"))
+
+    def snapshot_delete(self, model: str | None, name: str) -> None:
+        _call(_wit.snapshot_delete, _model(model), _str(name, "snapshot name"))
+
+    def snapshot_names(self, model: str | None) -> list[str]:
+        return _call(_wit.snapshot_names, _model(model))
+
+    # forward pass
+    def forward(
+        self,
+        handle: int,
+        tokens: list[int],
+        positions: list[int] | None = None,
+        attention: list[list[int]] | None = None,
+        outputs: list[dict[str, Any]] | None = None,
+    ) -> HostFuture:
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("forward needs a non-empty list of input tokens")
+        _handle(handle)
+        tokens = _u32s(tokens, "input tokens")
+        slots = [_output_slot(o, len(tokens)) for o in (outputs or [])]
+        pos = None if positions is None else _u32s(positions, "positions")
+        attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
+        return HostFuture(_call(_wit.forward, handle, tokens, pos, attn, slots))
+
+    # stats, session
+    def kv_stats(self, model: str | None) -> dict[str, int]:
+        s = _call(_wit.kv_stats, _model(model))
+        return {"total": s.total, "free": s.free, "cached": s.cached, "used": s.used, "page_size": s.page_size}
+
+    def session_send(self, msg: str | bytes) -> None:
+        if isinstance(msg, str):
+            _call(_wit.session_send, _wit.Message_Text(msg))
+        elif isinstance(msg, (bytes, bytearray)):
+            _call(_wit.session_send, _wit.Message_Bytes(bytes(msg)))
+        else:
+            raise TypeError(f"session messages are str or bytes, got {type(msg).__name__}")
+
+    def session_receive(self) -> HostFuture:
+        return HostFuture(_call(_wit.session_receive))
+
+
+    # messaging
+    def messaging_push(self, topic: str, msg: str | bytes) -> None:
+        _call(_wit.messaging_push, _str(topic, "topic"), _message(msg))
+
+    def messaging_pull(self, topic: str) -> HostFuture:
+        return HostFuture(_call(_wit.messaging_pull, _str(topic, "topic")))
+
+    def messaging_broadcast(self, topic: str, msg: str | bytes) -> int:
+        return _call(_wit.messaging_broadcast, _str(topic, "topic"), _message(msg))
+
+    def messaging_subscribe(self, topic: str) -> int:
+        return _call(_wit.messaging_subscribe, _str(topic, "topic"))
+
+    def messaging_next(self, sid: int) -> HostFuture:
+        return HostFuture(_call(_wit.messaging_next, _handle(sid, "subscription")))
+
+    def messaging_unsubscribe(self, sid: int) -> None:
+        _call(_wit.messaging_unsubscribe, _handle(sid, "subscription"))
+
+    # store
+    def store_get(self, key: str) -> str | None:
+        return _call(_wit.store_get, _str(key, "key"))
+
+    def store_set(self, key: str, value: str) -> None:
+        _call(_wit.store_set, _str(key, "key"), _str(value, "value"))
+
+    def store_delete(self, key: str) -> bool:
+        return _call(_wit.store_delete, _str(key, "key"))
+
+    def store_keys(self, prefix: str = "") -> list[str]:
+        return _call(_wit.store_keys, _str(prefix, "prefix"))
+
+    # http
+    def http_fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> HostFuture:
+        hs = [(_str(k, "header name"), _str(v, "header value")) for k, v in dict(headers or {}).items()]
+        data = body.encode() if isinstance(body, str) else (None if body is None else bytes(body))
+        return HostFuture(_call(_wit.http_fetch, _str(url, "url"), _str(method, "method"), hs, data))
+
+    # child inferlets
+    def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:
+        return _call(_wit.child_launch, _str(name, "inferlet name"), json.dumps(args or {}))
+
+    def child_wait(self, h: int) -> HostFuture:
+        return HostFuture(_call(_wit.child_wait, _handle(h, "child inferlet")))
+
+    def child_abort(self, h: int) -> None:
+        _call(_wit.child_abort, _handle(h, "child inferlet"))
+
+    def child_id(self, h: int) -> str:
+        return _call(_wit.child_id, _handle(h, "child inferlet"))
+
+    # grammar matchers
+    def grammar_new(self, model: str | None, kind: str, spec: Any) -> int:
+        return _call(_wit.grammar_new, _model(model), _str(kind, "grammar kind"), json.dumps(spec))
+
+    def grammar_mask(self, handle: int, form: str = "brle") -> list[int] | bytes:
+        return _call(_wit.grammar_mask, _handle(handle, "grammar matcher"), _str(form, "mask form")).value
+
+    def grammar_advance(self, handle: int, token: int) -> None:
+        _call(_wit.grammar_advance, _handle(handle, "grammar matcher"), _u32(token, "token id"))
+
+    def grammar_fork(self, handle: int) -> int:
+        return _call(_wit.grammar_fork, _handle(handle, "grammar matcher"))
+
+    def grammar_reset(self, handle: int) -> None:
+        _call(_wit.grammar_reset, _handle(handle, "grammar matcher"))
+
+    def grammar_is_finished(self, handle: int) -> bool:
+        return _call(_wit.grammar_is_finished, _handle(handle, "grammar matcher"))
+
+    def grammar_is_accepting(self, handle: int) -> bool:
+        return _call(_wit.grammar_is_accepting, _handle(handle, "grammar matcher"))
+
+    def grammar_free(self, handle: int) -> None:
+        _call(_wit.grammar_free, _handle(handle, "grammar matcher"))
+
+
+def _message(msg: Any) -> Any:
+    if isinstance(msg, str):
+        return _wit.Message_Text(msg)
+    if isinstance(msg, (bytes, bytearray)):
+        return _wit.Message_Bytes(bytes(msg))
+    raise TypeError(f"messages are str or bytes, got {type(msg).__name__}")
+
+
+_HOST = WasmHost()
+
+
+def host() -> WasmHost:
+    """The host API of the running inferlet (the component's WIT imports)."""
+    return _HOST
+
+
+# -- the export ----------------------------------------------------------------------
+def run_export(main: Any, args_json: str) -> str:
+    """Run ``main(args)`` to the end on a :class:`HostLoop`; the export
+    ``run`` of world ``inferlet``.
+
+    Returns:
+        ``main``'s result as JSON.
+
+    Raises:
+        Err: ``"ClassName: message\\n<traceback>"`` for any exception, so
+            only real faults (traps) end the component abnormally.
+    """
+    try:
+        if not inspect.iscoroutinefunction(main):
+            raise TypeError("the inferlet must define `async def main(args: dict)`")
+        args = json.loads(args_json)
+        result = asyncio.run(main(args), loop_factory=HostLoop)
+        try:
+            return json.dumps(result)
+        except TypeError as e:
+            raise TypeError(f"a sandboxed inferlet's result must be JSON-serialisable: {e}") from None
+    except Exception as e:
+        raise Err(f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from None
+    finally:
+        _waiting.clear()

@@ -1,0 +1,320 @@
+"""Host side of the WIT contract: the ``tartlet:inferlet/host`` imports.
+
+Every import calls :class:`tartlet.host.api.HostApi` of the instance that
+runs on the calling thread (each WASM instance has its own thread), after
+converting WIT values (wasmtime-py ``Record``/``Variant``/lists) to the
+plain data HostApi takes, and its result back. Futures (forward passes,
+stats, session receives) live in a per-instance handle table
+(``u64`` -> ``concurrent.futures.Future``); ``wait-any`` blocks on them with
+``concurrent.futures.wait`` (the GIL is released while blocked).
+
+Host functions never raise into wasmtime (wasmtime-py would park the
+exception in a process-global): a failed call returns the ``result`` error
+``"ClassName: message"``. The only exception is :class:`WasmtimeError`,
+raised on purpose to trap an instance that was aborted or ran out of CPU
+time; wasmtime passes it through as a trap of that instance alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from wasmtime import WasmtimeError
+from wasmtime.component import Linker, Record, Variant
+
+from ..host.api import HostApi
+from ..host.errors import InvalidHandleError
+
+#: The imported interface, as the component names it.
+INTERFACE = "tartlet:inferlet/host@0.1.0"
+#: Largest number of futures one instance may hold.
+MAX_FUTURES = 65536
+
+_current = threading.local()
+
+
+def current() -> "InstanceHost | None":
+    """The :class:`InstanceHost` bound to the calling thread (None if none)."""
+    return getattr(_current, "host", None)
+
+
+class InstanceHost:
+    """Host-side state of one WASM instance: its HostApi, its futures, and
+    why it must stop (abort / CPU limit), checked at every host call.
+
+    Args:
+        api: the instance's host API.
+    """
+
+    def __init__(self, api: HostApi) -> None:
+        self.api = api
+        self.futures: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count(1)
+        self.stop_reason: str | None = None
+        self.host_calls = 0
+
+    def bind(self) -> None:
+        """Make this the instance of the calling thread."""
+        _current.host = self
+
+    def unbind(self) -> None:
+        _current.host = None
+
+    def check_stop(self) -> None:
+        """Trap the instance (raise WasmtimeError) when it must stop."""
+        if self.stop_reason is not None:
+            raise WasmtimeError(f"tartlet: {self.stop_reason}")
+
+    def add_future(self, kind: str, fut: Future) -> int:
+        if len(self.futures) >= MAX_FUTURES:
+            fut.cancel()
+            raise ValueError(f"more than {MAX_FUTURES} host futures in flight; await some first")
+        h = next(self._ids)
+        self.futures[h] = (kind, fut)
+        return h
+
+    def future(self, h: int) -> tuple[str, Future]:
+        entry = self.futures.get(h)
+        if entry is None:
+            raise InvalidHandleError(f"no future with handle {h} (already taken, dropped, or never created)")
+        return entry
+
+    def wait_any(self, handles: list[int], timeout_ns: int | None) -> int:
+        """The first of ``handles`` that is done (0 after ``timeout_ns``).
+        An unknown handle counts as done: its ``future-take`` then fails with
+        InvalidHandleError, which the guest raises where it awaited it."""
+        for h in handles:
+            if h not in self.futures:
+                return h
+        futs = [(h, self.futures[h][1]) for h in handles]
+        deadline = None if timeout_ns is None else time.monotonic() + timeout_ns / 1e9
+        if not futs and deadline is None:
+            raise ValueError("wait-any with no handles and no timeout would block forever")
+        while True:
+            for h, f in futs:
+                if f.done():
+                    return h
+            self.check_stop()
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return 0
+            if futs:
+                concurrent.futures.wait([f for _, f in futs], timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                time.sleep(left)
+
+    def close(self) -> None:
+        """Forget all futures (the instance ended); HostApi.close frees pages."""
+        for _, f in self.futures.values():
+            f.cancel()
+        self.futures.clear()
+
+
+# -- value conversion --------------------------------------------------------------
+def _record(**fields: Any) -> Record:
+    r = Record()
+    for k, v in fields.items():
+        setattr(r, k.replace("_", "-"), v)
+    return r
+
+
+
+def _slot(o: Any) -> dict[str, Any]:
+    """WIT ``output-slot`` -> the HostApi slot dict."""
+    kind: Variant = o.kind
+    d: dict[str, Any] = {"index": o.index, "kind": kind.tag}
+    p = kind.payload
+    if kind.tag == "sample":
+        d.update(temperature=p.temperature, top_p=getattr(p, "top-p"), min_p=getattr(p, "min-p"))
+        if getattr(p, "top-k") is not None:
+            d["top_k"] = getattr(p, "top-k")
+        if p.seed is not None:
+            d["seed"] = p.seed
+    elif kind.tag == "distribution":
+        d.update(k=p.k, temperature=p.temperature)
+    elif kind.tag == "logprobs":
+        d["token_ids"] = list(p)
+    mask = getattr(o, "logit-mask")
+    if mask is not None:
+        d["logit_mask"] = list(mask)
+    if o.grammar is not None:
+        d["grammar"] = o.grammar
+    return d
+
+
+def _slot_result(r: Any) -> Any:
+    """A HostApi slot result -> WIT ``slot-result`` (untagged variant)."""
+    if isinstance(r, tuple):
+        ids, probs = r
+        return ([int(i) for i in ids], [float(p) for p in probs])
+    if isinstance(r, list):
+        return [float(x) for x in r]
+    if isinstance(r, float):
+        return r
+    return int(r)
+
+
+def _future_value(kind: str, v: Any) -> Variant:
+    """A finished future's value -> WIT ``future-value`` (a tagged variant:
+    ``stats``, ``http`` and ``child`` are all records)."""
+    return Variant(kind, _future_payload(kind, v))
+
+
+def _future_payload(kind: str, v: Any) -> Any:
+    if kind == "forward":
+        return [_slot_result(r) for r in v]
+    if kind == "count":
+        return int(v)
+    if kind == "stats":
+        return _record(**{k: int(v[k]) for k in ("tokens", "pages", "live_pages", "shared_pages")})
+    if kind == "message":
+        return v
+    if kind == "http":
+        body = v["body"]
+        return _record(
+            status=int(v["status"]), headers=[(str(k), str(x)) for k, x in dict(v["headers"]).items()],
+            body=body.encode() if isinstance(body, str) else bytes(body),
+        )  # fmt: skip
+    if kind == "child":
+        return _record(
+            id=str(v["id"]), status=str(v["status"]), result_json=json.dumps(v["result"]),
+            error=None if v["error"] is None else str(v["error"]),
+            output=[m if isinstance(m, str) else bytes(m).decode("utf-8", "replace") for m in v["output"]],
+        )  # fmt: skip
+    raise ValueError(f"unknown future kind {kind!r}")
+
+
+# -- the imports -----------------------------------------------------------------------
+def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list) -> int:
+    slots = [_slot(o) for o in outputs]
+    return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots))
+
+
+def _future_take(h: InstanceHost, handle: int) -> Any:
+    kind, fut = h.future(handle)
+    if not fut.done():
+        raise ValueError(f"future {handle} is not ready; wait-any for it first")
+    del h.futures[handle]
+    if fut.cancelled():
+        raise RuntimeError("the operation was cancelled")
+    exc = fut.exception()
+    if exc is not None:
+        raise exc
+    return _future_value(kind, fut.result())
+
+
+def _model_info(h: InstanceHost, model: str | None) -> Record:
+    i = h.api.model_info(model)
+    return _record(
+        name=i["name"], vocab_size=i["vocab_size"], eos_token_ids=list(i["eos_token_ids"]),
+        bos_token_id=i["bos_token_id"], page_size=i["page_size"], max_seq_len=i["max_seq_len"],
+        has_chat_template=bool(i["has_chat_template"]),
+    )  # fmt: skip
+
+
+def _kv_stats(h: InstanceHost, model: str | None) -> Record:
+    s = h.api.kv_stats(model)
+    return _record(**{k: int(s[k]) for k in ("total", "free", "cached", "used", "page_size")})
+
+
+def _chat(h: InstanceHost, model: str | None, messages: list, agp: bool) -> str:
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    return h.api.apply_chat_template(model, msgs, agp)
+
+
+# name -> (implementation, how the result is returned):
+#   plain: no result<>; unit: result<_, string>; untagged: result<T, string>
+#   whose T cannot be mistaken for a string; tagged: result<T, string> needing
+#   wasmtime's Variant (T is a string, or a variant containing strings)
+IMPORTS: dict[str, tuple[Any, str]] = {
+    "model-names": (lambda h: h.api.model_names(), "plain"),
+    "model-info": (_model_info, "untagged"),
+    "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
+    "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "tagged"),
+    "apply-chat-template": (_chat, "tagged"),
+    "decoder-new": (lambda h, m: h.api.decoder_new(m), "untagged"),
+    "decoder-push": (lambda h, d, ids: h.api.decoder_push(d, list(ids)), "tagged"),
+    "decoder-free": (lambda h, d: h.api.decoder_free(d), "plain"),
+    "context-new": (lambda h, m: h.api.context_new(m), "untagged"),
+    "context-fork": (lambda h, c: h.api.context_fork(c), "untagged"),
+    "context-free": (lambda h, c: h.api.context_free(c), "unit"),
+    "context-tokens": (lambda h, c: h.api.context_tokens(c), "untagged"),
+    "context-len": (lambda h, c: h.api.context_len(c), "untagged"),
+    "context-truncate": (lambda h, c, n: h.api.context_truncate(c, n), "unit"),
+    "context-mask": (lambda h, c, s, e, m: h.api.context_mask(c, s, e, m), "unit"),
+    "context-drop-masked-pages": (lambda h, c: h.add_future("count", h.api.context_drop_masked_pages(c)), "untagged"),
+    "context-stats": (lambda h, c: h.add_future("stats", h.api.context_stats(c)), "untagged"),
+    "snapshot-save": (lambda h, c, name: h.api.snapshot_save(c, name), "unit"),
+    "snapshot-open": (lambda h, m, name: h.api.snapshot_open(m, name), "untagged"),
+    "snapshot-take": (lambda h, m, name: h.api.snapshot_take(m, name), "untagged"),
+    "snapshot-delete": (lambda h, m, name: h.api.snapshot_delete(m, name), "unit"),
+    "snapshot-names": (lambda h, m: h.api.snapshot_names(m), "untagged"),
+    "forward": (_forward, "untagged"),
+    "kv-stats": (_kv_stats, "untagged"),
+    "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
+    "session-receive": (lambda h: h.add_future("message", h.api.session_receive()), "untagged"),
+    "messaging-push": (lambda h, t, m: h.api.messaging_push(t, m), "unit"),
+    "messaging-pull": (lambda h, t: h.add_future("message", h.api.messaging_pull(t)), "untagged"),
+    "messaging-broadcast": (lambda h, t, m: int(h.api.messaging_broadcast(t, m)), "untagged"),
+    "messaging-subscribe": (lambda h, t: h.api.messaging_subscribe(t), "untagged"),
+    "messaging-next": (lambda h, sid: h.add_future("message", h.api.messaging_next(sid)), "untagged"),
+    "messaging-unsubscribe": (lambda h, sid: h.api.messaging_unsubscribe(sid), "unit"),
+    "store-get": (lambda h, k: h.api.store_get(k), "tagged"),
+    "store-set": (lambda h, k, v: h.api.store_set(k, v), "unit"),
+    "store-delete": (lambda h, k: bool(h.api.store_delete(k)), "untagged"),
+    "store-keys": (lambda h, p: list(h.api.store_keys(p)), "untagged"),
+    "http-fetch": (lambda h, url, method, headers, body: h.add_future("http", h.api.http_fetch(url, method, dict(headers), body)), "untagged"),
+    "child-launch": (lambda h, name, args: h.api.child_launch(name, json.loads(args)), "untagged"),
+    "child-wait": (lambda h, c: h.add_future("child", h.api.child_wait(c)), "untagged"),
+    "child-abort": (lambda h, c: h.api.child_abort(c), "unit"),
+    "child-id": (lambda h, c: h.api.child_id(c), "tagged"),
+    "grammar-new": (lambda h, m, kind, spec: h.api.grammar_new(m, kind, json.loads(spec)), "untagged"),
+    "grammar-mask": (lambda h, g, form: h.api.grammar_mask(g, form), "untagged"),
+    "grammar-advance": (lambda h, g, t: h.api.grammar_advance(g, t), "unit"),
+    "grammar-fork": (lambda h, g: h.api.grammar_fork(g), "untagged"),
+    "grammar-reset": (lambda h, g: h.api.grammar_reset(g), "unit"),
+    "grammar-is-finished": (lambda h, g: bool(h.api.grammar_is_finished(g)), "untagged"),
+    "grammar-is-accepting": (lambda h, g: bool(h.api.grammar_is_accepting(g)), "untagged"),
+    "grammar-free": (lambda h, g: h.api.grammar_free(g), "unit"),
+    "wait-any": (lambda h, hs, t: h.wait_any(list(hs), t), "untagged"),
+    "future-take": (_future_take, "untagged"),  # future-value is a tagged Variant itself
+    "future-drop": (lambda h, f: h.futures.pop(f, None), "plain"),
+}
+
+
+def _wrap(name: str, fn: Any, mode: str) -> Any:
+    def impl(store: Any, *args: Any) -> Any:
+        h = current()
+        if h is None:  # pragma: no cover - an import called outside an instance thread
+            raise WasmtimeError(f"tartlet: host call {name} outside a WASM instance")
+        h.check_stop()
+        h.host_calls += 1
+        try:
+            value = fn(h, *args)
+        except WasmtimeError:
+            raise
+        except Exception as e:
+            if mode == "plain":
+                return None
+            msg = f"{type(e).__name__}: {e}"
+            return Variant("err", msg) if mode == "tagged" else msg
+        if mode == "unit" or (mode == "plain" and name != "model-names"):
+            return None
+        return Variant("ok", value) if mode == "tagged" else value
+
+    impl.__name__ = f"wit_{name.replace('-', '_')}"
+    return impl
+
+
+def add_host_imports(linker: Linker) -> None:
+    """Define every import of interface :data:`INTERFACE` in ``linker``."""
+    with linker.root() as root:
+        with root.add_instance(INTERFACE) as inst:
+            for name, (fn, mode) in IMPORTS.items():
+                inst.add_func(name, _wrap(name, fn, mode))
