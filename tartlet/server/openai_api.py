@@ -9,6 +9,14 @@ the OpenAI API reference (chat.completion, chat.completion.chunk,
 text_completion objects; ``data: ...`` SSE frames ending with
 ``data: [DONE]``).
 
+``response_format`` (chat and completions) constrains the output with the
+SDK's constrained decoding (:mod:`tartlet.constraint`): ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}`` gives JSON valid
+against the schema, ``{"type": "json_object"}`` a JSON object, ``{"type":
+"text"}`` no constraint. The schema is compiled here, before the inferlet is
+launched, so an invalid or unsupported one is an HTTP 400 naming the problem
+(the inferlet's compile then hits the grammar cache).
+
 Parameters this server cannot honour (tools, logprobs, n > 1, penalties,
 logit_bias, ...) are refused with HTTP 400 naming the parameter, never
 silently ignored. A client that disconnects aborts its request's instance.
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +35,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..host.grammar import GrammarError, Matcher
 from ..runtime.instance import Status
 from ..runtime.program import load_program
 from .auth import AuthError
@@ -40,7 +50,7 @@ CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
     "response_format", "metadata", "store",
 }
-COMPLETION_PARAMS = _COMMON | {"prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_PARAMS = _COMMON | {"response_format", "prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix"}
 #: Known OpenAI parameters and why they are refused.
 UNSUPPORTED = {
     "tools": "tool calling is not supported by this server (run an agent inferlet instead)",
@@ -114,9 +124,7 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
         raise _bad("'logprobs' is not supported", "logprobs", "unsupported_parameter")
     if body.get("echo") or body.get("suffix"):
         raise _bad("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _bad("only response_format {'type': 'text'} is supported (use the constrained-decoding inferlet)", "response_format", "unsupported_parameter")
+    rf = parse_response_format(body.get("response_format"))
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
@@ -161,13 +169,98 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)):
         raise _bad("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
     args["stop"] = stop
+    if rf is not None:
+        args["response_format"] = rf
     so = body.get("stream_options") or {}
     if not isinstance(so, dict) or set(so) - {"include_usage"}:
         raise _bad("'stream_options' supports only include_usage", "stream_options")
     return {"args": args, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
 
 
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+#: OpenAI's rule for ``json_schema.name``.
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def parse_response_format(rf: Any) -> dict[str, Any] | None:
+    """Validate an OpenAI ``response_format`` (shape only; the schema itself
+    is compiled by :func:`constraint_spec` + :meth:`Matcher.compile`).
+
+    Returns:
+        None for no constraint (absent, null or ``{"type": "text"}``);
+        ``{"type": "json_object"}``; or ``{"type": "json_schema",
+        "json_schema": {"name": str, "schema": dict | bool | None, "strict":
+        bool}}`` (``schema`` None: any JSON value), the form the
+        ``openai-completion`` inferlet takes.
+
+    Raises:
+        ApiError: 400 with ``param`` naming the bad field (unknown type,
+            missing or malformed ``json_schema``, bad ``name``/``strict``).
+    """
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise _bad(f"'response_format' must be an object like {{'type': 'json_schema', ...}}, got {type(rf).__name__}", "response_format")
+    kind = rf.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise _bad(
+            f"response_format type {kind!r} is not supported (supported: {', '.join(RESPONSE_FORMAT_TYPES)})",
+            "response_format.type", "unsupported_parameter",
+        )
+    extra = set(rf) - {"type", "json_schema"} if kind == "json_schema" else set(rf) - {"type"}
+    if extra:
+        raise _bad(f"unknown response_format field(s) for type {kind!r}: {', '.join(sorted(extra))}", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise _bad("response_format type 'json_schema' needs a 'json_schema' object with 'name' and 'schema'", "response_format.json_schema")
+    unknown = set(js) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise _bad(f"unknown response_format.json_schema field(s): {', '.join(sorted(unknown))}", "response_format.json_schema")
+    name = js.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise _bad(f"response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ or -, got {name!r}", "response_format.json_schema.name")
+    schema = js.get("schema")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise _bad(f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}", "response_format.json_schema.schema")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"response_format.json_schema.strict must be a boolean, got {strict!r}", "response_format.json_schema.strict")
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": bool(strict)}}
+
+
+def constraint_spec(rf: dict[str, Any]) -> tuple[str, Any]:
+    """The grammar ``(kind, spec)`` for a response format returned by
+    :func:`parse_response_format` (the kinds of :data:`tartlet.host.grammar.GRAMMAR_KINDS`):
+    ``json_object`` is the schema ``{"type": "object"}``, ``json_schema``
+    without a schema is any JSON value. The ``openai-completion`` inferlet
+    applies the same mapping."""
+    if rf["type"] == "json_object":
+        return "json_schema", {"type": "object"}
+    schema = rf["json_schema"]["schema"]
+    return ("any_json", None) if schema is None else ("json_schema", schema)
+
+
+def check_response_format(engine: Any, rf: dict[str, Any]) -> None:
+    """Compile ``rf``'s constraint for ``engine``'s tokenizer (cached, so the
+    inferlet's own compile is a copy) and drop it.
+
+    Raises:
+        ApiError: 400 naming the problem: invalid JSON Schema, unsupported
+            keyword, or a schema no output can satisfy (llguidance's message).
+    """
+    kind, spec = constraint_spec(rf)
+    try:
+        Matcher.compile(engine, kind, spec).close()
+    except GrammarError as e:
+        param = "response_format.json_schema.schema" if rf["type"] == "json_schema" else "response_format"
+        raise _bad(f"invalid response_format: {e}", param, "invalid_json_schema") from None
+
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop"}
 
 
 class OpenAiRoutes:
@@ -211,6 +304,9 @@ class OpenAiRoutes:
                 raise ApiError(404, f"model {model!r} is not served here (served: {served})", "model", "model_not_found")
             slot = self.service.state.model(model if isinstance(model, str) else None)
             req = parse_request(body, chat, slot.engine.scheduler.max_seq_len)
+            rf = req["args"].get("response_format")
+            if rf is not None:  # compile off the event loop (the first compile builds the tokenizer bridge)
+                await asyncio.to_thread(check_response_format, slot.engine, rf)
             queue: asyncio.Queue[str | None] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             listener = lambda m: loop.call_soon_threadsafe(queue.put_nowait, m if isinstance(m, str) else m.decode(errors="replace"))  # noqa: E731
