@@ -88,7 +88,8 @@ def main() -> None:
     text = tok.decode(ids)
 
     def ttft_ours() -> float:
-        engine.pool.evict_all_cached()  # no prefix reuse between repeats
+        # queued behind the last run's frees: no prefix reuse between repeats
+        engine.scheduler.command(engine.pool.evict_all_cached).result()
         _, dt = run_inferlets(engine, "text-completion", [{"prompt": text, "raw": True, "max_tokens": 1}])
         return dt
 

@@ -14,30 +14,88 @@ The final ranking divides each hypothesis' log-probability by
 ``length_penalty = 0`` ranks by total log-probability. With ``k = 1`` the
 result is exactly greedy decoding.
 
+Constrained mode: with one of ``json_schema``, ``regex`` or ``grammar``
+every beam carries its own grammar matcher (docs/constrained-decoding.md).
+A beam's probe names its matcher in the output slot (``{"grammar":
+handle}``), so the host masks the logits with that beam's state before the
+softmax: the probe's probabilities, and so ``logprob``, are those of the
+constrained distribution (renormalised over the allowed tokens). A child
+beam forks its parent's matcher and advances it with the chosen token; when
+the grammar is complete (only end-of-sequence may follow) the hypothesis is
+finished, like one that picked end-of-sequence (allowed only where the
+output is a complete match). Finished hypotheses then rank above unfinished
+ones, whose text is a prefix of a valid output only.
+
 Args:
     prompt (str, required): the user message.
     system (str): optional system message.
     k (int, default 3): beam width (1..16).
     max_tokens (int, default 32).
     length_penalty (float, default 1.0).
+    json_schema (dict or JSON text): constrain every beam to one JSON value
+        valid against this JSON Schema (:class:`tartlet.JsonSchema`).
+    regex (str): constrain every beam to a full match of this regex
+        (:class:`tartlet.Regex`, Rust ``regex`` syntax).
+    grammar (str): constrain every beam to a sentence of this Lark or GBNF
+        grammar (:class:`tartlet.Grammar`).
+    At most one of ``json_schema``, ``regex``, ``grammar`` (ValueError
+    otherwise; an invalid spec raises the grammar engine's ValueError before
+    anything is prefilled).
 
 Returns ``{"text", "tokens", "score", "logprob", "beams": [{"text",
 "tokens", "logprob", "score", "finished"}], "steps": int}``, beams best
 first; ``logprob`` is the natural-log probability of the tokens (the final
 end-of-sequence token included when finished), ``score`` the normalised one.
+With ``json_schema`` the result and each beam also carry ``"json"``: the
+parsed value, or None for an unfinished beam.
 """
 
 import asyncio
+import json
 import math
 
-from tartlet import Model, forward, session
+from tartlet import Grammar, JsonSchema, Model, Regex, forward, session
+from tartlet.constraint import slot_fields
+
+CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
+
+
+def make_constraint(args: dict, model_name: str):
+    """The constraint named by ``args`` (``json_schema``, ``regex`` or
+    ``grammar``), compiled for ``model_name``; None when none is given.
+
+    Raises:
+        ValueError: more than one constraint argument, or an invalid spec.
+        TypeError: ``regex`` / ``grammar`` is not a string.
+    """
+    given = [a for a in CONSTRAINT_ARGS if args.get(a) is not None]
+    if len(given) > 1:
+        raise ValueError(f"beam-search: give at most one of `json_schema`, `regex`, `grammar`; got {' and '.join(f'`{a}`' for a in given)}")
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "json_schema":
+        return JsonSchema(args[kind], model_name)
+    if kind == "regex":
+        return Regex(args[kind], model_name)
+    return Grammar(args[kind], model_name)
 
 
 class Beam:
-    def __init__(self, ctx, tokens: list[int], logprob: float) -> None:
+    """One hypothesis: its context (None once finished), tokens, total
+    log-probability and grammar matcher (None when unconstrained or finished)."""
+
+    def __init__(self, ctx, tokens: list[int], logprob: float, matcher=None) -> None:
         self.ctx = ctx
         self.tokens = tokens
         self.logprob = logprob
+        self.matcher = matcher
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
+        if self.matcher is not None:
+            self.matcher.close()
 
 
 async def main(args: dict) -> dict:
@@ -51,21 +109,28 @@ async def main(args: dict) -> dict:
     alpha = float(args.get("length_penalty", 1.0))
     model = Model.load(args.get("model"))
     eos = set(model.eos_token_ids)
+    constraint = make_constraint(args, model.name)
+    constrained = constraint is not None
 
     root = model.new_context()
     if args.get("system"):
         root.system(args["system"])
     root.user(prompt)
     root.begin_assistant()
-    beams = [Beam(root, [], 0.0)]
+    beams = [Beam(root, [], 0.0, constraint)]
     finished: list[Beam] = []
     steps = 0
     try:
         while beams and len(finished) < k and steps < max_tokens:
             steps += 1
-            probes = await asyncio.gather(
-                *(b.ctx.forward(outputs=[forward.distribution(len(b.ctx.pending) - 1, k=2 * k)]) for b in beams)
-            )
+
+            def probe(b: Beam) -> dict:
+                slot = forward.distribution(len(b.ctx.pending) - 1, k=2 * k)
+                if b.matcher is not None:
+                    slot.update(slot_fields(b.matcher))  # the host masks with this beam's state
+                return slot
+
+            probes = await asyncio.gather(*(b.ctx.forward(outputs=[probe(b)]) for b in beams))
             cands = []
             for b, (dist,) in zip(beams, probes):
                 for tok, p in zip(*dist):
@@ -73,34 +138,58 @@ async def main(args: dict) -> dict:
                         cands.append((b.logprob + math.log(p), b, tok))
             cands.sort(key=lambda c: -c[0])
             nxt: list[Beam] = []
-            for rank, (lp, parent, tok) in enumerate(cands):
-                if len(nxt) == k:
-                    break
-                if tok in eos:
-                    if rank < k:  # only an eos among the k best counts
-                        finished.append(Beam(None, parent.tokens + [tok], lp))
-                    continue
-                child = parent.ctx.fork()
-                child.fill_tokens([tok])
-                nxt.append(Beam(child, parent.tokens + [tok], lp))
+            try:
+                for rank, (lp, parent, tok) in enumerate(cands):
+                    if len(nxt) == k:
+                        break
+                    if tok in eos:
+                        if rank < k:  # only an eos among the k best counts
+                            finished.append(Beam(None, parent.tokens + [tok], lp))
+                        continue
+                    matcher = None
+                    if parent.matcher is not None:
+                        matcher = parent.matcher.fork()
+                        matcher.advance(tok)  # allowed: the probe was masked with this state
+                        if matcher.is_finished():
+                            matcher.close()
+                            if rank < k:  # the grammar is complete: finished like an eos
+                                finished.append(Beam(None, parent.tokens + [tok], lp))
+                            continue
+                    child = parent.ctx.fork()
+                    child.fill_tokens([tok])
+                    nxt.append(Beam(child, parent.tokens + [tok], lp, matcher))
+            except BaseException:
+                for b in nxt:  # children built so far
+                    b.close()
+                raise
             for b in beams:
-                b.ctx.close()
+                b.close()
             beams = nxt
         hyps = [(b, True) for b in finished] + [(b, False) for b in beams]
 
         def score(b: Beam) -> float:
             return b.logprob / (max(1, len(b.tokens)) ** alpha)
 
-        hyps.sort(key=lambda h: -score(h[0]))
+        # under a constraint an unfinished beam is not a valid output: rank it last
+        hyps.sort(key=lambda h: (constrained and not h[1], -score(h[0])))
         out = []
         for b, done in hyps:
             shown = [t for t in b.tokens if t not in eos]
-            out.append({"text": model.detokenize(shown), "tokens": b.tokens, "logprob": b.logprob, "score": score(b), "finished": done})
+            h = {"text": model.detokenize(shown), "tokens": b.tokens, "logprob": b.logprob, "score": score(b), "finished": done}
+            if args.get("json_schema") is not None:
+                h["json"] = json.loads(h["text"]) if done else None
+            out.append(h)
     finally:
         for b in beams:
-            b.ctx.close()
+            b.close()
         root.close()
+        if constraint is not None:
+            constraint.close()
     for i, h in enumerate(out):
         session.send(f"[{i}] {h['score']:.3f} ({h['logprob']:.2f}): {h['text']}\n")
     best = out[0]
-    return {"text": best["text"], "tokens": best["tokens"], "score": best["score"], "logprob": best["logprob"], "beams": out, "steps": steps}
+    res = {"text": best["text"], "tokens": best["tokens"], "score": best["score"], "logprob": best["logprob"], "beams": out, "steps": steps}
+    if "json" in best:
+        res["json"] = best["json"]
+    return res
+
