@@ -6,16 +6,19 @@
 2. An agent workload: a ReAct-style loop with ``--steps`` tool calls per
    task (tools served by a local HTTP server with a fixed latency), run
    (a) as an inferlet that calls the tools from inside the server with
-   ``tartlet.http`` and keeps its KV cache across steps, and (b) orchestrated
-   by the client over the OpenAI API (each step re-sends the conversation).
-   Same prompts, same tool latency, same run.
+   ``tartlet.http`` and keeps its KV cache across steps — installed and run
+   natively, and uploaded by the client and so run sandboxed (WASM, the
+   server's default for uploads) — and (b) orchestrated by the client over
+   the OpenAI API (each step re-sends the conversation). Same prompts, same
+   tool latency, same run. Each inferlet mode is warmed up once first (the
+   sandboxed upload's first launch builds its component).
 
     .venv/bin/python benchmarks/bench_server.py            # full run
     .venv/bin/python benchmarks/bench_server.py --quick    # smoke run
     .venv/bin/python benchmarks/bench_server.py --url http://127.0.0.1:8080  # an existing --no-auth server
                                                                              # (allowing 127.0.0.1:* for HTTP)
 
-Prints tables; asserts nothing about time.
+Prints tables and one ``JSON:`` line; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -79,9 +82,15 @@ def start_tools(latency_s: float) -> tuple[http.server.ThreadingHTTPServer, str]
 
 
 def start_server(kv_cache_mb: int) -> tuple[subprocess.Popen, str]:
+    """A --no-auth server with the agent installed as ``agent`` (native)."""
     d = Path(tempfile.mkdtemp(prefix="tartlet-bench-"))
+    (d / "programs").mkdir()
+    (d / "programs" / "agent.py").write_text(textwrap.dedent(AGENT))
     cfg = d / "config.toml"
-    cfg.write_text(f'data_dir = "{d}"\n[limits]\nmax_instances_per_user = 1000\n[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\n')
+    cfg.write_text(
+        f'data_dir = "{d}"\nprogram_dir = "{d / "programs"}"\n[limits]\nmax_instances_per_user = 1000\n'
+        f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\n'
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth", "--allow-host", "127.0.0.1:*"],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
@@ -125,22 +134,35 @@ async def bench_concurrent(url: str, n: int, max_tokens: int) -> dict:
     }
 
 
-async def agent_inferlet(url: str, prog: Path, tasks: int, steps: int, max_tokens: int, tool_url: str) -> list[float]:
+async def agent_inferlet(url: str, target: str | Path, tasks: int, steps: int, max_tokens: int, tool_url: str) -> tuple[list[float], float]:
+    """Run ``tasks`` agent inferlets at once (``target``: an installed name,
+    or a local file the client uploads); returns their latencies and the wall
+    time, both after one untimed warm-up launch."""
     async with await Client.connect(url) as c:
-        await c.upload(prog)
+        warm = await c.launch(target, {"task": "warm-up", "steps": 1, "max_tokens": 2, "tool_url": tool_url})
+        ex = await warm.wait()
+        assert ex.ok, ex.error
 
         async def one(i: int) -> float:
             t0 = time.perf_counter()
-            inst = await c.launch(prog, {"task": f"Task {i}: find the weather in city {i}.", "steps": steps,
-                                         "max_tokens": max_tokens, "tool_url": tool_url})
+            inst = await c.launch(target, {"task": f"Task {i}: find the weather in city {i}.", "steps": steps,
+                                           "max_tokens": max_tokens, "tool_url": tool_url})
             ex = await inst.wait()
             assert ex.ok, ex.error
             return time.perf_counter() - t0
 
-        return await asyncio.gather(*(one(i) for i in range(tasks)))
+        t0 = time.perf_counter()
+        lat = await asyncio.gather(*(one(i) for i in range(tasks)))
+        return lat, time.perf_counter() - t0
 
 
-async def agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_url: str) -> list[float]:
+async def agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_url: str) -> tuple[list[float], float]:
+    t0 = time.perf_counter()
+    lat = await _agent_client(url, tasks, steps, max_tokens, tool_url)
+    return lat, time.perf_counter() - t0
+
+
+async def _agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_url: str) -> list[float]:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * tasks + 4)) as client:
 
         async def chat(messages: list) -> str:
@@ -184,23 +206,31 @@ async def main() -> None:
     try:
         print(f"server {url}; chat completions, {a.max_tokens} tokens each")
         print(f"{'concurrent':>10} {'TTFT p50 s':>11} {'TTFT max s':>11} {'TPOT p50 ms':>12} {'tokens/s':>9} {'wall s':>7}")
+        chats = []
         for n in a.concurrency:
             r = await bench_concurrent(url, n, a.max_tokens)
+            chats.append(r)
             print(f"{n:>10} {r['ttft_p50']:>11.3f} {r['ttft_max']:>11.3f} {r['tpot_p50'] * 1000:>12.1f} {r['tok_s']:>9.1f} {r['wall']:>7.2f}")
         prog = Path(tempfile.mkdtemp(prefix="tartlet-agent-")) / "agent.py"
         prog.write_text(textwrap.dedent(AGENT))
-        t0 = time.perf_counter()
-        lat_i = await agent_inferlet(url, prog, a.tasks, a.steps, a.agent_tokens, tool_url)
-        wall_i = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lat_c = await agent_client(url, a.tasks, a.steps, a.agent_tokens, tool_url)
-        wall_c = time.perf_counter() - t0
+        args = (a.tasks, a.steps, a.agent_tokens, tool_url)
+        modes = {
+            "inferlet, native": await agent_inferlet(url, "agent", *args) if a.url is None else None,
+            "inferlet, sandboxed": await agent_inferlet(url, prog, *args),
+            "client over OpenAI API": await agent_client(url, *args),
+        }
+        modes = {k: v for k, v in modes.items() if v is not None}
+        base_lat, base_wall = modes["client over OpenAI API"]
         print(f"\nagent: {a.tasks} tasks x {a.steps} tool calls ({a.tool_latency_ms:g} ms each), {a.agent_tokens} tokens per thought")
-        print(f"{'mode':>22} {'latency p50 s':>14} {'tasks/s':>8}")
-        print(f"{'inferlet (in server)':>22} {statistics.median(lat_i):>14.3f} {a.tasks / wall_i:>8.3f}")
-        print(f"{'client over OpenAI API':>22} {statistics.median(lat_c):>14.3f} {a.tasks / wall_c:>8.3f}")
-        print(f"inferlet speed-up (>1: the inferlet wins): latency {statistics.median(lat_c) / statistics.median(lat_i):.2f}x, "
-              f"throughput {(a.tasks / wall_i) / (a.tasks / wall_c):.2f}x")
+        print(f"{'mode':>22} {'latency p50 s':>14} {'tasks/s':>8} {'latency ratio':>14} {'throughput ratio':>17}")
+        agent = {}
+        for name, (lat, wall) in modes.items():
+            agent[name] = {"latency_p50": statistics.median(lat), "tasks_per_s": a.tasks / wall}
+            print(f"{name:>22} {statistics.median(lat):>14.3f} {a.tasks / wall:>8.3f} "
+                  f"{statistics.median(base_lat) / statistics.median(lat):>13.2f}x {base_wall / wall:>16.2f}x")
+        print("ratios: against the client-orchestrated run (>1: faster than it)")
+        print("JSON:", json.dumps({"chat": chats, "agent": agent, "tasks": a.tasks, "steps": a.steps,
+                                   "tool_latency_ms": a.tool_latency_ms, "agent_tokens": a.agent_tokens}))
     finally:
         tools.shutdown()
         if proc is not None:

@@ -130,6 +130,8 @@ def setup(tmp_path_factory):
         max_wall_time_s = 120
         [http]
         allow_hosts = ["127.0.0.1:*"]
+        [programs]
+        uploaded_runtime = "native"  # uploads sandboxed by default: tests/test_server_sandbox.py
         """,
     )
     keys = {}

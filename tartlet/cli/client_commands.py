@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -299,22 +300,39 @@ def auth_remove(who: str = typer.Argument(..., help="A user (all its keys) or a 
 
 
 def install(
-    path: Path = typer.Argument(..., help="An inferlet folder or .py file."),
+    path: Path = typer.Argument(..., help="An inferlet folder, .py file or .wasm component."),
     config: Optional[Path] = CONFIG,
     force: bool = typer.Option(False, "--force", help="Replace an installed inferlet of the same name."),
 ) -> None:
-    """Install an inferlet into the server's program directory (launchable by name)."""
+    """Install an inferlet into the server's program directory (launchable by name).
+
+    Folders and .py files run as `[programs] installed_runtime` says; a .wasm
+    component (from `tartlet build`) always runs sandboxed, named by its file stem.
+    """
     from ..runtime.program import ProgramError, load_program
 
     cfg = _load(config)
+    dest_dir = Path(cfg.program_dir)
     try:
-        prog = load_program(path)
-        prog.load_main()
+        if path.suffix == ".wasm":
+            from ..runtime.wasm_engine import shared_engine
+
+            if not path.is_file():
+                raise ProgramError(f"no component at {path}")
+            with err.status(f"checking {path.name}"):
+                shared_engine().load(path)  # refuses what is not a component (and caches its compile)
+            name = path.stem
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", name):
+                raise ProgramError(f"a component's file stem is its name: use letters, digits, - and _, got {name!r}")
+            dest = dest_dir / f"{name}.wasm"
+        else:
+            prog = load_program(path)
+            prog.load_main()
+            name = prog.name
+            dest = dest_dir / (prog.name if path.is_dir() else f"{prog.name}.py")
     except ProgramError as e:
         _fail(str(e))
-    dest_dir = Path(cfg.program_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / (prog.name if path.is_dir() else f"{prog.name}.py")
     if dest.exists():
         if not force:
             _fail(f"{dest} exists (use --force to replace)")
@@ -323,7 +341,7 @@ def install(
         shutil.copytree(path, dest, ignore=shutil.ignore_patterns("__pycache__", ".*"))
     else:
         shutil.copy2(path, dest)
-    print(f"installed {prog.name} -> {dest}")
+    print(f"installed {name} -> {dest}")
 
 
 def register(app: typer.Typer) -> None:

@@ -169,10 +169,11 @@ class IoHostMixin:
                     "error": child.error, "output": list(getattr(child, "output", [])),
                 })
 
-        if child.task is None or child.task.done():
+        task = child.task
+        if task is None or task.done():
             finish()
-        else:
-            child.task.add_done_callback(finish)
+        else:  # this may be a WASM instance's thread: asyncio callbacks are added on the loop
+            task.get_loop().call_soon_threadsafe(task.add_done_callback, finish)
         return fut
 
     def child_abort(self, h: int) -> None:

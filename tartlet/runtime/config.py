@@ -18,7 +18,9 @@ reads it with :func:`load_config`. Layout::
                max_message_bytes, max_upload_bytes
     [auth]     enabled, keys_file
     [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
-    [programs] allow_uploads, uploaded_runtime ("native" now; "wasm" later)
+    [programs] allow_uploads, uploaded_runtime ("wasm": sandboxed, the default;
+               or "native"), installed_runtime ("native", the default, or
+               "wasm"), sandbox_memory_mb, sandbox_cpu_time_s
 
 Missing keys take the defaults below; unknown keys are an error (a typo
 must not silently change a limit).
@@ -102,12 +104,26 @@ class HttpConfig:
 
 @dataclass
 class ProgramsConfig:
-    """Client-uploaded programs: ``allow_uploads``; ``uploaded_runtime`` is
-    ``"native"`` (trusted, in-process; the only runtime today) or
-    ``"wasm"`` (sandboxed, refused until the WASM runtime lands)."""
+    """Which runtime runs which programs.
+
+    Attributes:
+        allow_uploads: run programs uploaded by clients at all.
+        uploaded_runtime: ``"wasm"`` (default: built into a component and
+            run sandboxed) or ``"native"`` (trusted, in-process: only for
+            servers whose clients are trusted).
+        installed_runtime: the same choice for inferlet folders installed
+            in ``program_dir`` and the bundled ones (default ``"native"``).
+            ``.wasm`` components always run sandboxed.
+        sandbox_memory_mb: linear-memory cap of a sandboxed instance, MiB.
+        sandbox_cpu_time_s: CPU-time limit of a sandboxed instance, seconds
+            (time blocked on the model does not count).
+    """
 
     allow_uploads: bool = True
-    uploaded_runtime: str = "native"
+    uploaded_runtime: str = "wasm"
+    installed_runtime: str = "native"
+    sandbox_memory_mb: int = 512
+    sandbox_cpu_time_s: float = 60.0
 
 
 @dataclass
@@ -176,8 +192,14 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ServerConfig
     cfg = _build(ServerConfig, {**raw, **built}, where)
     if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
         raise ConfigError(f"{where}: port must be an int in [0, 65535], got {cfg.port!r}")
-    if cfg.programs.uploaded_runtime not in ("native", "wasm"):
-        raise ConfigError(f"{where} [programs]: uploaded_runtime must be 'native' or 'wasm'")
+    for key in ("uploaded_runtime", "installed_runtime"):
+        if getattr(cfg.programs, key) not in ("native", "wasm"):
+            raise ConfigError(f"{where} [programs]: {key} must be 'native' or 'wasm', got {getattr(cfg.programs, key)!r}")
+    mem, cpu = cfg.programs.sandbox_memory_mb, cfg.programs.sandbox_cpu_time_s
+    if isinstance(mem, bool) or not isinstance(mem, int) or mem < 32:
+        raise ConfigError(f"{where} [programs]: sandbox_memory_mb must be an int >= 32 (MiB), got {mem!r}")
+    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
+        raise ConfigError(f"{where} [programs]: sandbox_cpu_time_s must be a positive number, got {cpu!r}")
     return cfg
 
 
@@ -213,7 +235,7 @@ def render_config(cfg: ServerConfig) -> str:
     d["models"] = [_clean(m) for m in d["models"]]
     header = (
         "# Tartlet server configuration (`tartlet serve --config THIS_FILE`).\n"
-        "# Limits left out are unlimited; [programs] uploaded_runtime = \"wasm\" will\n"
-        "# sandbox uploaded programs once the WASM runtime lands.\n\n"
+        "# Limits left out are unlimited. [programs] uploaded_runtime = \"wasm\" runs\n"
+        "# client uploads as sandboxed WebAssembly components.\n\n"
     )
     return header + tomli_w.dumps(_clean(d))

@@ -35,6 +35,7 @@ class Instance:
         result: ``main``'s return value once finished.
         error: why it failed or was aborted (None otherwise).
         owner: the user that launched it (server mode).
+        runtime: ``"native"`` or ``"wasm"`` (sandboxed).
     """
 
     program: Program
@@ -42,6 +43,7 @@ class Instance:
     session: Session
     api: HostApi
     owner: str = ""
+    runtime: str = "native"
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     status: Status = Status.RUNNING
     result: Any = None

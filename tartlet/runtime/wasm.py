@@ -42,10 +42,10 @@ from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Variant
 
-from ..host.api import HostApi
 from ..host.session import Session
 from ..host.state import HostState
 from . import builder
+from .base import BaseRuntime
 from .instance import Instance, Status
 from .program import Program, ProgramError, find_program
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
@@ -83,16 +83,22 @@ class WasmInstanceError(RuntimeError):
     """Raised when a component cannot be instantiated (refused at launch)."""
 
 
-class WasmRuntime:
+class WasmRuntime(BaseRuntime):
     """Launches WASM components (``.wasm`` files, or inferlet folders built
-    on the fly) with the same Instance model as the native runtime.
+    on the fly) with the same Instance model, limits and children as the
+    native runtime (:class:`~.base.BaseRuntime`); children of a component
+    run as components too.
 
     Args:
         state: the host's engines and registries.
         time_limit_s: default wall-time limit per instance (None: none).
         limits: default sandbox limits.
         engine: the wasmtime engine (default: the process's shared one).
+        **kw: ``max_pages``, ``max_instances_per_user``, ``program_dirs``,
+            ``instances``, as for :class:`~.base.BaseRuntime`.
     """
+
+    kind = "wasm"
 
     def __init__(
         self,
@@ -100,15 +106,14 @@ class WasmRuntime:
         time_limit_s: float | None = None,
         limits: WasmLimits | None = None,
         engine: WasmEngine | None = None,
+        **kw: Any,
     ) -> None:
-        self.state = state
-        self.time_limit_s = time_limit_s
+        super().__init__(state, time_limit_s, **kw)
         self.limits = limits or WasmLimits()
         self.wasm = engine or shared_engine()
         self.linker = Linker(self.wasm.engine)
         self.linker.add_wasip2()
         add_host_imports(self.linker)
-        self.instances: dict[str, Instance] = {}
 
     # -- programs ------------------------------------------------------------------
     @staticmethod
@@ -121,6 +126,8 @@ class WasmRuntime:
             ProgramError: unknown inferlet; BuildError: the build failed.
         """
         if isinstance(target, Program):
+            if target.entry.suffix == ".wasm":  # a component already
+                return target, target.entry
             return target, builder.build(target)
         p = Path(target).expanduser()
         if p.suffix == ".wasm":
@@ -129,6 +136,17 @@ class WasmRuntime:
             return Program(p.stem, p.parent, p, {}), p
         program = find_program(str(target), search)
         return program, builder.build(program)
+
+    def prepare(self, program: Program) -> Program:
+        """Build ``program`` (cached) and compile its component (cached), on
+        the calling thread: seconds the first time, milliseconds after.
+
+        Raises:
+            ProgramError, BuildError, WasmLoadError: as :meth:`launch`.
+        """
+        _, path = self.resolve(program)
+        self.wasm.load(path)
+        return program
 
     # -- launching --------------------------------------------------------------------
     def launch(
@@ -147,6 +165,7 @@ class WasmRuntime:
             WasmInstanceError: it does not fit the ``inferlet`` world, or
                 its initial memory exceeds the memory cap.
             ProgramError, BuildError: an inferlet folder that cannot be built.
+            LimitError: ``owner`` already runs ``max_instances_per_user``.
             TypeError: ``args`` is not a dict.
         """
         if args is None:
@@ -154,15 +173,14 @@ class WasmRuntime:
         if not isinstance(args, dict):
             raise TypeError(f"inferlet args must be a JSON object, got {type(args).__name__}")
         args_json = json.dumps(args)
+        self.check_user_cap(owner)
         prog, path = self.resolve(program)
         component = self.wasm.load(path)
         lim = limits or self.limits
         session = session or Session()
-        api = HostApi(self.state, session)
-        inst = Instance(prog, args, session, api, owner=owner)
-        api.instance_id = inst.id
-        api.owner = owner  # scopes messaging topics and store keys; children need a runtime (not yet in WASM)
-        host = InstanceHost(api)
+        inst = Instance(prog, args, session, self.new_api(session), owner=owner)
+        self.attach_api(inst, owner)
+        host = InstanceHost(inst.api)
         output = bytearray()
         scratch = Path(tempfile.mkdtemp(prefix=f"tartlet-scratch-{inst.id}-")) if lim.scratch else None
         store = self._store(lim, output, scratch)
@@ -179,7 +197,8 @@ class WasmRuntime:
             raise
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         ctx = _Run(inst, host, store, run, args_json, lim, output, scratch)
-        inst.task = asyncio.get_running_loop().create_task(self._run(ctx, limit), name=f"inferlet-wasm-{inst.id}")
+        self.loop = asyncio.get_running_loop()
+        inst.task = self.loop.create_task(self._run(ctx, limit), name=f"inferlet-wasm-{inst.id}")
         self.instances[inst.id] = inst
         return inst
 
@@ -221,9 +240,11 @@ class WasmRuntime:
             try:
                 outcome = await (asyncio.wait_for(asyncio.shield(done), limit) if limit else asyncio.shield(done))
             except asyncio.CancelledError:
-                host.stop_reason = inst.error or "aborted"
+                limit_error = getattr(inst, "limit_error", None)
+                host.stop_reason = limit_error or inst.error or "aborted"
                 await done
-                inst.status, inst.error = Status.ABORTED, inst.error or "aborted"
+                inst.status = Status.FAILED if limit_error else Status.ABORTED
+                inst.error = limit_error or inst.error or "aborted"
                 return
             except TimeoutError:
                 host.stop_reason = f"time limit of {limit:g} s exceeded"
@@ -231,6 +252,7 @@ class WasmRuntime:
             self._settle(ctx, outcome)
         finally:
             host.close()
+            inst.api.close_io()
             inst.api.close()
             inst.session.close()
             ctx.release()

@@ -3,10 +3,9 @@
 An upload is a dict ``{relative path: text}`` (an inferlet folder, or one
 ``main.py``). It is stored once under ``<upload_dir>/<hex digest>/`` and
 launched by its hash (:func:`tartlet.server.protocol.program_hash`), so a
-client sends a program's bytes only the first time. Uploaded programs run in
-the native runtime today; ``[programs] uploaded_runtime = "wasm"`` is the
-switch that will sandbox them once the WASM runtime exists (until then it
-refuses uploaded programs).
+client sends a program's bytes only the first time. ``[programs]
+uploaded_runtime`` says how they run: built into a WASM component and
+sandboxed (the default), or natively.
 """
 
 from __future__ import annotations

@@ -103,13 +103,13 @@ class Service:
         self.auth = auth and cfg.auth.enabled
         self.keys = KeyStore(cfg.auth.keys_file)
         self.programs = ProgramCache(cfg.upload_dir, lim.max_upload_bytes)
-        self.runtime = NativeRuntime(
-            state,
-            time_limit_s=lim.max_wall_time_s,
-            max_pages=lim.max_pages_per_instance,
-            max_instances_per_user=lim.max_instances_per_user,
-            program_dirs=[Path(cfg.program_dir)],
-        )
+        common = dict(
+            time_limit_s=lim.max_wall_time_s, max_pages=lim.max_pages_per_instance,
+            max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
+        )  # fmt: skip
+        self.runtime = NativeRuntime(state, **common)
+        self._common = common
+        self._sandbox: Any = None  # the WasmRuntime, created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
         self.launched = 0
@@ -127,37 +127,74 @@ class Service:
         return self.keys.user_of(key)
 
     # -- programs ------------------------------------------------------------------
-    def resolve(self, inferlet: Any = None, program: Any = None) -> Program:
-        """The program to launch: an installed/bundled name or an upload hash.
+    @property
+    def sandbox(self) -> Any:
+        """The WASM runtime for sandboxed programs (shares the native
+        runtime's instance table, so per-user limits count both)."""
+        if self._sandbox is None:
+            from ..runtime.wasm import WasmLimits, WasmRuntime
+
+            p = self.cfg.programs
+            self._sandbox = WasmRuntime(
+                self.state, limits=WasmLimits(memory_mb=p.sandbox_memory_mb, cpu_time_s=p.sandbox_cpu_time_s),
+                instances=self.runtime.instances, **self._common,
+            )  # fmt: skip
+        return self._sandbox
+
+    def resolve(self, inferlet: Any = None, program: Any = None) -> tuple[Program, bool]:
+        """The program to launch — an installed/bundled name, an installed
+        ``.wasm`` component, or an upload hash — and whether it runs
+        sandboxed (``[programs] uploaded_runtime`` / ``installed_runtime``;
+        components always are).
 
         Raises:
             ProtocolError: ``bad_request``, ``not_found``, ``unknown_program``,
-                ``forbidden`` (uploads off, or the wasm switch is set).
+                ``forbidden`` (uploads off).
         """
+        runtimes = self.cfg.programs
         if program is not None:
-            if not self.cfg.programs.allow_uploads:
+            if not runtimes.allow_uploads:
                 raise ProtocolError("forbidden", "this server does not run uploaded programs ([programs] allow_uploads)")
-            if self.cfg.programs.uploaded_runtime == "wasm":
-                raise ProtocolError(
-                    "forbidden", "uploaded programs must run sandboxed (uploaded_runtime = 'wasm'), "
-                    "and the WASM runtime is not available yet"
-                )
-            return self.programs.get(program)
+            return self.programs.get(program), runtimes.uploaded_runtime == "wasm"
         if not isinstance(inferlet, str):
             raise ProtocolError("bad_request", "launch needs `inferlet` (a name) or `program` (an upload hash)")
         try:
-            return self.runtime.find_program(inferlet)
+            found = self.runtime.find_program(inferlet)
         except ProgramError as e:
+            component = Path(self.cfg.program_dir) / f"{inferlet}.wasm"
+            if "/" not in inferlet and "\\" not in inferlet and not inferlet.startswith(".") and component.is_file():
+                return Program(inferlet, component.parent, component, {}), True
             raise ProtocolError("not_found", str(e)) from None
+        return found, runtimes.installed_runtime == "wasm"
+
+    async def prepare(self, program: Program, sandboxed: bool) -> None:
+        """Build and compile a sandboxed program (cached) on a worker thread,
+        so the event loop keeps serving meanwhile; nothing for native ones.
+
+        Raises:
+            ProtocolError: ``bad_request`` (the build or compile failed: the
+                message has the error).
+        """
+        if not sandboxed:
+            return
+        from ..runtime.builder import BuildError
+        from ..runtime.wasm_engine import WasmLoadError
+
+        try:
+            await asyncio.to_thread(self.sandbox.prepare, program)
+        except (ProgramError, BuildError, WasmLoadError) as e:
+            raise ProtocolError("bad_request", str(e)) from None
 
     # -- instances -----------------------------------------------------------------
     def launch(
         self, user: str, program: Program, args: Any, listener: Callable[[str | bytes], None] | None = None,
-        time_limit_s: Any = None,
+        time_limit_s: Any = None, sandboxed: bool = False,
     ) -> Instance:
         """Start ``program`` for ``user``; its output goes to the instance's
         :class:`Channel` (and to ``listener`` when given, instead).
         ``time_limit_s`` may lower (never raise) the configured wall-time limit.
+        ``sandboxed`` runs it as a WASM component (call :meth:`prepare`
+        first, or the build blocks the event loop).
 
         Raises:
             ProtocolError: ``bad_request`` (args not an object, program fails
@@ -174,11 +211,14 @@ class Service:
         loop = asyncio.get_running_loop()
         session = Session()
         try:
-            inst = self.runtime.launch(program, args, session, owner=user, time_limit_s=cap)
+            runtime = self.sandbox if sandboxed else self.runtime
+            inst = runtime.launch(program, args, session, owner=user, time_limit_s=cap)
         except LimitError as e:
             self.limit_refusals += 1
             raise ProtocolError("limit", str(e)) from None
         except (ProgramError, TypeError) as e:
+            raise ProtocolError("bad_request", str(e)) from None
+        except RuntimeError as e:  # WasmInstanceError, WasmLoadError, BuildError
             raise ProtocolError("bad_request", str(e)) from None
         self.launched += 1
         if listener is not None:
@@ -220,7 +260,7 @@ class Service:
             out.append({
                 "id": i.id, "program": i.program.name, "status": i.status.value, "owner": i.owner,
                 "started_at": i.started_at, "finished_at": i.finished_at, "error": i.error,
-                "parent": getattr(i, "parent", None),
+                "parent": getattr(i, "parent", None), "runtime": i.runtime,
             })
         return out
 

@@ -80,7 +80,7 @@ class Connection:
                 try:
                     if not isinstance(req, dict):
                         raise ProtocolError("bad_request", "a request is a JSON object with a `type`")
-                    reply = self.handle(req)
+                    reply = await self.handle(req)
                     if reply is not None:
                         self.emit({**reply, "id": rid})
                 except ProtocolError as e:
@@ -105,14 +105,15 @@ class Connection:
         self.attached.clear()
 
     # -- requests ------------------------------------------------------------------
-    def handle(self, req: dict[str, Any]) -> Event | None:
+    async def handle(self, req: dict[str, Any]) -> Event | None:
         t = req.get("type")
         svc, user = self.service, self.user
         if t == "ping":
             return {"type": "pong", "user": user}
         if t == "launch":
-            program = svc.resolve(req.get("inferlet"), req.get("program"))
-            inst = svc.launch(user, program, req.get("args", {}), time_limit_s=req.get("time_limit_s"))
+            program, sandboxed = svc.resolve(req.get("inferlet"), req.get("program"))
+            await svc.prepare(program, sandboxed)  # a first sandboxed launch builds: seconds, off the loop
+            inst = svc.launch(user, program, req.get("args", {}), time_limit_s=req.get("time_limit_s"), sandboxed=sandboxed)
             ch = svc.channels[inst.id]
             ch.abort_on_disconnect = bool(req.get("abort_on_disconnect", False))
             if req.get("attach", True):

@@ -1,0 +1,169 @@
+"""What the native and WASM runtimes share: the instance table, per-user
+and per-instance limits, program lookup by name, and child launches.
+
+A runtime subclass implements ``launch`` (and may override ``prepare``,
+which does the slow part of a launch — a build, a compile — on the calling
+thread). Two runtimes may share one instance table (the server's native and
+sandboxed runtimes do), so ``max_instances_per_user`` counts both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from ..host.api import HostApi
+from ..host.errors import LimitError
+from ..host.session import Session
+from .instance import Instance, Status
+from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program
+
+
+class LimitedHostApi(HostApi):
+    """A host API that checks the instance's page limit before each forward pass."""
+
+    def forward(self, handle: int, tokens: list[int], *args: Any, **kw: Any) -> Any:
+        if isinstance(tokens, list):
+            self.check_page_limit(handle, len(tokens))
+        return super().forward(handle, tokens, *args, **kw)
+
+
+class BaseRuntime:
+    """Instances and limits common to every runtime.
+
+    Args:
+        state: the host's engines and registries.
+        time_limit_s: default wall-time limit per instance, seconds (None: none).
+        max_pages: KV pages one instance's contexts may span (None: no limit).
+        max_instances_per_user: running instances per owner, counted over
+            ``instances`` (None: no limit).
+        program_dirs: folders searched (before the bundled one) for
+            inferlets launched by name (children, the server's installed ones).
+        instances: an instance table to share with another runtime (default:
+            a new one).
+    """
+
+    #: what :attr:`Instance.runtime` says of its instances
+    kind = "native"
+
+    def __init__(
+        self,
+        state: Any,
+        time_limit_s: float | None = None,
+        max_pages: int | None = None,
+        max_instances_per_user: int | None = None,
+        program_dirs: list[Path] | None = None,
+        instances: dict[str, Instance] | None = None,
+    ) -> None:
+        self.state = state
+        self.time_limit_s = time_limit_s
+        self.max_pages = max_pages
+        self.max_instances_per_user = max_instances_per_user
+        self.program_dirs = list(program_dirs or [])
+        self.instances: dict[str, Instance] = instances if instances is not None else {}
+        #: the event loop instances run on (set by the first launch)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def running(self, owner: str | None = None) -> list[Instance]:
+        """Running instances (of ``owner`` when given)."""
+        return [i for i in self.instances.values() if i.status is Status.RUNNING and (owner is None or i.owner == owner)]
+
+    def check_user_cap(self, owner: str) -> None:
+        """Raises LimitError when ``owner`` already runs ``max_instances_per_user``."""
+        cap = self.max_instances_per_user
+        if cap is not None and len(self.running(owner)) >= cap:
+            raise LimitError(f"user {owner or '(local)'!r} already runs {cap} instances, the limit (max_instances_per_user)")
+
+    def new_api(self, session: Session) -> HostApi:
+        """A host API for a new instance (page-limited when ``max_pages`` is set)."""
+        return (LimitedHostApi if self.max_pages is not None else HostApi)(self.state, session)
+
+    def attach_api(self, inst: Instance, owner: str) -> None:
+        """Wire ``inst.api`` to this runtime: id, owner, children, page limit."""
+        inst.runtime = self.kind
+        api = inst.api
+        api.instance_id = inst.id
+        api.owner, api.runtime, api.max_pages = owner, self, self.max_pages
+        api.on_limit = lambda msg, inst=inst: self.kill_for_limit(inst, msg)
+
+    def kill_for_limit(self, inst: Instance, msg: str) -> None:
+        """End ``inst`` as failed with ``msg`` (callable from any thread)."""
+        inst.limit_error = msg  # type: ignore[attr-defined]
+        task = inst.task
+        if task is None:
+            return
+        loop = task.get_loop()
+        if _on_loop(loop):
+            inst.abort(msg)
+        else:
+            loop.call_soon_threadsafe(inst.abort, msg)
+
+    def find_program(self, name: str) -> Program:
+        """A program by *name* only (no paths): ``program_dirs`` first, then
+        the bundled inferlets.
+
+        Raises:
+            ProgramError: a name with a path separator, or unknown.
+        """
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+            raise ProgramError(f"an inferlet name is a plain name like 'text-completion', got {name!r}")
+        for d in self.program_dirs + [BUNDLED_DIR]:
+            cand = Path(d) / name
+            if cand.is_dir():
+                return load_program(cand)
+            if cand.with_suffix(".py").is_file():
+                return load_program(cand.with_suffix(".py"))
+        known = ", ".join(sorted(list_programs(self.program_dirs))) or "none"
+        raise ProgramError(f"unknown inferlet {name!r} (known: {known})")
+
+    def prepare(self, program: Program) -> Program:
+        """Do the slow, blocking part of launching ``program`` (here: check
+        it imports). Call off the event loop when it may take long."""
+        program.load_main()
+        return program
+
+    def launch(self, program: Program, args: dict[str, Any] | None = None, session: Session | None = None,
+               owner: str = "", time_limit_s: float | None = None) -> Instance:  # fmt: skip
+        raise NotImplementedError
+
+    def launch_child(self, parent: HostApi, name: str, args: dict[str, Any]) -> Instance:
+        """Launch ``name`` for ``parent``'s owner, in this runtime; its session
+        sends are kept in ``child.output``, and it gets no client messages.
+        Callable from the event loop or from an instance's own thread (a
+        WASM parent: the build runs on that thread, the launch on the loop).
+
+        Raises:
+            ProgramError: unknown name; LimitError: too many instances.
+        """
+        program = self.find_program(name)
+        on_loop = self.loop is None or _on_loop(self.loop)
+        if not on_loop:
+            program = self.prepare(program)
+        session = Session()
+        output: list[str] = []
+        session.listen(lambda m: output.append(m) if isinstance(m, str) and len(output) < 10_000 else None)
+        session.close()
+
+        def start() -> Instance:
+            child = self.launch(program, args, session, owner=parent.owner)
+            child.output = output  # type: ignore[attr-defined]
+            child.parent = parent.instance_id  # type: ignore[attr-defined]
+            return child
+
+        if on_loop:
+            return start()
+
+        async def start_async() -> Instance:
+            return start()
+
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(start_async(), self.loop).result()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
