@@ -98,7 +98,7 @@ def main() -> None:
     from tartlet.host.state import HostState
     from tartlet.runtime.program import find_program
 
-    engine = load_engine(kv_cache_mb=512)
+    engine = load_engine(kv_cache_mb=2048)  # no-reuse holds 16 x ~1,000-token prompts at once
     state = HostState()
     state.add_engine(engine)
     sched = engine.scheduler

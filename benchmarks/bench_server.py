@@ -10,7 +10,8 @@
    natively, and uploaded by the client and so run sandboxed (WASM, the
    server's default for uploads) — and (b) orchestrated by the client over
    the OpenAI API (each step re-sends the conversation). Same prompts, same
-   tool latency, same run. Each inferlet mode is warmed up once first (the
+   tool latency, same token counts (every thought is exactly
+   ``--agent-tokens`` long: ``eos=False`` / ``ignore_eos``), same run. Each inferlet mode is warmed up once first (the
    sandboxed upload's first launch builds its component).
 
     .venv/bin/python benchmarks/bench_server.py            # full run
@@ -55,10 +56,10 @@ async def main(args):
         ctx.system("You are an agent. Think, then call a tool.")
         ctx.user(args["task"])
         for step in range(args["steps"]):
-            thought = await ctx.generate(max_tokens=args["max_tokens"]).collect_text()
+            thought = await ctx.generate(max_tokens=args["max_tokens"], eos=False).collect_text()
             r = await http.fetch(args["tool_url"] + f"?step={step}")
             ctx.user("Observation: " + r.text())
-        return await ctx.generate(max_tokens=args["max_tokens"]).collect_text()
+        return await ctx.generate(max_tokens=args["max_tokens"], eos=False).collect_text()
 """
 
 
@@ -166,7 +167,8 @@ async def _agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * tasks + 4)) as client:
 
         async def chat(messages: list) -> str:
-            r = await client.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": max_tokens})
+            r = await client.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+                                                                        "ignore_eos": True})
             r.raise_for_status()
             return r.json()["choices"][0]["message"]["content"]
 

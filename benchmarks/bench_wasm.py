@@ -128,7 +128,7 @@ async def main_async(opts) -> dict:
         f"programmability tax, text-completion, {n} tokens (best of {reps})",
         ["path", "TPOT ms", "overhead µs/token", "overhead / TPOT"],
         rows,
-        {},
+        None,
     )
     launch_rows = [
         ["cold: build (componentize-py)", t_build * 1e3],

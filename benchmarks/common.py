@@ -67,15 +67,17 @@ def best_of(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def report(title: str, columns: list[str], rows: list[list[Any]], payload: dict[str, Any]) -> None:
-    """Print a fixed-width table, then ``JSON: {...}`` on one line."""
+def report(title: str, columns: list[str], rows: list[list[Any]], payload: dict[str, Any] | None) -> None:
+    """Print a fixed-width table, then ``JSON: {...}`` on one line (none
+    when ``payload`` is None: a later table carries it)."""
     widths = [max(len(str(c)), *(len(_fmt(r[i])) for r in rows)) for i, c in enumerate(columns)]
     print(f"\n{title}")
     print("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths)))
-    print("JSON: " + json.dumps(payload))
+    if payload is not None:
+        print("JSON: " + json.dumps(payload))
 
 
 def _fmt(v: Any) -> str:

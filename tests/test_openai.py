@@ -72,6 +72,18 @@ async def test_completions_equal_raw_text_completion(server, oa):
     assert streamed == expected
 
 
+async def test_ignore_eos_generates_exactly_max_tokens(server, oa):
+    msgs = [{"role": "user", "content": "Say yes."}]
+    short = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 48 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content.startswith(short.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body={"ignore_eos": "yes"})
+    assert "ignore_eos" in str(e.value)
+
+
 async def test_unsupported_parameters_are_400(oa):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [

@@ -24,7 +24,7 @@ from pathlib import Path
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
 
-from . import wasm_fastlist
+from . import wasm_fastcall, wasm_fastlist
 from .builder import cache_dir
 from .program import ProgramError
 
@@ -43,6 +43,7 @@ class WasmEngine:
 
     def __init__(self) -> None:
         wasm_fastlist.install()
+        wasm_fastcall.install()
         cfg = Config()
         cfg.epoch_interruption = True
         self.engine = Engine(cfg)

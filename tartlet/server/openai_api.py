@@ -45,7 +45,7 @@ from .ws import bearer
 
 PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-completion"
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"}
 CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
     "response_format", "metadata", "store",
@@ -169,6 +169,10 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)):
         raise _bad("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
     args["stop"] = stop
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: generate exactly max_tokens
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    args["ignore_eos"] = ignore_eos
     if rf is not None:
         args["response_format"] = rf
     so = body.get("stream_options") or {}

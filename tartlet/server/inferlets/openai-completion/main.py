@@ -58,7 +58,8 @@ async def main(args: dict) -> dict:
                 ctx.fill(args["prompt"])
             prompt_tokens = ctx.seq_len
             gen = ctx.generate(
-                sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint
+                sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
+                eos=not args.get("ignore_eos", False),
             )
             async for step in gen:
                 if step.text:
