@@ -73,7 +73,7 @@ async def test_completions_equal_raw_text_completion(server, oa):
 
 
 async def test_ignore_eos_generates_exactly_max_tokens(server, oa):
-    msgs = [{"role": "user", "content": "Say yes."}]
+    msgs = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": PROMPT}]
     short = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
     r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
