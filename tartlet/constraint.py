@@ -214,3 +214,29 @@ class Grammar(HostGrammar):
         if not isinstance(text, str):
             raise TypeError(f"a grammar is a str, got {type(text).__name__}")
         super().__init__("grammar", text, model)
+
+
+#: inferlet arguments that name a constraint, at most one per call
+CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
+
+
+def constraint_from_args(args: dict[str, Any], model_name: str, who: str = "inferlet") -> HostGrammar | None:
+    """The constraint named by ``args`` (``json_schema``, ``regex`` or
+    ``grammar``; the standard inferlets' argument names), compiled for
+    ``model_name``; None when none is given. ``who`` prefixes the error.
+
+    Raises:
+        ValueError: more than one constraint argument, or an invalid spec.
+        TypeError: ``regex`` / ``grammar`` is not a string.
+    """
+    given = [a for a in CONSTRAINT_ARGS if args.get(a) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{who}: give at most one of `json_schema`, `regex`, `grammar`; got {' and '.join(f'`{a}`' for a in given)}")
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "json_schema":
+        return JsonSchema(args[kind], model_name)
+    if kind == "regex":
+        return Regex(args[kind], model_name)
+    return Grammar(args[kind], model_name)

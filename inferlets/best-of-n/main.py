@@ -48,31 +48,15 @@ import json
 import math
 import random
 
-from tartlet import Grammar, JsonSchema, Model, Regex, Sampler, session
+from tartlet import Model, Sampler, session
+from tartlet.constraint import constraint_from_args
 
-CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
 COMPLETE = ("constraint", "eos")
 
 
 def make_constraint(args: dict, model_name: str):
-    """The constraint named by ``args`` (``json_schema``, ``regex`` or
-    ``grammar``), compiled for ``model_name``; None when none is given.
-
-    Raises:
-        ValueError: more than one constraint argument, or an invalid spec.
-        TypeError: ``regex`` / ``grammar`` is not a string.
-    """
-    given = [a for a in CONSTRAINT_ARGS if args.get(a) is not None]
-    if len(given) > 1:
-        raise ValueError(f"best-of-n: give at most one of `json_schema`, `regex`, `grammar`; got {' and '.join(f'`{a}`' for a in given)}")
-    if not given:
-        return None
-    kind = given[0]
-    if kind == "json_schema":
-        return JsonSchema(args[kind], model_name)
-    if kind == "regex":
-        return Regex(args[kind], model_name)
-    return Grammar(args[kind], model_name)
+    """The ``json_schema`` / ``regex`` / ``grammar`` constraint of ``args`` (or None)."""
+    return constraint_from_args(args, model_name, "best-of-n")
 
 
 class ScoringSampler:
