@@ -7,7 +7,8 @@ et al., 2021), grouped-query attention (Ainslie et al., 2023), SwiGLU MLP
 execution only: one call runs a ragged batch of many sequences, reads and
 writes K/V in the page pool, and computes logits just for the rows asked for.
 Q/K/V and gate/up projections are fused into one matrix each, so a layer costs
-four matrix multiplications; weights are stored transposed (``[in, out]``).
+four matrix multiplications, each a :class:`~tartlet.engine.linear.Linear`
+(prepacked for oneDNN on CPU, residual adds fused in).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
+from .linear import Linear, onednn_packing_available
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -56,11 +58,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv.to(torch.float32)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 class LlamaModel:
     """Inference-only Llama-family model.
 
@@ -70,6 +67,11 @@ class LlamaModel:
             ... ``[out, in]``), as produced by :func:`tartlet.engine.loader.load_model`.
             Consumed: projections are fused and the dict is not kept.
         dtype: compute dtype (float32 or bfloat16); logits are float32.
+        device: where weights live and the model runs.
+        gemv_copy: on CPU with prepacked weights, also keep each layer weight
+            transposed for single-row (batch-1 decode) steps: faster, at the
+            cost of a second copy of the layer weights (see
+            :mod:`tartlet.engine.linear`).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        gemv_copy: bool = True,
     ):
         self.config = config
         self.dtype = dtype
@@ -91,32 +94,27 @@ class LlamaModel:
             except KeyError:
                 raise ValueError(f"model weights lack tensor {name!r}") from None
 
-        def wt(*names: str) -> torch.Tensor:
-            # [in, out] layout: on CPU, x @ W_t streams the weight rows in
-            # order and runs ~1.4x faster than F.linear for 1-2 rows (decode);
-            # larger batches run at the same speed either way.
-            return torch.cat([w(n) for n in names]).t().contiguous()
+        pack = onednn_packing_available(self.device, dtype)
+
+        def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=gemv_copy)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
-        # A second, transposed copy of the output projection (vocab x H floats)
-        # halves the logits time of small decode batches; big ones use lm_head.
-        self.lm_head_t = self.lm_head.t().contiguous()
+        # the vocabulary projection needs no GEMV copy: packed is as fast at one row
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"), pack=pack)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if c.attention_bias else None
             self.layers.append(
                 dict(
                     ln1=w(p + "input_layernorm.weight"),
-                    qkv=wt(*qkv),
-                    qkv_bias=bias,
-                    o=wt(p + "self_attn.o_proj.weight"),
+                    qkv=linear(*[p + f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
+                    o=linear(p + "self_attn.o_proj.weight"),
                     ln2=w(p + "post_attention_layernorm.weight"),
-                    gate_up=wt(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=wt(p + "mlp.down_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
         weights.clear()
@@ -124,10 +122,14 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(self.hd)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
 
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in the
+        ``rotate_half`` layout: ``x * cos + rotate_half(x) * sin``, with
+        ``rotate_half(x) = cat(-x2, x1)`` written as a roll of the halves
+        times ``sin`` with its first half negated (``sin`` arrives so)."""
+        return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
     def _attend(self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, kc: torch.Tensor, vc: torch.Tensor) -> None:
         B, L = g.kv_slots.shape
         Q = g.num_queries
@@ -168,27 +170,24 @@ class LlamaModel:
         nh, nkv, hd = self.nh, self.nkv, self.hd
         x = self.embed.index_select(0, batch.input_ids)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        cos = freqs.cos().repeat(1, 2).to(self.dtype)[:, None, :]
+        s = freqs.sin()
+        sin = torch.cat((-s, s), dim=-1).to(self.dtype)[:, None, :]
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["ln1"])
-            qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(layer["qkv_bias"], h, layer["qkv"])
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = q.view(T, nh, hd)
-            k = k.view(T, nkv, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
+            # RoPE once over the query and key heads together
+            qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, (nh + nkv) * hd :].view(T, nkv, hd)
             kc, vc = k_cache[i], v_cache[i]
             kc.index_copy_(0, batch.write_slots, k.to(kc.dtype))
-            vc.index_copy_(0, batch.write_slots, v.view(T, nkv, hd).to(vc.dtype))
+            vc.index_copy_(0, batch.write_slots, v.to(vc.dtype))
             for g in batch.groups:
                 self._attend(q, attn_out, g, kc, vc)
-            x = x + attn_out @ layer["o"]
-            h = self._rms_norm(x, layer["ln2"])
-            gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer["down"]
+            x = layer["o"](attn_out, residual=x)
+            gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+            x = layer["down"](F.silu(gate).mul_(up), residual=x)
         h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
-        logits = h @ self.lm_head_t if h.shape[0] <= 2 else F.linear(h, self.lm_head)
-        return logits.float()
+        return self.lm_head(h).float()
