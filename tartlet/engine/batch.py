@@ -20,15 +20,17 @@ class AttentionGroup:
 
     Attributes:
         rows: int64 ``[B * Q]`` rows of the flat batch holding the queries,
-            request-major; or ``None`` when the group is the contiguous row
-            range ``row_start : row_start + Q`` (``B == 1``).
+            request-major; or ``None`` when they are the contiguous rows
+            ``row_start : row_start + B * Q``.
         row_start: first row when ``rows`` is ``None``.
         num_queries: ``Q``, queries per request (padding rows are not
             allowed: decode groups have ``Q == 1``).
         kv_slots: int64 ``[B, L]`` pool rows of the keys/values each request
             attends to, padded with slot 0.
-        mask: bool ``[B, Q, L]`` (True = may attend), or ``None`` for plain
-            causal attention over exactly ``L == Q`` fresh tokens.
+        mask: bool ``[B, Q, L]`` (True = may attend), or ``None`` for
+            attention without padding or holes: plain causal over exactly
+            ``L == Q`` fresh tokens when ``Q > 1``, every one of the ``L``
+            slots when ``Q == 1``.
     """
 
     rows: torch.Tensor | None

@@ -124,17 +124,27 @@ class LlamaModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
 
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, Q, L]`` (True = may attend) as a float ``[B, 1, Q, L]``
+        additive mask: SDPA would otherwise convert it in every layer."""
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in the
         ``rotate_half`` layout: ``x * cos + rotate_half(x) * sin``, with
         ``rotate_half(x) = cat(-x2, x1)`` written as a roll of the halves
         times ``sin`` with its first half negated (``sin`` arrives so)."""
         return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
-    def _attend(self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    def _attend(
+        self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
+    ) -> None:
+        """Attention of one group's queries over its KV slots, written into
+        its rows of ``out`` ``[T, heads * head_dim]``; ``bias`` is the group's
+        mask as an additive ``[B, 1, Q, L]`` float mask (0 or -inf)."""
         B, L = g.kv_slots.shape
         Q = g.num_queries
         if g.rows is None:
-            qg = q[g.row_start : g.row_start + Q].unsqueeze(0)
+            qg = q[g.row_start : g.row_start + B * Q].view(B, Q, self.nh, self.hd)
         else:
             qg = q.index_select(0, g.rows).view(B, Q, self.nh, self.hd)
         flat = g.kv_slots.view(-1)
@@ -144,14 +154,14 @@ class LlamaModel:
             qg.transpose(1, 2),
             k,
             v,
-            attn_mask=None if g.mask is None else g.mask.unsqueeze(1),
-            is_causal=g.mask is None,
+            attn_mask=bias,
+            is_causal=bias is None and Q > 1,
             scale=self.scale,
             enable_gqa=self.nkv != self.nh,
         )
         o = o.transpose(1, 2).reshape(B * Q, self.nh * self.hd)
         if g.rows is None:
-            out[g.row_start : g.row_start + Q] = o
+            out[g.row_start : g.row_start + B * Q] = o
         else:
             out.index_copy_(0, g.rows, o)
 
@@ -175,17 +185,19 @@ class LlamaModel:
         sin = torch.cat((-s, s), dim=-1).to(self.dtype)[:, None, :]
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.layers):
+        # once per pass, not per layer: additive masks and per-layer cache views
+        biases = [None if g.mask is None else self._additive(g.mask) for g in batch.groups]
+        groups = list(zip(batch.groups, biases))
+        for layer, kc, vc in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
             # RoPE once over the query and key heads together
             qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * hd :].view(T, nkv, hd)
-            kc, vc = k_cache[i], v_cache[i]
-            kc.index_copy_(0, batch.write_slots, k.to(kc.dtype))
-            vc.index_copy_(0, batch.write_slots, v.to(vc.dtype))
-            for g in batch.groups:
-                self._attend(q, attn_out, g, kc, vc)
+            kc.index_copy_(0, batch.write_slots, k)
+            vc.index_copy_(0, batch.write_slots, v)
+            for g, bias in groups:
+                self._attend(q, attn_out, g, bias, kc, vc)
             x = layer["o"](attn_out, residual=x)
             gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
             x = layer["down"](F.silu(gate).mul_(up), residual=x)

@@ -423,14 +423,22 @@ class Scheduler:
         return slots, mask
 
     def _decode_group(self, decode: list[tuple[int, _Item]]) -> AttentionGroup:
-        views = []
-        masks = []
+        """One attention group for all single-token requests. The KV lists
+        are padded to the longest; the mask is left out when no request
+        needs one (no padding, nothing hidden), e.g. at batch size 1."""
+        views, masks = [], []
         for _, it in decode:
             slots, mask = self._kv_and_mask(it, it.req.done - 1)
             views.append(slots)
             masks.append(mask)
         B = len(decode)
-        L = max(v.shape[0] for v in views)
+        lens = [v.shape[0] for v in views]
+        L = max(lens)
+        rows = [r for r, _ in decode]
+        contiguous = rows == list(range(rows[0], rows[0] + B))
+        rows_t = None if contiguous else torch.tensor(rows, dtype=torch.long)
+        if min(lens) == L and all(m is None for m in masks):
+            return AttentionGroup(rows_t, rows[0], 1, torch.stack(views), None)
         kv = torch.zeros(B, L, dtype=torch.long)
         mask = torch.zeros(B, 1, L, dtype=torch.bool)
         for b, (v, m) in enumerate(zip(views, masks)):
@@ -439,8 +447,7 @@ class Scheduler:
                 mask[b, 0, : v.shape[0]] = True
             else:
                 mask[b, 0, : v.shape[0]] = m[0]
-        rows = torch.tensor([r for r, _ in decode], dtype=torch.long)
-        return AttentionGroup(rows, 0, 1, kv, mask)
+        return AttentionGroup(rows_t, rows[0], 1, kv, mask)
 
 
 def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
