@@ -163,14 +163,14 @@ def test_unsupported_hf_model_type(qwen2_folder, tmp_path):
         load_model(tmp_path)
 
 
-def engine_logits(path, dtype: str, ids: list[int], split: int) -> torch.Tensor:
+def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: bool = True) -> torch.Tensor:
     """Float32 logits ``[len(ids), vocab]`` of a whole Engine on ``path``: a
     prefill of ``split`` tokens, then one token per forward pass."""
     from tartlet.engine.engine import Engine, EngineConfig
     from tartlet.engine.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.scheduler import ForwardRequest
 
-    cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8)
+    cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8, cpu_kernels=cpu_kernels)
     loaded = load_model(path, dtype=cfg.torch_dtype())
     eng = Engine(cfg, loaded.config, loaded.weights, loaded.tokenizer)
     try:
@@ -185,15 +185,15 @@ def engine_logits(path, dtype: str, ids: list[int], split: int) -> torch.Tensor:
         eng.close()
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_qwen2_logits_match_transformers(qwen2_folder, dtype, rtol):
+@pytest.mark.parametrize("dtype,rtol,kernels", [("float32", 1e-5, True), ("float32", 1e-5, False), ("bfloat16", 2e-2, False)])
+def test_qwen2_logits_match_transformers(qwen2_folder, dtype, rtol, kernels):
     """QKV bias and an untied output head through our decoder (prefill, then
     decode through the paged KV cache) against transformers in float32."""
     path, ref = qwen2_folder
     ids = list(range(3, 40))
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()
-    got = engine_logits(path, dtype, ids, split=20)
+    got = engine_logits(path, dtype, ids, split=20, cpu_kernels=kernels)
     diff, scale = float((got - want).abs().max()), float(want.abs().max())
-    print(f"qwen2 {dtype}: max abs logit diff vs transformers float32 {diff:.2e} (largest logit {scale:.2f})")
+    print(f"qwen2 {dtype} (fused CPU kernels: {kernels}): max abs logit diff vs transformers float32 {diff:.2e} (largest logit {scale:.2f})")
     assert diff <= rtol * scale

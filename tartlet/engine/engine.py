@@ -39,6 +39,8 @@ class EngineConfig:
         max_batch_tokens: token budget of one model call.
         batch_wait_ms: how long a round waits for last round's requests, ms.
         threads: torch intra-op threads (``None``: torch's default).
+        cpu_kernels: use the fused C kernels on CPU in float32 (compiled on
+            first use; see :mod:`tartlet.engine.cpu_kernels`).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -49,6 +51,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     batch_wait_ms: float = 3.0
     threads: int | None = None
+    cpu_kernels: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         try:
@@ -83,7 +86,7 @@ class Engine:
         self.config = model_config
         self.tokenizer = tokenizer
         dtype, device = cfg.torch_dtype(), cfg.torch_device()
-        self.model = LlamaModel(model_config, weights, dtype=dtype, device=device)
+        self.model = LlamaModel(model_config, weights, dtype=dtype, device=device, cpu_kernels=cfg.cpu_kernels)
         c = model_config
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)

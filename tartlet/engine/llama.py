@@ -72,6 +72,9 @@ class LlamaModel:
             transposed for single-row (batch-1 decode) steps: faster, at the
             cost of a second copy of the layer weights (see
             :mod:`tartlet.engine.linear`).
+        cpu_kernels: on CPU in float32, use the fused C kernels of
+            :mod:`tartlet.engine.cpu_kernels` (RMSNorm, RoPE + KV write,
+            paged decode attention) when they can be compiled.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         gemv_copy: bool = True,
+        cpu_kernels: bool = True,
     ):
         self.config = config
         self.dtype = dtype
@@ -119,9 +123,16 @@ class LlamaModel:
             )
         weights.clear()
         self.inv_freq = rope_inv_freq(c).to(self.device)
+        self.kernels = None
+        if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
+            from . import cpu_kernels as ck
+
+            self.kernels = ck.load()
         self.scale = 1.0 / math.sqrt(self.hd)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
 
     def _additive(self, mask: torch.Tensor) -> torch.Tensor:
@@ -178,11 +189,15 @@ class LlamaModel:
             float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
         """
         nh, nkv, hd = self.nh, self.nkv, self.hd
+        kern = self.kernels
         x = self.embed.index_select(0, batch.input_ids)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos().repeat(1, 2).to(self.dtype)[:, None, :]
-        s = freqs.sin()
-        sin = torch.cat((-s, s), dim=-1).to(self.dtype)[:, None, :]
+        if kern is None:  # [T, 1, hd], sin's first half negated (see _rope)
+            cos = freqs.cos().repeat(1, 2).to(self.dtype)[:, None, :]
+            s = freqs.sin()
+            sin = torch.cat((-s, s), dim=-1).to(self.dtype)[:, None, :]
+        else:  # [T, hd / 2]
+            cos, sin = freqs.cos(), freqs.sin()
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         # once per pass, not per layer: additive masks and per-layer cache views
@@ -190,14 +205,20 @@ class LlamaModel:
         groups = list(zip(batch.groups, biases))
         for layer, kc, vc in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
-            # RoPE once over the query and key heads together
-            qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, (nh + nkv) * hd :].view(T, nkv, hd)
-            kc.index_copy_(0, batch.write_slots, k)
-            vc.index_copy_(0, batch.write_slots, v)
+            if kern is None:
+                # RoPE once over the query and key heads together
+                qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
+                q = qk[:, :nh]
+                kc.index_copy_(0, batch.write_slots, qk[:, nh:])
+                vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd))
+            else:
+                q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             for g, bias in groups:
-                self._attend(q, attn_out, g, bias, kc, vc)
+                if kern is not None and g.num_queries == 1:
+                    b2 = None if bias is None else bias.view(bias.shape[0], -1)
+                    kern.paged_decode_attention(q, kc, vc, g.kv_slots, b2, g.rows, g.row_start, attn_out, self.scale)
+                else:
+                    self._attend(q, attn_out, g, bias, kc, vc)
             x = layer["o"](attn_out, residual=x)
             gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
             x = layer["down"](F.silu(gate).mul_(up), residual=x)

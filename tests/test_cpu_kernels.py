@@ -1,0 +1,134 @@
+"""The fused C kernels equal the PyTorch ops they replace, and their absence
+is survivable (the model falls back to PyTorch)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tartlet.engine import cpu_kernels
+
+NH, NKV, HD = 9, 3, 64
+SLOTS = 256 * 16
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = cpu_kernels.load()
+    assert k is not None, "the C kernels did not build on this machine (see the warning logged)"
+    return k
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm(kern, rows):
+    g = gen(rows)
+    x = torch.randn(rows, 2 * 576, generator=g)[:, :576]  # strided rows
+    w = torch.randn(576, generator=g)
+    torch.testing.assert_close(kern.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 80])
+def test_rope_qkv_store(kern, rows):
+    g = gen(rows)
+    qkv = torch.randn(rows, (NH + 2 * NKV) * HD, generator=g)
+    freqs = torch.randint(0, 500, (rows, 1), generator=g).float() * (1e4 ** (-torch.arange(0, HD, 2) / HD))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(SLOTS, generator=g)[:rows]
+    kp, vp = torch.zeros(SLOTS, NKV, HD), torch.zeros(SLOTS, NKV, HD)
+    q = kern.rope_qkv_store(qkv, cos, sin, kp, vp, slots, NH, NKV, HD)
+
+    c, s = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    qk = qkv[:, : (NH + NKV) * HD].view(rows, NH + NKV, HD)
+    want = qk * c + rotate_half(qk) * s
+    torch.testing.assert_close(q, want[:, :NH], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp[slots], want[:, NH:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(vp[slots], qkv[:, (NH + NKV) * HD :].view(rows, NKV, HD))
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kp[untouched].any() and not vp[untouched].any(), "wrote outside the write slots"
+
+
+def sdpa_reference(q, kp, vp, slots, bias):
+    B, L = slots.shape
+    k = kp[slots].transpose(1, 2)  # [B, nkv, L, hd]
+    v = vp[slots].transpose(1, 2)
+    mask = None if bias is None else bias.view(B, 1, 1, L)
+    o = F.scaled_dot_product_attention(q[:, None].transpose(1, 2), k, v, attn_mask=mask, scale=HD**-0.5, enable_gqa=True)
+    return o.transpose(1, 2).reshape(B, NH * HD)
+
+
+@pytest.mark.parametrize("batch,length,masked", [(1, 1, False), (1, 40, False), (6, 37, True), (16, 130, True)])
+def test_paged_decode_attention(kern, batch, length, masked):
+    """Scattered pages, padding and holes in the mask, queries on chosen rows."""
+    g = gen(batch * length)
+    kp, vp = torch.randn(SLOTS, NKV, HD, generator=g), torch.randn(SLOTS, NKV, HD, generator=g)
+    pages = torch.randperm(SLOTS // 16, generator=g)[: batch * -(-length // 16)].view(batch, -1)
+    slots = (pages[:, :, None] * 16 + torch.arange(16)).reshape(batch, -1)[:, :length].contiguous()
+    bias = None
+    if masked:
+        visible = torch.rand(batch, length, generator=g) > 0.3
+        visible[:, -1] = True  # a token always sees itself
+        visible[0, length // 2 :] = False  # padding of a shorter sequence
+        visible[0, length // 2 - 1] = True
+        bias = torch.zeros(batch, length).masked_fill_(~visible, float("-inf"))
+    rows = torch.randperm(batch + 3, generator=g)[:batch]  # the batch's rows are scattered
+    q_all = torch.randn(batch + 3, NH, HD, generator=g)
+    out = torch.full((batch + 3, NH * HD), 7.0)
+    kern.paged_decode_attention(q_all, kp, vp, slots, bias, rows, 0, out, HD**-0.5)
+    want = sdpa_reference(q_all[rows], kp, vp, slots, bias)
+    torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(batch + 3, dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0), "wrote rows outside the batch"
+
+    # contiguous rows given by their start
+    out2 = torch.zeros(batch + 3, NH * HD)
+    kern.paged_decode_attention(q_all, kp, vp, slots, bias, None, 2, out2, HD**-0.5)
+    torch.testing.assert_close(out2[2 : 2 + batch], sdpa_reference(q_all[2 : 2 + batch], kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
+        assert cpu_kernels.load() is None
+    assert "fused CPU kernels unavailable" in caplog.text and "no-such-cc" in caplog.text
+
+
+def test_broken_compile_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
+        assert cpu_kernels.load() is None
+    assert "failed to compile" in caplog.text
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setenv("TARTLET_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is None
+
+
+def test_builds_into_cache_once(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    assert cpu_kernels.load() is not None
+    (lib,) = tmp_path.glob("cpu_kernels-*.so")
+    mtime = lib.stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    assert cpu_kernels.load() is not None
+    assert lib.stat().st_mtime_ns == mtime, "rebuilt although the source did not change"
