@@ -9,7 +9,8 @@ count for both systems:
 * time to first token for a 512-token prompt (prefill + one sampled token).
 
 Each measurement is the median of ``--repeats`` runs; Tartlet and
-transformers alternate so drifts in machine speed hit both. Prints a table
+transformers alternate run by run so drifts in machine speed hit both, and
+the ratio is the median of the per-pair ratios. Prints a table
 and one ``JSON:`` line. Usage::
 
     .venv/bin/python benchmarks/bench_decode.py [--quick] [--threads 2]
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import best_of, load_engine, load_hf_reference, report, run_inferlets
+from common import load_engine, paired, load_hf_reference, report, run_inferlets
 
 PROMPTS = [
     "Explain how a refrigerator works.",
@@ -39,7 +40,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both systems")
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens for the TTFT measurement")
     a = ap.parse_args()
@@ -77,11 +78,10 @@ def main() -> None:
             return time.perf_counter() - t0
 
         ours(), theirs()  # warm-up
-        t_ours = best_of(ours, a.repeats)
-        t_hf = best_of(theirs, a.repeats)
+        t_ours, t_hf, ratio = paired(ours, theirs, a.repeats)
         tps_ours, tps_hf = n * a.tokens / t_ours, n * a.tokens / t_hf
-        rows.append([f"decode, {n} concurrent", tps_ours, tps_hf, tps_ours / tps_hf, "tokens/s (aggregate)"])
-        payload["results"].append({"case": f"decode_{n}", "tartlet_tps": tps_ours, "transformers_tps": tps_hf, "ratio": tps_ours / tps_hf})
+        rows.append([f"decode, {n} concurrent", tps_ours, tps_hf, ratio, "tokens/s (aggregate)"])
+        payload["results"].append({"case": f"decode_{n}", "tartlet_tps": tps_ours, "transformers_tps": tps_hf, "ratio": ratio})
 
     # TTFT: a prompt of exactly prompt_len tokens, one generated token.
     ids = (tok("The quick brown fox jumps over the lazy dog. " * 200, add_special_tokens=False)["input_ids"])[: a.prompt_len]
@@ -100,9 +100,9 @@ def main() -> None:
         return time.perf_counter() - t0
 
     ttft_ours(), ttft_hf()
-    t1, t2 = best_of(ttft_ours, a.repeats), best_of(ttft_hf, a.repeats)
-    rows.append([f"TTFT, {a.prompt_len}-token prompt", t1 * 1000, t2 * 1000, t2 / t1, "ms (lower is better; ratio = speedup)"])
-    payload["results"].append({"case": f"ttft_{a.prompt_len}", "tartlet_ms": t1 * 1000, "transformers_ms": t2 * 1000, "ratio": t2 / t1})
+    t1, t2, ratio = paired(ttft_ours, ttft_hf, a.repeats)
+    rows.append([f"TTFT, {a.prompt_len}-token prompt", t1 * 1000, t2 * 1000, ratio, "ms (lower is better; ratio = speedup)"])
+    payload["results"].append({"case": f"ttft_{a.prompt_len}", "tartlet_ms": t1 * 1000, "transformers_ms": t2 * 1000, "ratio": ratio})
 
     report(
         f"Tartlet vs transformers, float32, {threads} threads, {a.tokens} tokens per request",

@@ -62,9 +62,13 @@ def run_inferlets(engine: Any, program: str, args_list: list[dict[str, Any]]) ->
     return res, time.perf_counter() - t0
 
 
-def best_of(fn: Callable[[], float], repeats: int) -> float:
-    """Median of ``repeats`` calls of ``fn`` (each returns seconds)."""
-    return statistics.median(fn() for _ in range(repeats))
+def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> tuple[float, float, float]:
+    """Run the two systems alternately ``repeats`` times (ours, theirs, ours,
+    ...), so that a drift in machine speed hits both; returns the median
+    seconds of each and the median of the per-pair ratios theirs/ours."""
+    pairs = [(ours(), theirs()) for _ in range(repeats)]
+    a, b = zip(*pairs)
+    return statistics.median(a), statistics.median(b), statistics.median(y / x for x, y in pairs)
 
 
 def report(title: str, columns: list[str], rows: list[list[Any]], payload: dict[str, Any] | None) -> None:

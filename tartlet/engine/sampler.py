@@ -133,7 +133,8 @@ class SlotSampler:
                 logits[i].masked_fill_(~allowed, float("-inf"))
         greedy = [i for i, s in enumerate(slots) if out[i] is None and isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0]
         if greedy:
-            ids = logits[greedy].argmax(dim=-1).tolist()
+            rows = logits if len(greedy) == len(slots) else logits[greedy]
+            ids = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = t
         for i, s in enumerate(slots):

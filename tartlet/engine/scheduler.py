@@ -426,19 +426,23 @@ class Scheduler:
         """One attention group for all single-token requests. The KV lists
         are padded to the longest; the mask is left out when no request
         needs one (no padding, nothing hidden), e.g. at batch size 1."""
+        B = len(decode)
+        rows = [r for r, _ in decode]
+        rows_t = None if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, dtype=torch.long)
+        simple = self._plain_decode_slots(decode)
+        if simple is not None:
+            kv, lens = simple
+            L = kv.shape[1]
+            if min(lens) == L:
+                return AttentionGroup(rows_t, rows[0], 1, kv, None)
+            mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
+            return AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
         views, masks = [], []
         for _, it in decode:
             slots, mask = self._kv_and_mask(it, it.req.done - 1)
             views.append(slots)
             masks.append(mask)
-        B = len(decode)
-        lens = [v.shape[0] for v in views]
-        L = max(lens)
-        rows = [r for r, _ in decode]
-        contiguous = rows == list(range(rows[0], rows[0] + B))
-        rows_t = None if contiguous else torch.tensor(rows, dtype=torch.long)
-        if min(lens) == L and all(m is None for m in masks):
-            return AttentionGroup(rows_t, rows[0], 1, torch.stack(views), None)
+        L = max(v.shape[0] for v in views)
         kv = torch.zeros(B, L, dtype=torch.long)
         mask = torch.zeros(B, 1, L, dtype=torch.bool)
         for b, (v, m) in enumerate(zip(views, masks)):
@@ -448,6 +452,26 @@ class Scheduler:
             else:
                 mask[b, 0, : v.shape[0]] = m[0]
         return AttentionGroup(rows_t, rows[0], 1, kv, mask)
+
+    def _plain_decode_slots(self, decode: list[tuple[int, _Item]]) -> tuple[torch.Tensor, list[int]] | None:
+        """The common case of :meth:`_decode_group` in a few tensor ops for
+        the whole batch: when every request attends causally to all its
+        tokens (no custom mask, nothing hidden, no dropped page), the KV
+        slots ``[B, L]`` (rows padded with slots of page 0) and each
+        request's length; else ``None``."""
+        ps = self.pool.page_size
+        tables, lens = [], []
+        for _, it in decode:
+            seq, end = it.req.seq, it.start + 1
+            table = seq.pages[: -(-end // ps)]
+            if it.req.attention is not None or None in table or seq.masked.find(1, 0, end) != -1:
+                return None
+            tables.append(table)
+            lens.append(end)
+        P = max(len(t) for t in tables)
+        pages = torch.tensor([t + [0] * (P - len(t)) for t in tables], dtype=torch.long)
+        slots = (pages[:, :, None] * ps + torch.arange(ps)).view(len(decode), P * ps)
+        return slots[:, : max(lens)].contiguous(), lens
 
 
 def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
