@@ -146,6 +146,7 @@ class LlamaModel:
         ``rotate_half(x) = cat(-x2, x1)`` written as a roll of the halves
         times ``sin`` with its first half negated (``sin`` arrives so)."""
         return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
+
     def _attend(
         self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
     ) -> None:
