@@ -4,6 +4,8 @@ is survivable (the model falls back to PyTorch)."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ SLOTS = 256 * 16
 
 @pytest.fixture(scope="module")
 def kern():
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine: the engine runs the PyTorch path (tested elsewhere)")
     k = cpu_kernels.load()
     assert k is not None, "the C kernels did not build on this machine (see the warning logged)"
     return k
