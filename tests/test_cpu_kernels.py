@@ -136,3 +136,23 @@ def test_builds_into_cache_once(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     assert cpu_kernels.load() is not None
     assert lib.stat().st_mtime_ns == mtime, "rebuilt although the source did not change"
+
+
+def test_portable_build_without_avx2(monkeypatch, tmp_path):
+    """A CPU without AVX2/FMA gets the plain C loops; they give the same results."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set())
+    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    k = cpu_kernels.load()
+    assert k is not None
+    g = gen(1)
+    kp, vp = torch.randn(SLOTS, NKV, HD, generator=g), torch.randn(SLOTS, NKV, HD, generator=g)
+    slots = torch.randperm(SLOTS, generator=g)[: 3 * 50].view(3, 50)
+    bias = torch.zeros(3, 50)
+    bias[1, 20:] = float("-inf")
+    q = torch.randn(3, NH, HD, generator=g)
+    out = torch.zeros(3, NH * HD)
+    k.paged_decode_attention(q, kp, vp, slots, bias, None, 0, out, HD**-0.5)
+    torch.testing.assert_close(out, sdpa_reference(q, kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(4, 576, generator=g), torch.randn(576, generator=g)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
