@@ -4,8 +4,6 @@ is survivable (the model falls back to PyTorch)."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ SLOTS = 256 * 16
 
 @pytest.fixture(scope="module")
 def kern():
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if not cpu_kernels.find_compiler():
         pytest.skip("no C compiler on this machine: the engine runs the PyTorch path (tested elsewhere)")
     k = cpu_kernels.load()
     assert k is not None, "the C kernels did not build on this machine (see the warning logged)"
@@ -105,7 +103,7 @@ def test_paged_decode_attention(kern, batch, length, masked):
 
 def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
         assert cpu_kernels.load() is None
@@ -114,7 +112,7 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
 
 def test_broken_compile_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
         assert cpu_kernels.load() is None
@@ -129,9 +127,9 @@ def test_disabled_by_environment(monkeypatch):
 
 def test_builds_into_cache_once(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     assert cpu_kernels.load() is not None
-    (lib,) = tmp_path.glob("cpu_kernels-*.so")
+    (lib,) = (tmp_path / "kernels").glob("cpu_kernels-*.so")
     mtime = lib.stat().st_mtime_ns
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     assert cpu_kernels.load() is not None
@@ -142,7 +140,7 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     """A CPU without AVX2/FMA gets the plain C loops; they give the same results."""
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set())
-    monkeypatch.setenv("TARTLET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     k = cpu_kernels.load()
     assert k is not None
     g = gen(1)

@@ -10,7 +10,7 @@ order (checked by ``tests/test_cpu_kernels.py``).
 
 The C file is compiled on first use with the system C compiler (``CC``, else
 ``cc``) into the user cache directory, keyed by a hash of the source, the
-flags and the compiler, then loaded with :mod:`ctypes`. OpenMP comes from the
+flags and the compiler (``$TARTLET_CACHE_DIR/kernels``), then loaded with :mod:`ctypes`. OpenMP comes from the
 ``libgomp`` PyTorch has already loaded, so both share one thread pool. When
 no compiler is found, compilation fails or ``TARTLET_CPU_KERNELS=0`` is set,
 :func:`load` returns ``None`` and the model keeps the PyTorch path.
@@ -48,9 +48,16 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
+    """``kernels/`` under Tartlet's cache folder: ``$TARTLET_CACHE_DIR``, else
+    the user cache dir (the convention of :func:`tartlet.runtime.builder.cache_dir`)."""
     from platformdirs import user_cache_dir
 
-    return Path(os.environ.get("TARTLET_KERNEL_CACHE") or Path(user_cache_dir("tartlet")) / "kernels")
+    return Path(os.environ.get("TARTLET_CACHE_DIR") or user_cache_dir("tartlet")).expanduser() / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _build() -> Path:
@@ -59,7 +66,7 @@ def _build() -> Path:
     Raises:
         RuntimeError: no C compiler, or it failed (its stderr is included).
     """
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = find_compiler()
     if not cc:
         raise RuntimeError("no C compiler found (set CC)")
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]

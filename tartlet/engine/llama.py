@@ -201,9 +201,13 @@ class LlamaModel:
             cos, sin = freqs.cos(), freqs.sin()
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
-        # once per pass, not per layer: additive masks and per-layer cache views
-        biases = [None if g.mask is None else self._additive(g.mask) for g in batch.groups]
-        groups = list(zip(batch.groups, biases))
+        # once per pass, not per layer: additive masks (as [B, L] rows for
+        # the decode kernel) and per-layer cache views
+        groups = []
+        for g in batch.groups:
+            bias = None if g.mask is None else self._additive(g.mask)
+            by_kernel = kern is not None and g.num_queries == 1
+            groups.append((g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)))
         for layer, kc, vc in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
             if kern is None:
@@ -214,10 +218,9 @@ class LlamaModel:
                 vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd))
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
-            for g, bias in groups:
-                if kern is not None and g.num_queries == 1:
-                    b2 = None if bias is None else bias.view(bias.shape[0], -1)
-                    kern.paged_decode_attention(q, kc, vc, g.kv_slots, b2, g.rows, g.row_start, attn_out, self.scale)
+            for g, bias, by_kernel, rows_bias in groups:
+                if by_kernel:
+                    kern.paged_decode_attention(q, kc, vc, g.kv_slots, rows_bias, g.rows, g.row_start, attn_out, self.scale)
                 else:
                     self._attend(q, attn_out, g, bias, kc, vc)
             x = layer["o"](attn_out, residual=x)
