@@ -8,10 +8,9 @@ decode attention read straight from the page pool (no gathered copy of the
 keys and values). Results equal the PyTorch path up to float32 summation
 order (checked by ``tests/test_cpu_kernels.py``).
 
-The C file is compiled on first use with the system C compiler (``CC``, else
-``cc``) into the user cache directory, keyed by a hash of the source, the
-flags and the compiler (``$TARTLET_CACHE_DIR/kernels``), then loaded with :mod:`ctypes`. OpenMP comes from the
-``libgomp`` PyTorch has already loaded, so both share one thread pool. When
+The C file is compiled on first use (:mod:`tartlet.engine.c_build`: once per
+machine, cached under ``$TARTLET_CACHE_DIR/kernels``), then loaded with
+:mod:`ctypes`. When
 no compiler is found, compilation fails or ``TARTLET_CPU_KERNELS=0`` is set,
 :func:`load` returns ``None`` and the model keeps the PyTorch path.
 """
@@ -19,16 +18,14 @@ no compiler is found, compilation fails or ``TARTLET_CPU_KERNELS=0`` is set,
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from .c_build import compile_library, cpu_flags, find_compiler  # noqa: F401 (find_compiler: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -37,27 +34,7 @@ _lock = threading.Lock()
 _loaded: "CpuKernels | None | bool" = False  # False: not tried yet
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_dir() -> Path:
-    """``kernels/`` under Tartlet's cache folder: ``$TARTLET_CACHE_DIR``, else
-    the user cache dir (the convention of :func:`tartlet.runtime.builder.cache_dir`)."""
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("TARTLET_CACHE_DIR") or user_cache_dir("tartlet")).expanduser() / "kernels"
-
-
-def find_compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+_cpu_flags = cpu_flags  # module attribute, so tests can pretend a CPU without AVX2
 
 
 def _build() -> Path:
@@ -66,25 +43,10 @@ def _build() -> Path:
     Raises:
         RuntimeError: no C compiler, or it failed (its stderr is included).
     """
-    cc = find_compiler()
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC)")
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to compile {_SOURCE.name}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders race harmlessly
-    return out
+    return compile_library("cpu_kernels", _SOURCE, flags)
 
 
 def load() -> "CpuKernels | None":

@@ -1,0 +1,76 @@
+"""Compile Tartlet's C kernels once per machine and cache the shared library.
+
+Each kernel file (``cpu_kernels.c``, ``quant_kernels.c`` and the headers it
+includes) is compiled with the system C compiler (``$CC``, else ``cc`` or
+``gcc``) into ``$TARTLET_CACHE_DIR/kernels`` (else the user cache dir),
+named by a hash of the sources, the flags and the compiler, so an edit or a
+new compiler rebuilds and everything else reuses the file. OpenMP comes
+from the ``libgomp`` PyTorch has already loaded, so kernels and torch share
+one thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernel_cache_dir() -> Path:
+    """``kernels/`` under Tartlet's cache folder: ``$TARTLET_CACHE_DIR``, else
+    the user cache dir (the convention of :func:`tartlet.runtime.builder.cache_dir`)."""
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("TARTLET_CACHE_DIR") or user_cache_dir("tartlet")).expanduser() / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(name: str, source: Path, flags: list[str], headers: tuple[Path, ...] = ()) -> Path:
+    """Compile ``source`` (which may include ``headers``) into a cached shared library.
+
+    Args:
+        name: file name stem of the library (``NAME-HASH.so``).
+        source: the C file.
+        flags: compiler flags (``-shared -fPIC`` are the caller's to give).
+        headers: files ``source`` includes; they are part of the cache key.
+
+    Returns:
+        The library's path (built now, or found in the cache).
+
+    Raises:
+        RuntimeError: no C compiler, or it failed (its stderr is included).
+    """
+    cc = find_compiler()
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC)")
+    text = b"".join(p.read_bytes() for p in (source, *headers))
+    key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = kernel_cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run([cc, *flags, str(source), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to compile {source.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders race harmlessly
+    return out
