@@ -29,7 +29,8 @@ def run(
     ctx: typer.Context,
     inferlet: str = typer.Argument(..., help="Bundled inferlet name, inferlet folder or .py file."),
     model: str = typer.Option("smollm2-135m-instruct", "--model", "-m", help="Model name, .gguf file or HF folder."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help="auto (quantized GGUF weights stay quantized, float32 compute), or float32/bfloat16: every weight dequantized (reference path)."),
+    quantize: Optional[str] = typer.Option(None, help="Quantize float weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 (CPU)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     kv_cache_mb: int = typer.Option(1024, help="KV page pool budget in MiB."),
     page_size: int = typer.Option(16, help="Tokens per KV page."),
@@ -65,7 +66,7 @@ def run(
     from ..engine.engine import Engine, EngineConfig  # imports torch: only once the arguments are good
 
     cfg = EngineConfig(
-        model=model, dtype=dtype, device=device, kv_cache_mb=kv_cache_mb, page_size=page_size,
+        model=model, dtype=dtype, quantize=quantize, device=device, kv_cache_mb=kv_cache_mb, page_size=page_size,
         max_batch_tokens=max_batch_tokens, threads=threads,
     )
     try:

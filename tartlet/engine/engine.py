@@ -3,7 +3,8 @@
 :class:`Engine` is what the host layer talks to. It is built from an
 :class:`EngineConfig` (usually the ``[engine]`` table of the TOML config):
 the model is resolved (a known name is downloaded on first use, see
-:mod:`tartlet.engine.model_store`), loaded and dequantized, the page pool is
+:mod:`tartlet.engine.model_store`), loaded (quantized GGUF weights stay
+quantized on the CPU), the page pool is
 sized from a memory budget, and the scheduler thread is started.
 """
 
@@ -32,7 +33,17 @@ class EngineConfig:
     Attributes:
         model: a known model name (``tartlet model list``), a ``.gguf`` file
             or a Hugging Face folder.
-        dtype: ``float32`` (default on CPU), ``bfloat16`` or ``float16``.
+        dtype: ``auto`` (default): compute in float32 and keep the matrices
+            of a quantized GGUF file in their blocks, multiplied by the
+            quantized CPU kernels (:mod:`tartlet.engine.quant_linear`; on CUDA,
+            or without a C compiler, they are dequantized). ``float32``,
+            ``bfloat16`` or ``float16``: the reference path, every weight
+            dequantized to that dtype.
+        quantize: quantize float matrices at load (``q8_0``, ``q4_0``,
+            ``q4_1``, ``q5_0``, ``q5_1``; see
+            :data:`tartlet.engine.quant_formats.QUANTIZE_TYPES`): Hugging
+            Face folders and float tensors of GGUF files. CPU only; ``None``
+            keeps them float.
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
         page_size: tokens per KV page.
         kv_cache_mb: memory budget of the page pool, in MiB.
@@ -45,10 +56,15 @@ class EngineConfig:
             layer weights for batch-1 decode steps (~1.2x faster there; costs
             the layer weights' size again in memory, ~430 MB for the default
             model). See :mod:`tartlet.engine.linear`.
+        act_bits: with quantized weights, activations are quantized per
+            block of 32 to 16-bit (default) or 8-bit integers (llama.cpp's
+            choice: faster for large batches, but on SmolLM2-135M it flips
+            greedy answers; see :mod:`tartlet.engine.quant_linear`).
     """
 
     model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    quantize: str | None = None
     device: str = "auto"
     page_size: int = 16
     kv_cache_mb: int = 1024
@@ -57,12 +73,26 @@ class EngineConfig:
     threads: int | None = None
     cpu_kernels: bool = True
     gemv_copy: bool = True
+    act_bits: int = 16
 
     def torch_dtype(self) -> torch.dtype:
+        """The compute dtype (``auto`` computes in float32)."""
+        if self.dtype == "auto":
+            return torch.float32
         try:
             return _DTYPES[self.dtype]
         except KeyError:
-            raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(_DTYPES)})") from None
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose from auto, {', '.join(_DTYPES)})") from None
+
+    def keeps_quantized(self) -> bool:
+        """Whether quantized weights stay in their blocks: ``dtype`` is
+        ``auto`` or ``quantize`` is set, the device is the CPU, and the
+        quantized kernels can be built (else they are dequantized)."""
+        if (self.dtype != "auto" and self.quantize is None) or self.torch_device().type != "cpu":
+            return False
+        from .quant_kernels import load
+
+        return load() is not None
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -92,7 +122,8 @@ class Engine:
         self.tokenizer = tokenizer
         dtype, device = cfg.torch_dtype(), cfg.torch_device()
         self.model = LlamaModel(
-            model_config, weights, dtype=dtype, device=device, cpu_kernels=cfg.cpu_kernels, gemv_copy=cfg.gemv_copy
+            model_config, weights, dtype=dtype, device=device, cpu_kernels=cfg.cpu_kernels, gemv_copy=cfg.gemv_copy,
+            act_bits=cfg.act_bits,
         )
         c = model_config
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
@@ -117,7 +148,10 @@ class Engine:
         path: Path = resolve(cfg.model, progress=progress)
         if progress:
             progress(f"loading {path.name}")
-        loaded = load_model(path, dtype=cfg.torch_dtype())
+        quantized = cfg.keeps_quantized()
+        if cfg.quantize is not None and not quantized:
+            raise ValueError(f"quantize = {cfg.quantize!r} needs the quantized CPU kernels on the CPU")
+        loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=quantized, quantize=cfg.quantize)
         return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
 
     def new_sequence(self) -> Sequence:

@@ -174,17 +174,31 @@ def read_tensor(tensor: Any) -> np.ndarray:
     return data.reshape([int(d) for d in reversed(tensor.shape)])
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load config, tokenizer and dequantized weights from a GGUF file.
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
+    """Load config, tokenizer and weights from a GGUF file.
 
-    Tensors are dequantized one at a time (float32), un-permuted (Q/K of
-    llama), then cast to ``dtype``; peak extra memory is one float32 tensor.
+    Args:
+        path: the ``.gguf`` file.
+        dtype: dtype of the float weights.
+        quantized: keep the matrices of the types in
+            :data:`~tartlet.engine.quant_formats.GGUF_TYPES` in their blocks
+            (repacked as :class:`~tartlet.engine.quant_formats.QuantWeight`
+            for the quantized CPU kernels) instead of dequantizing them; 1-D
+            tensors (norms, biases) and other types are dequantized. No float
+            copy of a quantized matrix is ever made.
+
+    Tensors are converted one at a time (a float32 tensor, or a repacked
+    matrix), un-permuted (Q/K rows of llama), then cast to ``dtype``; the
+    file is memory-mapped and released when this returns.
 
     Raises:
         ModelLoadError: see :func:`open_gguf` and :func:`config_from_gguf`;
-            also for a tokenizer type we cannot build and a tensor we cannot
-            dequantize.
+            also for a tokenizer type we cannot build and a tensor of a type
+            that can be neither kept nor dequantized (the message names the
+            tensor and its type).
     """
+    from tartlet.engine.quant_formats import GGUF_TYPES, from_gguf
+
     reader = open_gguf(path)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
@@ -192,19 +206,26 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
         raise ModelLoadError(f"{path}: {e}") from e
     config = config_from_gguf(path, reader, tokenizer)
     permuted = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
+        kind = t.tensor_type.name
+        shape = [int(d) for d in reversed(t.shape)]
         try:
-            w = torch.from_numpy(read_tensor(t))
+            if quantized and len(shape) == 2 and kind in GGUF_TYPES:
+                w: Any = from_gguf(t.data, kind, shape[0], shape[1])
+            else:
+                w = torch.from_numpy(read_tensor(t))
         except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
+            raise ModelLoadError(f"{path}: cannot load tensor {t.name} of type {kind}: {e}") from e
         if config.architecture == "llama":
             for part, n_head in permuted.items():
                 if f".{part}." in name:
-                    w = unpermute_qk(w, n_head)
-        weights[name] = w.to(dtype).contiguous()
+                    perm = unpermute_qk(torch.arange(shape[0]), n_head)
+                    w = w.index_select(0, perm) if isinstance(w, torch.Tensor) else w.select_rows(perm)
+        weights[name] = w.to(dtype).contiguous() if isinstance(w, torch.Tensor) else w
+    del reader  # unmaps the file: only the converted tensors stay resident
     weights = check_weights(path, config, weights)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
 from .linear import Linear, onednn_packing_available
+from .quant_formats import F16, QuantWeight
+from .quant_linear import QuantLinear, embedding_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -75,6 +77,8 @@ class LlamaModel:
         cpu_kernels: on CPU in float32, use the fused C kernels of
             :mod:`tartlet.engine.cpu_kernels` (RMSNorm, RoPE + KV write,
             paged decode attention) when they can be compiled.
+        act_bits: precision (8 or 16) activations are quantized to before
+            they meet quantized weights (:class:`QuantLinear`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         gemv_copy: bool = True,
         cpu_kernels: bool = True,
+        act_bits: int = 16,
     ):
         self.config = config
         self.dtype = dtype
@@ -92,20 +97,48 @@ class LlamaModel:
         c = config
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
-        def w(name: str) -> torch.Tensor:
+        def raw(name: str) -> "torch.Tensor | QuantWeight":
             try:
-                return weights[name].to(device=self.device, dtype=dtype).contiguous()
+                return weights[name]
             except KeyError:
                 raise ValueError(f"model weights lack tensor {name!r}") from None
 
+        self.quant = None  # the quantized kernels, when any weight is quantized
+        if any(isinstance(t, QuantWeight) for t in weights.values()):
+            if self.device.type != "cpu" or dtype != torch.float32:
+                raise ValueError("quantized weights run on the CPU in float32 only; load them dequantized "
+                                 f"for {self.device.type}/{dtype}")
+            from . import quant_kernels
+
+            self.quant = quant_kernels.load()
+            if self.quant is None:
+                raise ValueError("quantized weights need the quantized CPU kernels, which could not be built")
+
+        def w(name: str) -> torch.Tensor:
+            t = raw(name)
+            if isinstance(t, QuantWeight):
+                t = self.quant.dequantize(t)
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
         pack = onednn_packing_available(self.device, dtype)
 
-        def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=gemv_copy)
+        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy) -> "Linear | QuantLinear":
+            parts = [raw(n) for n in names]
+            if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
+                quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
+                return QuantLinear(quant, bias, self.quant, act_bits=act_bits)
+            return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
 
-        self.embed = w("model.embed_tokens.weight")
+        def float_part(t: torch.Tensor) -> QuantWeight:
+            # a float matrix beside quantized ones (e.g. an F32 tensor in a GGUF): kept as float16
+            # rather than float32 in its own kernel; exact for GGUF F16 tensors
+            return QuantWeight(F16, tuple(t.shape), t.to(torch.float16).contiguous(), source="F32")
+
+        embed = raw("model.embed_tokens.weight")
+        self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
         # the vocabulary projection needs no GEMV copy: packed is as fast at one row
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"), pack=pack)
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = linear(head, copy=False)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_hidden_layers):
@@ -191,7 +224,10 @@ class LlamaModel:
         """
         nh, nkv, hd = self.nh, self.nkv, self.hd
         kern = self.kernels
-        x = self.embed.index_select(0, batch.input_ids)
+        if isinstance(self.embed, QuantWeight):
+            x = embedding_rows(self.quant, self.embed, batch.input_ids)
+        else:
+            x = self.embed.index_select(0, batch.input_ids)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         if kern is None:  # [T, 1, hd], sin's first half negated (see _rope)
             cos = freqs.cos().repeat(1, 2).to(self.dtype)[:, None, :]

@@ -29,6 +29,7 @@ from tartlet.engine.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
+    from tartlet.engine.quant_formats import QuantWeight
     from tartlet.engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -45,13 +46,14 @@ class LoadedModel:
     Attributes:
         config: architecture hyper-parameters.
         weights: tensors by Hugging Face name (see module docstring), all of the
-            requested dtype, on CPU.
+            requested dtype, on CPU; matrices kept quantized are
+            :class:`~tartlet.engine.quant_formats.QuantWeight`.
         tokenizer: the model's tokenizer.
         source: the ``.gguf`` file or folder it was read from.
     """
 
     config: ModelConfig
-    weights: dict[str, "torch.Tensor"]
+    weights: dict[str, "torch.Tensor | QuantWeight"]
     tokenizer: "Tokenizer"
     source: Path
 
@@ -90,15 +92,22 @@ def check_weights(
     return {n: weights[n] for n in names}
 
 
-def load_model(path: str | Path, dtype: "torch.dtype | None" = None) -> LoadedModel:
+def load_model(
+    path: str | Path, dtype: "torch.dtype | None" = None, quantized: bool = False, quantize: str | None = None
+) -> LoadedModel:
     """Load a model from a ``.gguf`` file or a Hugging Face folder with ``config.json``.
 
     Args:
         path: a ``.gguf`` file (any quantization ``gguf.quants`` can
             dequantize) or a folder with ``config.json``, ``*.safetensors``
             and ``tokenizer.json``.
-        dtype: dtype of the returned weights (default ``torch.float32``).
-            Quantized GGUF weights are dequantized to float32 first.
+        dtype: dtype of the returned float weights (default ``torch.float32``).
+        quantized: keep quantized GGUF matrices in their blocks
+            (:class:`~tartlet.engine.quant_formats.QuantWeight`) instead of
+            dequantizing them.
+        quantize: quantize float matrices at load to this format (a key of
+            :data:`~tartlet.engine.quant_formats.QUANTIZE_TYPES`); matrices
+            already quantized are kept as they are.
 
     Raises:
         ModelLoadError: missing path, not a GGUF file, truncated or corrupt
@@ -115,7 +124,18 @@ def load_model(path: str | Path, dtype: "torch.dtype | None" = None) -> LoadedMo
             raise ModelLoadError(f"{path}: folder has no config.json (expected a Hugging Face model folder)")
         from tartlet.engine.hf_loader import load_hf_folder
 
-        return load_hf_folder(path, dtype)
-    from tartlet.engine.gguf_loader import load_gguf
+        loaded = load_hf_folder(path, torch.float32 if quantize else dtype)
+    else:
+        from tartlet.engine.gguf_loader import load_gguf
 
-    return load_gguf(path, dtype)
+        loaded = load_gguf(path, dtype, quantized=quantized or quantize is not None)
+    if quantize is not None:
+        from tartlet.engine.quant_formats import quantize as quantize_matrix
+
+        for name, w in loaded.weights.items():
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                try:
+                    loaded.weights[name] = quantize_matrix(w, quantize)
+                except ValueError as e:
+                    raise ModelLoadError(f"{path}: cannot quantize {name}: {e}") from e
+    return loaded

@@ -1,0 +1,222 @@
+"""Quantized weight matrices: GGUF block formats repacked into the layouts the
+quantized CPU kernels (``quant_kernels.c``) multiply.
+
+GGUF formats read (block layouts of ggml's ``ggml-common.h``, the reference
+for ``gguf.quants``; a block covers 32 weights, 256 for K-quants; ``d``,
+``dmin``, ``m`` are float16):
+
+=========  =====  ======================================================================
+format     bytes  one block
+=========  =====  ======================================================================
+Q8_0        34    ``d``, ``int8 qs[32]``;               w = d * q
+Q4_0        18    ``d``, ``qs[16]`` (nibbles);          w = d * (q - 8)
+Q4_1        20    ``d``, ``m``, ``qs[16]``;             w = d * q + m
+Q5_0        22    ``d``, ``qh[4]``, ``qs[16]``;         w = d * (q - 16), q = nibble | bit << 4
+Q5_1        24    ``d``, ``m``, ``qh[4]``, ``qs[16]``;  w = d * q + m
+Q4_K       144    ``d``, ``dmin``, 6-bit ``scales[12]``, ``qs[128]``; 8 sub-blocks of 32:
+                  w = d * sc_i * q - dmin * m_i
+Q5_K       176    Q4_K plus ``qh[32]``: 5-bit q
+Q6_K       210    ``ql[128]``, ``qh[64]``, ``int8 scales[16]``, ``d``; 16 sub-blocks of 16:
+                  w = d * sc_i * (q - 32)
+F16, BF16   2/w   kept as is, multiplied by their own kernel
+=========  =====  ======================================================================
+
+In Q4_0/Q4_1/Q5_* byte ``j`` of ``qs`` holds element ``j`` in its low and
+element ``j + 16`` in its high nibble; Q5's ``qh`` is a little-endian
+``uint32`` whose bit ``j`` is bit 4 of element ``j``.
+
+Every format becomes one of four kernel *kinds* over 32-weight blocks with
+unsigned values ``q`` and ``w = d * q + m`` (struct of arrays: ``q`` bytes,
+``d`` and ``m`` float16 per block; the byte layouts are documented at the top
+of ``quant_kernels.c``): Q8 (Q8_0), Q4 (Q4_0, Q4_1, Q4_K), Q5 (Q5_0, Q5_1,
+Q5_K), Q6 (Q6_K, with a ``d`` per 16 weights). Repacking is exact for the
+32-block formats; for K-quants the sub-block scale ``d * sc`` (and minimum
+``dmin * m``) is stored as one float16, a relative rounding of at most 2^-11.
+Memory: Q4 kinds take 5 bits per weight (Q4_K files 4.5), Q5 6 (Q5_K 5.5),
+Q6 7 (Q6_K 6.56), Q8 8.5 (Q8_0 8.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QK = 32
+Q8, Q4, Q5, Q6, F16, BF16 = 0, 1, 2, 3, 4, 5
+KIND_NAMES = {Q8: "q8", Q4: "q4", Q5: "q5", Q6: "q6", F16: "f16", BF16: "bf16"}
+QBYTES = {Q8: 32, Q4: 16, Q5: 20, Q6: 24}
+#: GGUF tensor types stored quantized (the others are dequantized at load).
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+
+
+@dataclass
+class QuantWeight:
+    """A ``[N, K]`` weight matrix (PyTorch ``[out, in]`` orientation) in a kernel layout.
+
+    Attributes:
+        kind: ``Q8``, ``Q4``, ``Q5``, ``Q6`` (blocks of 32) or ``F16``/``BF16``.
+        shape: ``(N, K)``; ``K`` is a multiple of 32 for the block kinds.
+        q: block kinds: uint8 ``[N, K / 32 * QBYTES[kind]]``; ``F16``/``BF16``:
+            the ``[N, K]`` float16/bfloat16 matrix.
+        d: float16 ``[N, K / 32]`` block scales (``[N, K / 16]`` for Q6), or None.
+        m: float16 ``[N, K / 32]`` block minimums (Q4, Q5), or None.
+        source: the GGUF type it came from (``"Q4_K"`` ...), for reports.
+    """
+
+    kind: int
+    shape: tuple[int, int]
+    q: torch.Tensor
+    d: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+    source: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def select_rows(self, index: torch.Tensor) -> "QuantWeight":
+        """The matrix made of rows ``index`` (int64 ``[n]``), in that order."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
+        return QuantWeight(self.kind, (len(index), self.shape[1]), pick(self.q), pick(self.d), pick(self.m), self.source)
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"]) -> "QuantWeight":
+        """Stack matrices of one kind and width along rows.
+
+        Raises:
+            ValueError: kinds or widths differ.
+        """
+        first = parts[0]
+        if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only weights of one kind and width can be stacked")
+        join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        return QuantWeight(first.kind, (sum(p.shape[0] for p in parts), first.shape[1]), join([p.q for p in parts]),
+                           join([p.d for p in parts]), join([p.m for p in parts]), first.source)
+
+
+def _f16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a.astype(np.float16)))
+
+
+def _pack(kind: int, values: np.ndarray, d: np.ndarray, m: np.ndarray | None, n: int, k: int, source: str) -> QuantWeight:
+    """Pack unsigned values ``[n * k / 32, 32]`` (0 .. 2^bits - 1) with float
+    ``d`` (per block, per half block for Q6) and ``m`` into kind ``kind``."""
+    v = values.astype(np.uint8).reshape(-1, QK)
+    if kind == Q8:
+        qb = v
+    else:
+        parts = [(v[:, :16] & 0x0F) | (v[:, 16:] << 4)]
+        if kind == Q5:  # byte j, bit i: bit 4 of element 4 i + j
+            bits = ((v >> 4) & 1).reshape(-1, 8, 4).astype(np.uint8)
+            parts.append((bits << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8))
+        elif kind == Q6:  # byte j, bits 2k, 2k + 1: bits 4, 5 of element 8 k + j
+            pairs = ((v >> 4) & 3).reshape(-1, 4, 8).astype(np.uint8)
+            parts.append((pairs << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(axis=1, dtype=np.uint8))
+        qb = np.concatenate(parts, axis=1)
+    q = torch.from_numpy(np.ascontiguousarray(qb.reshape(n, -1)))
+    return QuantWeight(kind, (n, k), q, _f16(d.reshape(n, -1)), None if m is None else _f16(m.reshape(n, -1)), source)
+
+
+def _split(blocks: np.ndarray, *sizes: int) -> list[np.ndarray]:
+    return np.split(blocks, np.cumsum(sizes)[:-1], axis=1)
+
+
+def from_gguf(data: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
+    """Repack the raw bytes of a GGUF matrix of ``n`` rows and ``k`` columns.
+
+    Args:
+        data: the tensor's bytes (``gguf.ReaderTensor.data``: uint8, any shape
+            of the right size; float16 for F16, uint16/bfloat16 bytes for BF16).
+        type_name: GGUF type name, one of :data:`GGUF_TYPES`.
+        n, k: rows (outputs) and columns (inputs).
+
+    Raises:
+        ValueError: an unsupported type, or a size that does not match.
+    """
+    import gguf.quants as gq
+
+    if type_name in ("F16", "BF16"):
+        raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
+        t = torch.from_numpy(raw.copy()).view(torch.float16 if type_name == "F16" else torch.bfloat16)
+        return QuantWeight(F16 if type_name == "F16" else BF16, (n, k), t, source=type_name)
+    if type_name not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no quantized kernel")
+    qtype = gq.GGMLQuantizationType[type_name]
+    block, size = gq.GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if raw.size != n * k // block * size:
+        raise ValueError(f"{type_name} data of {raw.size} bytes does not hold a [{n}, {k}] matrix")
+    b = raw.reshape(-1, size)
+    f16 = lambda a: a.view(np.float16).astype(np.float32)  # noqa: E731
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # [nb, 16] -> [nb, 32] elements j, j + 16
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+    def high32(qh: np.ndarray) -> np.ndarray:  # little-endian uint32 -> bit 4 of each of 32 elements
+        bits = np.ascontiguousarray(qh).view(np.uint32)
+        return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+
+    if type_name == "Q8_0":
+        d, qs = _split(b, 2, 32)
+        return _pack(Q8, qs ^ 0x80, f16(d), None, n, k, type_name)
+    if type_name == "Q4_0":
+        d, qs = _split(b, 2, 16)
+        return _pack(Q4, nibbles(qs), f16(d), -8 * f16(d), n, k, type_name)
+    if type_name == "Q4_1":
+        d, m, qs = _split(b, 2, 2, 16)
+        return _pack(Q4, nibbles(qs), f16(d), f16(m), n, k, type_name)
+    if type_name == "Q5_0":
+        d, qh, qs = _split(b, 2, 4, 16)
+        return _pack(Q5, nibbles(qs) | high32(qh), f16(d), -16 * f16(d), n, k, type_name)
+    if type_name == "Q5_1":
+        d, m, qh, qs = _split(b, 2, 2, 4, 16)
+        return _pack(Q5, nibbles(qs) | high32(qh), f16(d), f16(m), n, k, type_name)
+    if type_name in ("Q4_K", "Q5_K"):
+        if type_name == "Q4_K":
+            d, dmin, scales, qs = _split(b, 2, 2, 12, 128)
+        else:
+            d, dmin, scales, qh, qs = _split(b, 2, 2, 12, 32, 128)
+        sc, mn = gq.Q4_K.get_scale_min(scales)  # [nb, 8] 6-bit sub-block scales and minimums
+        # 4 chunks of 32 bytes: low nibbles are sub-block 2 j, high nibbles 2 j + 1
+        q = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        q = q.reshape(-1, 8, 32)
+        if type_name == "Q5_K":  # bit i of qh[l] is bit 4 of element l of sub-block i
+            q = q | (((qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
+        return _pack(Q4 if type_name == "Q4_K" else Q5, q, f16(d) * sc, -f16(dmin) * mn, n, k, type_name)
+    # Q6_K
+    ql, qh, scales, d = _split(b, 128, 64, 16, 2)
+    low = ((ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+    high = ((qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 8, 32)
+    return _pack(Q6, low | (high << 4), f16(d) * scales.view(np.int8).astype(np.float32), None, n, k, type_name)
+
+
+#: ``--quantize`` choices for float weights, and the GGUF format each produces.
+QUANTIZE_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+
+
+def quantize(w: torch.Tensor, name: str) -> QuantWeight:
+    """Quantize a float ``[N, K]`` matrix with ``gguf.quants.quantize`` (the
+    reference quantizers of llama.cpp, round to nearest) and repack it.
+
+    Args:
+        w: float weight, ``K`` a multiple of 32.
+        name: one of :data:`QUANTIZE_TYPES`.
+
+    Raises:
+        ValueError: an unknown name or a width that is not a multiple of 32.
+    """
+    import gguf.quants as gq
+
+    if name not in QUANTIZE_TYPES:
+        raise ValueError(f"unknown quantization {name!r} (choose from {', '.join(QUANTIZE_TYPES)})")
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"cannot quantize a [{n}, {k}] matrix: width is not a multiple of {QK}")
+    type_name = QUANTIZE_TYPES[name]
+    raw = gq.quantize(w.detach().to(torch.float32).numpy(), gq.GGMLQuantizationType[type_name])
+    return from_gguf(raw, type_name, n, k)

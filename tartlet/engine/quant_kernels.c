@@ -1,0 +1,358 @@
+/* Quantized matrix multiplication on the CPU: y = x @ W^T (+ bias) (+ residual)
+ * with W kept in 4/5/6/8-bit blocks. Loaded by tartlet/engine/quant_kernels.py,
+ * which compiles this file once per machine.
+ *
+ * Method (llama.cpp's, ggml-cpu/quants.c): each row of x is quantized on the
+ * fly to blocks of 32 signed 8-bit values with one float scale
+ * (d = max|x| / 127, q = round(x / d), round half to even); each weight block
+ * of 32 is unpacked to unsigned 8-bit values q in [0, 2^bits) with
+ * "value = d_w * q + m_w" (m_w: the block's minimum, or -8 d, -16 d, -32 d,
+ * -128 d for the symmetric formats). Then
+ *
+ *   sum_j (d_w q_j + m_w)(d_x a_j) = d_w d_x sum_j q_j a_j + m_w (d_x sum_j a_j),
+ *
+ * an integer dot product per block plus one multiply-add with the block sum of
+ * the activations, which is precomputed at quantization time.
+ *
+ * Weight layouts (repacked at load from GGUF blocks by quant_formats.py), per
+ * row of K weights, K / 32 blocks, `q` bytes per block (struct of arrays:
+ * bytes, scales and minimums live in three separate arrays):
+ *
+ *   kind 0, Q8: 32 bytes, q = signed value + 128; one f16 d;    m = -128 d
+ *   kind 1, Q4: 16 bytes, byte j = q[j] | q[j + 16] << 4; f16 d and f16 m
+ *   kind 2, Q5: Q4's 16 bytes + 4 bytes of high bits: bit i of byte j is bit 4
+ *               of q[4 i + j]; f16 d and f16 m
+ *   kind 3, Q6: Q4's 16 bytes + 8 bytes of high bit pairs: bits 2k, 2k+1 of
+ *               byte j are bits 4, 5 of q[8 k + j]; two f16 d (one per 16
+ *               values); m = -32 d
+ *
+ * The high-bit orders are chosen so one broadcast and one variable shift
+ * spread them over a 32-byte vector (quant_kernels_isa.h).
+ *
+ * Instruction sets, chosen at run time by CPU features (tq_set_isa can force
+ * a lower one, for tests): 0 portable C, 1 AVX2 + FMA + F16C (vpmaddubsw),
+ * 2 AVX-512 VNNI (vpdpbusd on 256-bit vectors, AVX512VL), 3 AVX-512 VNNI on
+ * 512-bit vectors (two blocks per instruction). Rows of W are split across
+ * OpenMP threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3 };
+static const int QBYTES[4] = {32, 16, 20, 24};
+
+/* per-block float data of quantized activations: d, d * sum(a), d * sum(a[0:16]), d * sum(a[16:32]) */
+#define FA 4
+
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112u) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------ portable C */
+
+static void unpack_c(int kind, const uint8_t *q, uint8_t *v) {
+    if (kind == K_Q8) {
+        memcpy(v, q, QK);
+        return;
+    }
+    for (int j = 0; j < 16; j++) {
+        v[j] = q[j] & 0x0f;
+        v[j + 16] = q[j] >> 4;
+    }
+    if (kind == K_Q5)
+        for (int e = 0; e < QK; e++) v[e] |= ((q[16 + (e & 3)] >> (e >> 2)) & 1) << 4;
+    else if (kind == K_Q6)
+        for (int e = 0; e < QK; e++) v[e] |= ((q[16 + (e & 7)] >> (2 * (e >> 3))) & 3) << 4;
+}
+
+/* scale per half block and minimum per half block of block b */
+static inline void params_c(int kind, const uint16_t *d, const uint16_t *m, int64_t b, float ds[2], float ms[2]) {
+    if (kind == K_Q6) {
+        ds[0] = fp16_to_fp32(d[2 * b]);
+        ds[1] = fp16_to_fp32(d[2 * b + 1]);
+        ms[0] = -32.0f * ds[0];
+        ms[1] = -32.0f * ds[1];
+        return;
+    }
+    ds[0] = ds[1] = fp16_to_fp32(d[b]);
+    ms[0] = ms[1] = kind == K_Q8 ? -128.0f * ds[0] : fp16_to_fp32(m[b]);
+}
+
+static void quantize_c(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            int8_t *q = qa + (r * nb + b) * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int s[2] = {0, 0};
+            for (int j = 0; j < QK; j++) {
+                q[j] = (int8_t)nearbyintf(xb[j] * id);
+                s[j >= 16] += q[j];
+            }
+            float *f = fa + (r * nb + b) * FA;
+            f[0] = d;
+            f[1] = d * (float)(s[0] + s[1]);
+            f[2] = d * (float)s[0];
+            f[3] = d * (float)s[1];
+        }
+}
+
+/* 16-bit activations: scale max|x| / 32767 (same block data layout as quantize_c, int16 values) */
+static void quantize16_c(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *qa, float *fa) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            int16_t *q = qa + (r * nb + b) * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int s[2] = {0, 0};
+            for (int j = 0; j < QK; j++) {
+                q[j] = (int16_t)nearbyintf(xb[j] * id);
+                s[j >= 16] += q[j];
+            }
+            float *f = fa + (r * nb + b) * FA;
+            f[0] = d;
+            f[1] = d * (float)(s[0] + s[1]);
+            f[2] = d * (float)s[0];
+            f[3] = d * (float)s[1];
+        }
+}
+
+static inline float finish(float sum, int64_t r, int64_t n, const float *bias, const float *res, int64_t ldr) {
+    if (bias) sum += bias[n];
+    if (res) sum += res[r * ldr + n];
+    return sum;
+}
+
+static void matmul_c(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                     const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                     const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, qb = QBYTES[kind];
+#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        for (int64_t r = 0; r < M; r++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t v[QK];
+                float ds[2], ms[2];
+                unpack_c(kind, wq + (n * nb + b) * qb, v);
+                params_c(kind, d, m, b, ds, ms);
+                const int8_t *a = qa + (r * nb + b) * QK;
+                const float *f = fa + (r * nb + b) * FA;
+                int32_t s0 = 0, s1 = 0;
+                for (int j = 0; j < 16; j++) s0 += (int32_t)v[j] * a[j];
+                for (int j = 16; j < QK; j++) s1 += (int32_t)v[j] * a[j];
+                sum += f[0] * (ds[0] * (float)s0 + ds[1] * (float)s1) + ms[0] * f[2] + ms[1] * f[3];
+            }
+            y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
+        }
+    }
+}
+
+static void matmul16_c(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                       const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                       const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, qb = QBYTES[kind];
+#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        for (int64_t r = 0; r < M; r++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t v[QK];
+                float ds[2], ms[2];
+                unpack_c(kind, wq + (n * nb + b) * qb, v);
+                params_c(kind, d, m, b, ds, ms);
+                const int16_t *a = qa + (r * nb + b) * QK;
+                const float *f = fa + (r * nb + b) * FA;
+                int32_t s0 = 0, s1 = 0;
+                for (int j = 0; j < 16; j++) s0 += (int32_t)v[j] * a[j];
+                for (int j = 16; j < QK; j++) s1 += (int32_t)v[j] * a[j];
+                sum += f[0] * (ds[0] * (float)s0 + ds[1] * (float)s1) + ms[0] * f[2] + ms[1] * f[3];
+            }
+            y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
+        }
+    }
+}
+
+/* --------------------------------------------------------------- x86 SIMD */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TQ_X86 1
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define SUFFIX _avx2
+#define VNNI 0
+#include "quant_kernels_isa.h"
+#undef SUFFIX
+#undef VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+#define SUFFIX _vnni
+#define VNNI 1
+#include "quant_kernels_isa.h"
+#undef SUFFIX
+#undef VNNI
+#include "quant_kernels_avx512.h"
+#pragma GCC pop_options
+#endif
+
+/* ------------------------------------------------------------- dispatch */
+
+static int best_isa(void) {
+#ifdef TQ_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return 3;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+    return 0;
+}
+
+static int isa = -1;
+
+/* The best instruction set this CPU supports (see the top of this file). */
+int tq_best_isa(void) { return best_isa(); }
+
+/* Use instruction set `level` (clamped to what the CPU supports); returns the one in use. */
+int tq_set_isa(int level) {
+    int best = best_isa();
+    isa = level < 0 || level > best ? best : level;
+    return isa;
+}
+
+static inline int cur_isa(void) {
+    if (isa < 0) isa = best_isa();
+    return isa;
+}
+
+/* Quantize M rows of x (row stride ldx floats, K a multiple of 32) into
+ * qa [M, K/32, 32] int8 and fa [M, K/32, 4] float (see FA). */
+void tq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
+#ifdef TQ_X86
+    if (cur_isa() >= 1) {
+        quantize_avx2(x, ldx, M, K, qa, fa);
+        return;
+    }
+#endif
+    quantize_c(x, ldx, M, K, qa, fa);
+}
+
+/* y[r, n] = sum_k x[r, k] W[n, k] (+ bias[n]) (+ res[r, n]) for r < M, n < N,
+ * from quantized activations (tq_quantize). y and res have row strides ldy
+ * and ldr floats; bias and res may be NULL. */
+void tq_matmul(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+               const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+               const float *res, int64_t ldr) {
+#ifdef TQ_X86
+    switch (cur_isa()) {
+    case 3:
+        matmul_avx512(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    case 2:
+        matmul_vnni(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    case 1:
+        matmul_avx2(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    }
+#endif
+    matmul_c(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+}
+
+/* 16-bit activations: the same two calls with int16 values (scale max|x| / 32767). */
+void tq_quantize16(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *qa, float *fa) {
+    quantize16_c(x, ldx, M, K, qa, fa);
+}
+
+void tq_matmul16(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                 const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                 const float *res, int64_t ldr) {
+#ifdef TQ_X86
+    switch (cur_isa()) {
+    case 3:
+        matmul16_avx512(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    case 2:
+        matmul16_vnni(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    case 1:
+        matmul16_avx2(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    }
+#endif
+    matmul16_c(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+}
+
+/* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */
+void tq_dequantize(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t K,
+                   const int64_t *rows, int64_t R, float *out) {
+    const int64_t nb = K / QK, qb = QBYTES[kind];
+#pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t n = rows ? rows[i] : i;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t v[QK];
+            float ds[2], ms[2];
+            unpack_c(kind, wq + (n * nb + b) * qb, v);
+            params_c(kind, d, m, b, ds, ms);
+            float *o = out + i * K + b * QK;
+            for (int j = 0; j < QK; j++) o[j] = ds[j >= 16] * (float)v[j] + ms[j >= 16];
+        }
+    }
+}
+
+/* y[r, n] = sum_k x[r, k] W[n, k] (+ bias) (+ res) for W in float16 (bf16 = 0)
+ * or bfloat16 (bf16 = 1), [N, K] row-major, x float32 [M, K] (row stride ldx). */
+void tq_matmul_half(int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                    float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+#ifdef TQ_X86
+    if (cur_isa() >= 1) {
+        matmul_half_avx2(bf16, w, N, K, x, ldx, M, y, ldy, bias, res, ldr);
+        return;
+    }
+#endif
+#pragma omp parallel for if (N * M * K >= (1 << 16)) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < M; r++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const uint16_t h = w[n * K + k];
+                float wv;
+                if (bf16) {
+                    uint32_t bits = (uint32_t)h << 16;
+                    memcpy(&wv, &bits, 4);
+                } else {
+                    wv = fp16_to_fp32(h);
+                }
+                sum += wv * x[r * ldx + k];
+            }
+            y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
+        }
+}

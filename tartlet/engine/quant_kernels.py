@@ -1,0 +1,138 @@
+"""Quantized CPU matrix kernels (``quant_kernels.c``), loaded with :mod:`ctypes`.
+
+The method is llama.cpp's: activations are quantized on the fly to 8-bit
+blocks of 32 (one float scale each) and multiplied with the 4/5/6/8-bit
+weight blocks of :mod:`tartlet.engine.quant_formats` by integer dot products
+(AVX2 ``vpmaddubsw``, AVX-512 VNNI ``vpdpbusd``), one float multiply-add per
+block. The instruction set is picked at run time from the CPU's features;
+:meth:`QuantKernels.set_isa` forces a lower one (tests run every level the
+machine has). The library is compiled once per machine (:mod:`c_build`);
+without a compiler, or with ``TARTLET_QUANT_KERNELS=0``, :func:`load` returns
+``None`` and GGUF weights are dequantized to float at load instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .c_build import compile_library
+from .quant_formats import BF16, F16, QuantWeight
+
+log = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+_SOURCE = _DIR / "quant_kernels.c"
+_HEADERS = (_DIR / "quant_kernels_isa.h", _DIR / "quant_kernels_avx512.h")
+_lock = threading.Lock()
+_loaded: "QuantKernels | None | bool" = False  # False: not tried yet
+
+#: Instruction-set levels of ``tq_set_isa``.
+ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI (256-bit)", 3: "AVX-512 VNNI"}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def load() -> "QuantKernels | None":
+    """The compiled kernels, or ``None`` when they cannot be had (the reason
+    is logged once). Thread-safe; builds at most once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is False:
+            _loaded = None
+            if os.environ.get("TARTLET_QUANT_KERNELS", "1") == "0":
+                log.info("quantized CPU kernels disabled by TARTLET_QUANT_KERNELS=0")
+            else:
+                torch.zeros(2).sum()  # make sure torch's OpenMP runtime is loaded first
+                try:
+                    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+                    _loaded = QuantKernels(ctypes.CDLL(str(compile_library("quant_kernels", _SOURCE, flags, _HEADERS))))
+                except (RuntimeError, OSError) as e:
+                    log.warning("quantized CPU kernels unavailable, GGUF weights will be dequantized: %s", e)
+        return _loaded
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class QuantKernels:
+    """Typed wrappers of the compiled kernels. Activations and outputs are
+    float32 CPU tensors with contiguous rows; arguments are checked by the
+    callers (:class:`~tartlet.engine.quant_linear.QuantLinear`)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        lib.tq_quantize.argtypes = [_P, _I, _I, _I, _P, _P]
+        lib.tq_matmul.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I]
+        lib.tq_quantize16.argtypes = lib.tq_quantize.argtypes
+        lib.tq_matmul16.argtypes = lib.tq_matmul.argtypes
+        lib.tq_dequantize.argtypes = [ctypes.c_int, _P, _P, _P, _I, _P, _I, _P]
+        lib.tq_matmul_half.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I]
+        for f in (lib.tq_quantize, lib.tq_matmul, lib.tq_quantize16, lib.tq_matmul16, lib.tq_dequantize, lib.tq_matmul_half):
+            f.restype = None
+        lib.tq_set_isa.argtypes = [ctypes.c_int]
+        lib.tq_set_isa.restype = ctypes.c_int
+        lib.tq_best_isa.restype = ctypes.c_int
+        self.best_isa: int = lib.tq_best_isa()
+        self.isa: int = lib.tq_set_isa(-1)
+
+    def set_isa(self, level: int) -> int:
+        """Use instruction-set ``level`` (see :data:`ISA_NAMES`; ``-1`` or a
+        level above the CPU's: the best it has). Returns the level in use.
+        Process-wide."""
+        self.isa = self._lib.tq_set_isa(level)
+        return self.isa
+
+    def quantize(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a
+        multiple of 32) as ``bits``-bit integers (8: int8, scale
+        ``d = max|x| / 127``; 16: int16, ``d = max|x| / 32767``; round half to
+        even): values ``[M, K]`` and float32 ``[M, K / 32, 4]`` (``d``, then
+        ``d * sum(q)`` over the block and over each half of it)."""
+        M, K = x.shape
+        qa = torch.empty(M, K, dtype=torch.int8 if bits == 8 else torch.int16)
+        fa = torch.empty(M, K // 32, 4, dtype=torch.float32)
+        f = self._lib.tq_quantize if bits == 8 else self._lib.tq_quantize16
+        f(x.data_ptr(), x.stride(0), M, K, qa.data_ptr(), fa.data_ptr())
+        return qa, fa
+
+    def matmul(
+        self, w: QuantWeight, qa: torch.Tensor, fa: torch.Tensor, out: torch.Tensor,
+        bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    ) -> None:
+        """``out = x @ w.T (+ bias) (+ residual)`` for a block-kind ``w``
+        ``[N, K]`` from ``x``'s blocks (:meth:`quantize`, 8 or 16 bits).
+        ``out`` and ``residual`` are float32 ``[M, N]`` with contiguous rows
+        (``out`` may be a column slice of a wider matrix); ``bias`` float32 ``[N]``."""
+        N, K = w.shape
+        f = self._lib.tq_matmul if qa.dtype == torch.int8 else self._lib.tq_matmul16
+        f(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
+          out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
+
+    def matmul_half(
+        self, w: QuantWeight, x: torch.Tensor, out: torch.Tensor,
+        bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    ) -> None:
+        """``out = x @ w.T (+ bias) (+ residual)`` for an ``F16``/``BF16``
+        ``w``, with float32 ``x`` ``[M, K]`` (shapes as in :meth:`matmul`)."""
+        N, K = w.shape
+        self._lib.tq_matmul_half(int(w.kind == BF16), w.q.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.shape[0],
+                                 out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual),
+                                 0 if residual is None else residual.stride(0))
+
+    def dequantize(self, w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 ``[len(rows), K]`` (all ``N`` rows when ``rows`` is None) of
+        ``w``; ``rows`` int64, each in ``[0, N)`` (not checked)."""
+        N, K = w.shape
+        if w.kind in (F16, BF16):
+            return (w.q if rows is None else w.q.index_select(0, rows)).float()
+        R = N if rows is None else rows.numel()
+        out = torch.empty(R, K, dtype=torch.float32)
+        self._lib.tq_dequantize(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), K, _ptr(rows), R, out.data_ptr())
+        return out

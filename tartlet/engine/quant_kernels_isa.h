@@ -1,0 +1,291 @@
+/* 256-bit SIMD kernels of quant_kernels.c, included once per instruction set
+ * with SUFFIX (function name suffix) and VNNI (0: AVX2 vpmaddubsw + vpmaddwd,
+ * 1: AVX-512 VNNI vpdpbusd on 256-bit vectors) defined, inside a
+ * "#pragma GCC target" region. Layouts: see the top of quant_kernels.c. */
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SUFFIX)
+#define INLINE static inline __attribute__((always_inline))
+#define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
+
+/* 32 unsigned weight values of one block, element e in byte e. */
+INLINE __m256i FN(unpack)(const int kind, const uint8_t *q) {
+    if (kind == K_Q8) return _mm256_loadu_si256((const __m256i *)q);
+    const __m128i x = _mm_loadu_si128((const __m128i *)q);
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0f));
+    if (kind == K_Q5) {
+        uint32_t h;
+        memcpy(&h, q + 16, 4);
+        __m256i hb = _mm256_srlv_epi32(_mm256_set1_epi32((int)h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(1)), 4));
+    } else if (kind == K_Q6) {
+        uint64_t h;
+        memcpy(&h, q + 16, 8);
+        __m256i hb = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)h), _mm256_setr_epi64x(0, 2, 4, 6));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+    }
+    return v;
+}
+
+INLINE float FN(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* int32 partial dot products (8 lanes of 4 products) of unsigned w and signed a. */
+INLINE __m256i FN(dot)(__m256i w, __m256i a) {
+#if VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Dot products of one weight row (nb blocks) with R activation rows. */
+INLINE void FN(tile)(const int kind, const int R, const uint8_t *wq, const uint16_t *d, const uint16_t *m, int64_t nb,
+                     const int8_t *qa, const float *fa, float *out) {
+    __m256 acc[4];
+    float macc[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w = FN(unpack)(kind, wq + b * KIND_QBYTES(kind));
+        __m256 dv;
+        float d0, d1 = 0.0f, mk = 0.0f;
+        if (kind == K_Q6) {
+            d0 = _cvtsh_ss(d[2 * b]);
+            d1 = _cvtsh_ss(d[2 * b + 1]);
+            dv = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
+        } else {
+            d0 = _cvtsh_ss(d[b]);
+            dv = _mm256_set1_ps(d0);
+            if (kind == K_Q8) mk = VNNI ? -128.0f * d0 : 0.0f;
+            else mk = _cvtsh_ss(m[b]);
+        }
+#if !VNNI
+        __m256i wabs = w;
+        if (kind == K_Q8) {  /* signed weights: |w| * sign(a, w) keeps vpmaddubsw from saturating */
+            w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+            wabs = _mm256_sign_epi8(w, w);
+        }
+#endif
+        for (int r = 0; r < R; r++) {
+            const int8_t *a = qa + (r * nb + b) * QK;
+            const float *f = fa + (r * nb + b) * FA;
+            __m256i av = _mm256_loadu_si256((const __m256i *)a);
+#if VNNI
+            __m256i p = FN(dot)(w, av);
+#else
+            __m256i p = kind == K_Q8 ? FN(dot)(wabs, _mm256_sign_epi8(av, w)) : FN(dot)(w, av);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dv, _mm256_set1_ps(f[0])), acc[r]);
+            if (kind == K_Q6) macc[r] -= 32.0f * (d0 * f[2] + d1 * f[3]);
+            else macc[r] += mk * f[1];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + macc[r];
+}
+
+INLINE void FN(matmul_kind)(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                            int64_t K, const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
+                            const float *bias, const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, qb = KIND_QBYTES(kind);
+#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *w = wq + n * nb * qb;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        float s[4];
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) {
+            FN(tile)(kind, 4, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
+        }
+        for (; r < M; r++) {
+            FN(tile)(kind, 1, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
+        }
+    }
+}
+
+static void FN(matmul)(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                       const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                       const float *res, int64_t ldr) {
+    switch (kind) {
+    case K_Q8: FN(matmul_kind)(K_Q8, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    case K_Q4: FN(matmul_kind)(K_Q4, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    case K_Q5: FN(matmul_kind)(K_Q5, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    default: FN(matmul_kind)(K_Q6, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    }
+}
+
+/* The same with 16-bit activations (int16 [32] per block, scale max|x| / 32767):
+ * weights widened to int16, vpmaddwd (AVX2) or vpdpwssd (VNNI) pairs. */
+INLINE __m256i FN(dot16)(__m256i w16, const int16_t *a) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+#if VNNI
+    return _mm256_dpwssd_epi32(_mm256_setzero_si256(), w16, av);
+#else
+    return _mm256_madd_epi16(w16, av);
+#endif
+}
+
+INLINE void FN(tile16)(const int kind, const int R, const uint8_t *wq, const uint16_t *d, const uint16_t *m, int64_t nb,
+                       const int16_t *qa, const float *fa, float *out) {
+    __m256 acc[4];
+    float macc[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i w = FN(unpack)(kind, wq + b * KIND_QBYTES(kind));
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+        float d0, d1, mk = 0.0f;
+        if (kind == K_Q6) {
+            d0 = _cvtsh_ss(d[2 * b]);
+            d1 = _cvtsh_ss(d[2 * b + 1]);
+        } else {
+            d0 = d1 = _cvtsh_ss(d[b]);
+            mk = kind == K_Q8 ? -128.0f * d0 : _cvtsh_ss(m[b]);
+        }
+        for (int r = 0; r < R; r++) {
+            const int16_t *a = qa + (r * nb + b) * QK;
+            const float *f = fa + (r * nb + b) * FA;
+            const __m256i p0 = FN(dot16)(w0, a), p1 = FN(dot16)(w1, a + 16);
+            if (kind == K_Q6) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * f[0]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * f[0]), acc[r]);
+                macc[r] -= 32.0f * (d0 * f[2] + d1 * f[3]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * f[0]), acc[r]);
+                macc[r] += mk * f[1];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + macc[r];
+}
+
+INLINE void FN(matmul16_kind)(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                              int64_t K, const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
+                              const float *bias, const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, qb = KIND_QBYTES(kind);
+#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *w = wq + n * nb * qb;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        float s[4];
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) {
+            FN(tile16)(kind, 4, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
+        }
+        for (; r < M; r++) {
+            FN(tile16)(kind, 1, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
+        }
+    }
+}
+
+static void FN(matmul16)(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                         const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                         const float *res, int64_t ldr) {
+    switch (kind) {
+    case K_Q8: FN(matmul16_kind)(K_Q8, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    case K_Q4: FN(matmul16_kind)(K_Q4, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    case K_Q5: FN(matmul16_kind)(K_Q5, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    default: FN(matmul16_kind)(K_Q6, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+    }
+}
+
+#if !VNNI
+/* Activation quantization (same results as quantize_c: scale 127 / max|x|,
+ * round half to even), and the float16/bfloat16 weight kernel. */
+static void FN(quantize)(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
+    const int64_t nb = K / QK;
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qa + (r * nb + b) * QK), p);
+            __m256i h = _mm256_hadd_epi32(s0, s1);  /* [s0 s0 s1 s1 | s0 s0 s1 s1] pair sums */
+            h = _mm256_hadd_epi32(h, h);
+            const int t0 = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
+            const int t1 = _mm256_extract_epi32(h, 1) + _mm256_extract_epi32(h, 5);
+            float *f = fa + (r * nb + b) * FA;
+            f[0] = d;
+            f[1] = d * (float)(t0 + t1);
+            f[2] = d * (float)t0;
+            f[3] = d * (float)t1;
+        }
+}
+
+INLINE __m256 FN(load_half)(const int bf16, const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+INLINE void FN(matmul_half_kind)(const int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                 int64_t M, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    const int64_t K8 = K & ~(int64_t)7;
+#pragma omp parallel for if (N * M * K >= (1 << 16)) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *wr = w + n * K;
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? (int)(M - r0) : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t k = 0; k < K8; k += 8) {
+                const __m256 wv = FN(load_half)(bf16, wr + k);
+                for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r0 + r) * ldx + k), acc[r]);
+            }
+            for (int r = 0; r < R; r++) {
+                float sum = FN(hsum)(acc[r]);
+                for (int64_t k = K8; k < K; k++) {
+                    float wv;
+                    if (bf16) {
+                        uint32_t bits = (uint32_t)wr[k] << 16;
+                        memcpy(&wv, &bits, 4);
+                    } else {
+                        wv = _cvtsh_ss(wr[k]);
+                    }
+                    sum += wv * x[(r0 + r) * ldx + k];
+                }
+                y[(r0 + r) * ldy + n] = finish(sum, r0 + r, n, bias, res, ldr);
+            }
+        }
+    }
+}
+
+static void FN(matmul_half)(int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                            float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    if (bf16) FN(matmul_half_kind)(1, w, N, K, x, ldx, M, y, ldy, bias, res, ldr);
+    else FN(matmul_half_kind)(0, w, N, K, x, ldx, M, y, ldy, bias, res, ldr);
+}
+#endif
+
+#undef FN
+#undef INLINE
+#undef KIND_QBYTES

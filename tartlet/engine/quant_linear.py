@@ -1,0 +1,125 @@
+"""A projection ``y = x @ W^T + b`` whose weight stays quantized (the
+quantized twin of :class:`tartlet.engine.linear.Linear`, same call).
+
+The weight is a stack of parts along the outputs (fused Q/K/V or gate/up,
+whose parts may come in different GGUF formats, e.g. Q4_K for Q and K and
+Q6_K for V in a ``Q4_K_M`` file): one :class:`QuantWeight` per run of equal
+kinds. ``x`` is quantized to 8-bit blocks once per call and every part writes
+its columns of one output matrix (bias and residual added in the kernel).
+
+Batches of at least :data:`DEQUANT_ROWS` rows (prefill) multiply in float
+instead: each part is dequantized into a float32 tile and multiplied by
+PyTorch's GEMM, which beats the integer kernel once the weight tile is
+reused by that many rows; the tile is freed after the call, so no float copy
+of the weights is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant_formats import BF16, F16, QuantWeight
+from .quant_kernels import QuantKernels
+
+#: Row count from which a call dequantizes weight tiles into a float GEMM.
+DEQUANT_ROWS = 1 << 30
+
+#: Largest float32 tile (elements) dequantized at once on the GEMM path.
+_TILE = 1 << 22
+
+
+class QuantLinear:
+    """A quantized weight (and optional float bias) ready to multiply.
+
+    Args:
+        parts: the weight's row blocks, top to bottom, each ``[n_i, K]``; runs
+            of one kind are merged.
+        bias: float32 ``[sum n_i]`` or None.
+        kernels: the loaded :class:`QuantKernels`.
+        act_bits: 8 or 16, the precision ``x`` is quantized to (see the module docstring).
+
+    Raises:
+        ValueError: parts of different widths, or a bias of the wrong size.
+    """
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: QuantKernels, act_bits: int = 8) -> None:
+        if act_bits not in (8, 16):
+            raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
+        self.act_bits = act_bits
+        widths = {p.shape[1] for p in parts}
+        if len(widths) != 1:
+            raise ValueError(f"parts of one projection must have one width, got {sorted(widths)}")
+        merged: list[QuantWeight] = []
+        for p in parts:
+            if merged and merged[-1].kind == p.kind:
+                merged[-1] = QuantWeight.cat([merged[-1], p])
+            else:
+                merged.append(p)
+        self.parts = merged
+        self.in_features = widths.pop()
+        self.out_features = sum(p.shape[0] for p in merged)
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match {self.out_features} outputs")
+        self.bias = None if bias is None else bias.to(torch.float32).contiguous()
+        self.kernels = kernels
+        self._quantized = any(p.kind not in (F16, BF16) for p in merged)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (and bias) memory."""
+        return sum(p.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T + b (+ residual)``.
+
+        Args:
+            x: float32 ``[T, in]``, rows contiguous.
+            residual: optional float32 ``[T, out]``, added to the result.
+
+        Returns:
+            float32 ``[T, out]``, a new tensor.
+        """
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        T = x.shape[0]
+        out = torch.empty(T, self.out_features, dtype=torch.float32)
+        if T >= DEQUANT_ROWS:
+            return self._float_gemm(x, out, residual)
+        k = self.kernels
+        qa = fa = None
+        if self._quantized:
+            qa, fa = k.quantize(x, self.act_bits)
+        n0 = 0
+        for p in self.parts:
+            n1 = n0 + p.shape[0]
+            o = out[:, n0:n1]
+            b = None if self.bias is None else self.bias[n0:n1]
+            r = None if residual is None else residual[:, n0:n1]
+            if p.kind in (F16, BF16):
+                k.matmul_half(p, x, o, b, r)
+            else:
+                k.matmul(p, qa, fa, o, b, r)
+            n0 = n1
+        return out
+
+    def _float_gemm(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        n0 = 0
+        for p in self.parts:
+            step = max(1, _TILE // self.in_features)
+            for s in range(0, p.shape[0], step):
+                rows = torch.arange(s, min(s + step, p.shape[0]))
+                w = self.kernels.dequantize(p, rows)
+                o = out[:, n0 + s : n0 + s + len(rows)]
+                torch.mm(x, w.t(), out=o) if o.is_contiguous() else o.copy_(x @ w.t())
+            n0 += p.shape[0]
+        if self.bias is not None:
+            out.add_(self.bias)
+        if residual is not None:
+            out.add_(residual)
+        return out
+
+
+def embedding_rows(kernels: QuantKernels, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``, each in ``[0, vocab)``) of a quantized
+    embedding ``[vocab, H]``, dequantized to float32 ``[T, H]``."""
+    return kernels.dequantize(weight, ids.contiguous())
