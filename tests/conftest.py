@@ -61,9 +61,7 @@ def engine(loaded_model):
     eng.close()
 
 
-@pytest.fixture(scope="session")
-def host_state(engine):
-    """Host state serving ``engine`` as the default model."""
+def _host_state(engine):
     from tartlet.host.state import HostState
 
     state = HostState()
@@ -71,14 +69,48 @@ def host_state(engine):
     return state
 
 
-@pytest.fixture
-def runtime(host_state):
-    """A native runtime on the shared engine; checks for page leaks after the test."""
+def _runtime(state):
     from harness import assert_no_leaks
     from tartlet.runtime.native import NativeRuntime
 
-    rt = NativeRuntime(host_state)
+    rt = NativeRuntime(state)
     yield rt
     for inst in rt.instances.values():
         assert inst.done.is_set(), f"instance {inst.id} still running after the test"
-    assert_no_leaks(host_state)
+    assert_no_leaks(state)
+
+
+@pytest.fixture(scope="session")
+def host_state(engine):
+    """Host state serving ``engine`` as the default model."""
+    return _host_state(engine)
+
+
+@pytest.fixture
+def runtime(host_state):
+    """A native runtime on the shared engine; checks for page leaks after the test."""
+    yield from _runtime(host_state)
+
+
+@pytest.fixture(scope="session")
+def quant_engine(gguf_path):
+    """The default model run as users get it: GGUF weights kept quantized
+    (Q4_1 layers, Q8_0 embedding and tied output head), float32 compute."""
+    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.loader import load_model
+
+    lm = load_model(gguf_path, quantized=True)
+    eng = Engine(EngineConfig(kv_cache_mb=128), lm.config, lm.weights, lm.tokenizer)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def quant_host_state(quant_engine):
+    return _host_state(quant_engine)
+
+
+@pytest.fixture
+def quant_runtime(quant_host_state):
+    """A native runtime on the quantized engine; checks for page leaks after the test."""
+    yield from _runtime(quant_host_state)

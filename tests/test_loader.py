@@ -171,7 +171,7 @@ def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: boo
     from tartlet.engine.scheduler import ForwardRequest
 
     cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8, cpu_kernels=cpu_kernels)
-    loaded = load_model(path, dtype=cfg.torch_dtype())
+    loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=cfg.keeps_quantized())
     eng = Engine(cfg, loaded.config, loaded.weights, loaded.tokenizer)
     try:
         seq = eng.new_sequence()

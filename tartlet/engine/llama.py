@@ -163,6 +163,37 @@ class LlamaModel:
             self.kernels = ck.load()
         self.scale = 1.0 / math.sqrt(self.hd)
 
+    def weight_bytes(self) -> int:
+        """Bytes of weight memory the model holds (each storage counted once:
+        a tied output head shares the embedding)."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if t is not None:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+        def add_any(obj: object) -> None:
+            if isinstance(obj, torch.Tensor):
+                add(obj)
+            elif isinstance(obj, QuantWeight):
+                for t in (obj.q, obj.d, obj.m):
+                    add(t)
+            elif isinstance(obj, QuantLinear):
+                for p in obj.parts:
+                    add_any(p)
+                add(obj.bias)
+            elif isinstance(obj, Linear):
+                for t in (obj.weight, obj.packed, obj.weight_t, obj.bias):
+                    add(t)
+
+        add_any(self.embed)
+        add_any(self.lm_head)
+        add_any(self.norm)
+        for layer in self.layers:
+            for v in layer.values():
+                add_any(v)
+        return sum(seen.values())
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)

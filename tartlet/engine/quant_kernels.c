@@ -43,7 +43,10 @@
 enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3 };
 static const int QBYTES[4] = {32, 16, 20, 24};
 
-/* per-block float data of quantized activations: d, d * sum(a), d * sum(a[0:16]), d * sum(a[16:32]) */
+/* Per row of quantized activations, 4 * K/32 floats: d[b] (the block's
+ * scale), s[b] = d * sum(a) over the block, then s01[2 b + h] = d * sum(a)
+ * over half h of it (16 values). Kept as planes so the minimum terms of a
+ * whole row are one dot product (min_term). */
 #define FA 4
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -57,6 +60,12 @@ static inline float fp16_to_fp32(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+static inline float finish(float sum, int64_t r, int64_t n, const float *bias, const float *res, int64_t ldr) {
+    if (bias) sum += bias[n];
+    if (res) sum += res[r * ldr + n];
+    return sum;
 }
 
 /* ------------------------------------------------------------ portable C */
@@ -89,105 +98,57 @@ static inline void params_c(int kind, const uint16_t *d, const uint16_t *m, int6
     ms[0] = ms[1] = kind == K_Q8 ? -128.0f * ds[0] : fp16_to_fp32(m[b]);
 }
 
-static void quantize_c(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
+/* qa: int8 (bits 8, scale max|x| / 127) or int16 (bits 16, max|x| / 32767) */
+static void quantize_c(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
     const int64_t nb = K / QK;
+    const float qmax = bits == 8 ? 127.0f : 32767.0f;
 #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t r = 0; r < M; r++) {
+        float *f = fa + r * FA * nb;
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * ldx + b * QK;
-            int8_t *q = qa + (r * nb + b) * QK;
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
             int s[2] = {0, 0};
             for (int j = 0; j < QK; j++) {
-                q[j] = (int8_t)nearbyintf(xb[j] * id);
-                s[j >= 16] += q[j];
+                const int q = (int)nearbyintf(xb[j] * id);
+                if (bits == 8) ((int8_t *)qa)[(r * nb + b) * QK + j] = (int8_t)q;
+                else ((int16_t *)qa)[(r * nb + b) * QK + j] = (int16_t)q;
+                s[j >= 16] += q;
             }
-            float *f = fa + (r * nb + b) * FA;
-            f[0] = d;
-            f[1] = d * (float)(s[0] + s[1]);
-            f[2] = d * (float)s[0];
-            f[3] = d * (float)s[1];
+            f[b] = d;
+            f[nb + b] = d * (float)(s[0] + s[1]);
+            f[2 * nb + 2 * b] = d * (float)s[0];
+            f[2 * nb + 2 * b + 1] = d * (float)s[1];
         }
+    }
 }
 
-/* 16-bit activations: scale max|x| / 32767 (same block data layout as quantize_c, int16 values) */
-static void quantize16_c(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *qa, float *fa) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * QK;
-            int16_t *q = qa + (r * nb + b) * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            int s[2] = {0, 0};
-            for (int j = 0; j < QK; j++) {
-                q[j] = (int16_t)nearbyintf(xb[j] * id);
-                s[j >= 16] += q[j];
-            }
-            float *f = fa + (r * nb + b) * FA;
-            f[0] = d;
-            f[1] = d * (float)(s[0] + s[1]);
-            f[2] = d * (float)s[0];
-            f[3] = d * (float)s[1];
-        }
-}
-
-static inline float finish(float sum, int64_t r, int64_t n, const float *bias, const float *res, int64_t ldr) {
-    if (bias) sum += bias[n];
-    if (res) sum += res[r * ldr + n];
-    return sum;
-}
-
-static void matmul_c(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                     const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                     const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                      const float *res, int64_t ldr) {
     const int64_t nb = K / QK, qb = QBYTES[kind];
 #pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
         for (int64_t r = 0; r < M; r++) {
+            const float *f = fa + r * FA * nb;
             float sum = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 uint8_t v[QK];
                 float ds[2], ms[2];
                 unpack_c(kind, wq + (n * nb + b) * qb, v);
                 params_c(kind, d, m, b, ds, ms);
-                const int8_t *a = qa + (r * nb + b) * QK;
-                const float *f = fa + (r * nb + b) * FA;
                 int32_t s0 = 0, s1 = 0;
-                for (int j = 0; j < 16; j++) s0 += (int32_t)v[j] * a[j];
-                for (int j = 16; j < QK; j++) s1 += (int32_t)v[j] * a[j];
-                sum += f[0] * (ds[0] * (float)s0 + ds[1] * (float)s1) + ms[0] * f[2] + ms[1] * f[3];
-            }
-            y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
-        }
-    }
-}
-
-static void matmul16_c(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                       const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                       const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, qb = QBYTES[kind];
-#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
-        for (int64_t r = 0; r < M; r++) {
-            float sum = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t v[QK];
-                float ds[2], ms[2];
-                unpack_c(kind, wq + (n * nb + b) * qb, v);
-                params_c(kind, d, m, b, ds, ms);
-                const int16_t *a = qa + (r * nb + b) * QK;
-                const float *f = fa + (r * nb + b) * FA;
-                int32_t s0 = 0, s1 = 0;
-                for (int j = 0; j < 16; j++) s0 += (int32_t)v[j] * a[j];
-                for (int j = 16; j < QK; j++) s1 += (int32_t)v[j] * a[j];
-                sum += f[0] * (ds[0] * (float)s0 + ds[1] * (float)s1) + ms[0] * f[2] + ms[1] * f[3];
+                for (int j = 0; j < QK; j++) {
+                    const int32_t a = bits == 8 ? ((const int8_t *)qa)[(r * nb + b) * QK + j]
+                                                : ((const int16_t *)qa)[(r * nb + b) * QK + j];
+                    if (j < 16) s0 += (int32_t)v[j] * a;
+                    else s1 += (int32_t)v[j] * a;
+                }
+                sum += f[b] * (ds[0] * (float)s0 + ds[1] * (float)s1) + ms[0] * f[2 * nb + 2 * b] +
+                       ms[1] * f[2 * nb + 2 * b + 1];
             }
             y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
         }
@@ -252,61 +213,37 @@ static inline int cur_isa(void) {
 }
 
 /* Quantize M rows of x (row stride ldx floats, K a multiple of 32) into
- * qa [M, K/32, 32] int8 and fa [M, K/32, 4] float (see FA). */
-void tq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
+ * qa [M, K] (int8 for bits 8, int16 for bits 16) and fa [M, 4 K/32] (see FA). */
+void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
 #ifdef TQ_X86
-    if (cur_isa() >= 1) {
-        quantize_avx2(x, ldx, M, K, qa, fa);
+    if (bits == 8 && cur_isa() >= 1) {
+        quantize_avx2(x, ldx, M, K, (int8_t *)qa, fa);
         return;
     }
 #endif
-    quantize_c(x, ldx, M, K, qa, fa);
+    quantize_c(bits, x, ldx, M, K, qa, fa);
 }
 
 /* y[r, n] = sum_k x[r, k] W[n, k] (+ bias[n]) (+ res[r, n]) for r < M, n < N,
- * from quantized activations (tq_quantize). y and res have row strides ldy
+ * from x quantized by tq_quantize with `bits`. y and res have row strides ldy
  * and ldr floats; bias and res may be NULL. */
-void tq_matmul(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-               const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+void tq_matmul(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+               const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                const float *res, int64_t ldr) {
 #ifdef TQ_X86
     switch (cur_isa()) {
     case 3:
-        matmul_avx512(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        matmul_avx512(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
         return;
     case 2:
-        matmul_vnni(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        matmul_vnni(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
         return;
     case 1:
-        matmul_avx2(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        matmul_avx2(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
         return;
     }
 #endif
-    matmul_c(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
-}
-
-/* 16-bit activations: the same two calls with int16 values (scale max|x| / 32767). */
-void tq_quantize16(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *qa, float *fa) {
-    quantize16_c(x, ldx, M, K, qa, fa);
-}
-
-void tq_matmul16(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                 const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                 const float *res, int64_t ldr) {
-#ifdef TQ_X86
-    switch (cur_isa()) {
-    case 3:
-        matmul16_avx512(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
-        return;
-    case 2:
-        matmul16_vnni(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
-        return;
-    case 1:
-        matmul16_avx2(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
-        return;
-    }
-#endif
-    matmul16_c(kind, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+    matmul_c(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
 }
 
 /* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */

@@ -68,13 +68,11 @@ class QuantKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        lib.tq_quantize.argtypes = [_P, _I, _I, _I, _P, _P]
-        lib.tq_matmul.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I]
-        lib.tq_quantize16.argtypes = lib.tq_quantize.argtypes
-        lib.tq_matmul16.argtypes = lib.tq_matmul.argtypes
+        lib.tq_quantize.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P]
+        lib.tq_matmul.argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I]
         lib.tq_dequantize.argtypes = [ctypes.c_int, _P, _P, _P, _I, _P, _I, _P]
         lib.tq_matmul_half.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I]
-        for f in (lib.tq_quantize, lib.tq_matmul, lib.tq_quantize16, lib.tq_matmul16, lib.tq_dequantize, lib.tq_matmul_half):
+        for f in (lib.tq_quantize, lib.tq_matmul, lib.tq_dequantize, lib.tq_matmul_half):
             f.restype = None
         lib.tq_set_isa.argtypes = [ctypes.c_int]
         lib.tq_set_isa.restype = ctypes.c_int
@@ -93,13 +91,15 @@ class QuantKernels:
         """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a
         multiple of 32) as ``bits``-bit integers (8: int8, scale
         ``d = max|x| / 127``; 16: int16, ``d = max|x| / 32767``; round half to
-        even): values ``[M, K]`` and float32 ``[M, K / 32, 4]`` (``d``, then
-        ``d * sum(q)`` over the block and over each half of it)."""
+        even): values ``[M, K]`` and float32 ``[M, 4, K / 32]`` per row: the
+        block scales ``d``, then ``d * sum(q)`` per block, then ``d * sum(q)``
+        per half block (interleaved, ``2 * K / 32`` values)."""
+        if bits not in (8, 16):
+            raise ValueError(f"activations are quantized to 8 or 16 bits, not {bits}")
         M, K = x.shape
         qa = torch.empty(M, K, dtype=torch.int8 if bits == 8 else torch.int16)
-        fa = torch.empty(M, K // 32, 4, dtype=torch.float32)
-        f = self._lib.tq_quantize if bits == 8 else self._lib.tq_quantize16
-        f(x.data_ptr(), x.stride(0), M, K, qa.data_ptr(), fa.data_ptr())
+        fa = torch.empty(M, 4, K // 32, dtype=torch.float32)
+        self._lib.tq_quantize(bits, x.data_ptr(), x.stride(0), M, K, qa.data_ptr(), fa.data_ptr())
         return qa, fa
 
     def matmul(
@@ -111,8 +111,7 @@ class QuantKernels:
         ``out`` and ``residual`` are float32 ``[M, N]`` with contiguous rows
         (``out`` may be a column slice of a wider matrix); ``bias`` float32 ``[N]``."""
         N, K = w.shape
-        f = self._lib.tq_matmul if qa.dtype == torch.int8 else self._lib.tq_matmul16
-        f(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
+        self._lib.tq_matmul(w.kind, 8 if qa.dtype == torch.int8 else 16, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
           out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
 
     def matmul_half(

@@ -35,6 +35,27 @@ INLINE float FN(hsum)(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* sum_i h[i] f[i] for float16 h, float32 f */
+INLINE float FN(dot_h)(const uint16_t *h, const float *f, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(f + i), acc);
+    float sum = FN(hsum)(acc);
+    for (; i < n; i++) sum += _cvtsh_ss(h[i]) * f[i];
+    return sum;
+}
+
+/* sum over blocks of m_w * (d_x sum(a)) for one weight row and one activation
+ * row (fa planes, see FA in quant_kernels.c); signed_q8: no minimum (AVX2's
+ * signed 8-bit product) */
+INLINE float FN(min_term)(const int kind, const int signed_q8, const uint16_t *d, const uint16_t *m, const float *f,
+                          int64_t nb) {
+    if (kind == K_Q6) return -32.0f * FN(dot_h)(d, f + 2 * nb, 2 * nb);
+    if (kind == K_Q8) return signed_q8 ? 0.0f : -128.0f * FN(dot_h)(d, f + nb, nb);
+    return FN(dot_h)(m, f + nb, nb);
+}
+
 /* int32 partial dot products (8 lanes of 4 products) of unsigned w and signed a. */
 INLINE __m256i FN(dot)(__m256i w, __m256i a) {
 #if VNNI
@@ -44,87 +65,7 @@ INLINE __m256i FN(dot)(__m256i w, __m256i a) {
 #endif
 }
 
-/* Dot products of one weight row (nb blocks) with R activation rows. */
-INLINE void FN(tile)(const int kind, const int R, const uint8_t *wq, const uint16_t *d, const uint16_t *m, int64_t nb,
-                     const int8_t *qa, const float *fa, float *out) {
-    __m256 acc[4];
-    float macc[4];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        macc[r] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i w = FN(unpack)(kind, wq + b * KIND_QBYTES(kind));
-        __m256 dv;
-        float d0, d1 = 0.0f, mk = 0.0f;
-        if (kind == K_Q6) {
-            d0 = _cvtsh_ss(d[2 * b]);
-            d1 = _cvtsh_ss(d[2 * b + 1]);
-            dv = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
-        } else {
-            d0 = _cvtsh_ss(d[b]);
-            dv = _mm256_set1_ps(d0);
-            if (kind == K_Q8) mk = VNNI ? -128.0f * d0 : 0.0f;
-            else mk = _cvtsh_ss(m[b]);
-        }
-#if !VNNI
-        __m256i wabs = w;
-        if (kind == K_Q8) {  /* signed weights: |w| * sign(a, w) keeps vpmaddubsw from saturating */
-            w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-            wabs = _mm256_sign_epi8(w, w);
-        }
-#endif
-        for (int r = 0; r < R; r++) {
-            const int8_t *a = qa + (r * nb + b) * QK;
-            const float *f = fa + (r * nb + b) * FA;
-            __m256i av = _mm256_loadu_si256((const __m256i *)a);
-#if VNNI
-            __m256i p = FN(dot)(w, av);
-#else
-            __m256i p = kind == K_Q8 ? FN(dot)(wabs, _mm256_sign_epi8(av, w)) : FN(dot)(w, av);
-#endif
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dv, _mm256_set1_ps(f[0])), acc[r]);
-            if (kind == K_Q6) macc[r] -= 32.0f * (d0 * f[2] + d1 * f[3]);
-            else macc[r] += mk * f[1];
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + macc[r];
-}
-
-INLINE void FN(matmul_kind)(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
-                            int64_t K, const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
-                            const float *bias, const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, qb = KIND_QBYTES(kind);
-#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = wq + n * nb * qb;
-        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
-        float s[4];
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
-            FN(tile)(kind, 4, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
-            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
-        }
-        for (; r < M; r++) {
-            FN(tile)(kind, 1, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
-            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
-        }
-    }
-}
-
-static void FN(matmul)(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                       const int8_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                       const float *res, int64_t ldr) {
-    switch (kind) {
-    case K_Q8: FN(matmul_kind)(K_Q8, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    case K_Q4: FN(matmul_kind)(K_Q4, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    case K_Q5: FN(matmul_kind)(K_Q5, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    default: FN(matmul_kind)(K_Q6, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    }
-}
-
-/* The same with 16-bit activations (int16 [32] per block, scale max|x| / 32767):
- * weights widened to int16, vpmaddwd (AVX2) or vpdpwssd (VNNI) pairs. */
+/* 16 int16 x 16 int16 -> 8 lanes of pair sums */
 INLINE __m256i FN(dot16)(__m256i w16, const int16_t *a) {
     const __m256i av = _mm256_loadu_si256((const __m256i *)a);
 #if VNNI
@@ -134,46 +75,59 @@ INLINE __m256i FN(dot16)(__m256i w16, const int16_t *a) {
 #endif
 }
 
-INLINE void FN(tile16)(const int kind, const int R, const uint8_t *wq, const uint16_t *d, const uint16_t *m, int64_t nb,
-                       const int16_t *qa, const float *fa, float *out) {
+/* Dot products of one weight row (nb blocks) with R activation rows
+ * (A16: int16 activations, else int8). */
+INLINE void FN(tile)(const int kind, const int A16, const int R, const uint8_t *wq, const uint16_t *d,
+                     const uint16_t *m, int64_t nb, const void *qa, const float *fa, float *out) {
+    const int signed_q8 = kind == K_Q8 && !VNNI && !A16;
     __m256 acc[4];
-    float macc[4];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        macc[r] = 0.0f;
-    }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i w = FN(unpack)(kind, wq + b * KIND_QBYTES(kind));
-        const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
-        float d0, d1, mk = 0.0f;
+        __m256i w = FN(unpack)(kind, wq + b * KIND_QBYTES(kind));
+        float d0, d1;
         if (kind == K_Q6) {
             d0 = _cvtsh_ss(d[2 * b]);
             d1 = _cvtsh_ss(d[2 * b + 1]);
         } else {
             d0 = d1 = _cvtsh_ss(d[b]);
-            mk = kind == K_Q8 ? -128.0f * d0 : _cvtsh_ss(m[b]);
         }
-        for (int r = 0; r < R; r++) {
-            const int16_t *a = qa + (r * nb + b) * QK;
-            const float *f = fa + (r * nb + b) * FA;
-            const __m256i p0 = FN(dot16)(w0, a), p1 = FN(dot16)(w1, a + 16);
-            if (kind == K_Q6) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * f[0]), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * f[0]), acc[r]);
-                macc[r] -= 32.0f * (d0 * f[2] + d1 * f[3]);
-            } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * f[0]), acc[r]);
-                macc[r] += mk * f[1];
+        if (A16) {
+            const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+            const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+            for (int r = 0; r < R; r++) {
+                const int16_t *a = (const int16_t *)qa + (r * nb + b) * QK;
+                const float da = fa[r * FA * nb + b];
+                const __m256i p0 = FN(dot16)(w0, a), p1 = FN(dot16)(w1, a + 16);
+                if (kind == K_Q6) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * da), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * da), acc[r]);
+                } else {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * da), acc[r]);
+                }
+            }
+        } else {
+            __m256i wabs = w;
+            if (signed_q8) { /* |w| * sign(a, w) keeps vpmaddubsw from saturating */
+                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+                wabs = _mm256_sign_epi8(w, w);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i av = _mm256_loadu_si256((const __m256i *)((const int8_t *)qa + (r * nb + b) * QK));
+                const float da = fa[r * FA * nb + b];
+                const __m256i p = signed_q8 ? FN(dot)(wabs, _mm256_sign_epi8(av, w)) : FN(dot)(w, av);
+                const __m256 sc = kind == K_Q6 ? _mm256_setr_m128(_mm_set1_ps(d0 * da), _mm_set1_ps(d1 * da))
+                                               : _mm256_set1_ps(d0 * da);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[r]);
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + macc[r];
+    for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + FN(min_term)(kind, signed_q8, d, m, fa + r * FA * nb, nb);
 }
 
-INLINE void FN(matmul16_kind)(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
-                              int64_t K, const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
-                              const float *bias, const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, qb = KIND_QBYTES(kind);
+INLINE void FN(matmul_kind)(const int kind, const int A16, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                            int64_t N, int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
+                            const float *bias, const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;
 #pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *w = wq + n * nb * qb;
@@ -181,32 +135,39 @@ INLINE void FN(matmul16_kind)(const int kind, const uint8_t *wq, const uint16_t 
         float s[4];
         int64_t r = 0;
         for (; r + 4 <= M; r += 4) {
-            FN(tile16)(kind, 4, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            FN(tile)(kind, A16, 4, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
             for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
         }
         for (; r < M; r++) {
-            FN(tile16)(kind, 1, w, d, m, nb, qa + r * nb * QK, fa + r * nb * FA, s);
+            FN(tile)(kind, A16, 1, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
             y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
         }
     }
 }
 
-static void FN(matmul16)(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                         const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                         const float *res, int64_t ldr) {
-    switch (kind) {
-    case K_Q8: FN(matmul16_kind)(K_Q8, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    case K_Q4: FN(matmul16_kind)(K_Q4, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    case K_Q5: FN(matmul16_kind)(K_Q5, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
-    default: FN(matmul16_kind)(K_Q6, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); break;
+#define DISPATCH_KINDS(F, ...)                                          \
+    switch (kind * 2 + (bits == 16)) {                                  \
+    case 0: F(K_Q8, 0, __VA_ARGS__); break;                             \
+    case 1: F(K_Q8, 1, __VA_ARGS__); break;                             \
+    case 2: F(K_Q4, 0, __VA_ARGS__); break;                             \
+    case 3: F(K_Q4, 1, __VA_ARGS__); break;                             \
+    case 4: F(K_Q5, 0, __VA_ARGS__); break;                             \
+    case 5: F(K_Q5, 1, __VA_ARGS__); break;                             \
+    case 6: F(K_Q6, 0, __VA_ARGS__); break;                             \
+    default: F(K_Q6, 1, __VA_ARGS__); break;                            \
     }
+
+static void FN(matmul)(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                       int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                       const float *res, int64_t ldr) {
+    DISPATCH_KINDS(FN(matmul_kind), wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr)
 }
 
 #if !VNNI
 /* Activation quantization (same results as quantize_c: scale 127 / max|x|,
  * round half to even), and the float16/bfloat16 weight kernel. */
 static void FN(quantize)(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK;  /* int8 blocks, same results as quantize_c(8, ...) */
     const __m256 signbit = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
     for (int64_t r = 0; r < M; r++)
@@ -234,11 +195,11 @@ static void FN(quantize)(const float *x, int64_t ldx, int64_t M, int64_t K, int8
             h = _mm256_hadd_epi32(h, h);
             const int t0 = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
             const int t1 = _mm256_extract_epi32(h, 1) + _mm256_extract_epi32(h, 5);
-            float *f = fa + (r * nb + b) * FA;
-            f[0] = d;
-            f[1] = d * (float)(t0 + t1);
-            f[2] = d * (float)t0;
-            f[3] = d * (float)t1;
+            float *f = fa + r * FA * nb;
+            f[b] = d;
+            f[nb + b] = d * (float)(t0 + t1);
+            f[2 * nb + 2 * b] = d * (float)t0;
+            f[2 * nb + 2 * b + 1] = d * (float)t1;
         }
 }
 

@@ -1,0 +1,234 @@
+"""Quantized CPU kernels against the ``gguf`` package's dequantizers.
+
+Weights are random GGUF blocks of every supported type (random quant bits,
+sane float16 scales); the oracle is ``gguf.quants.dequantize``. Each kernel
+runs on every instruction set this machine has (portable C included).
+
+Tolerances:
+* repacking is exact for the 32-block formats; K-quant sub-block scales are
+  stored as one float16 product (relative rounding <= 2^-11 of the scale);
+* against the exact product of the *quantized* activations with the
+  dequantized weight, the kernels agree to float32 summation order (1e-5 of
+  the largest output; 1e-3 for K-quants, from the scale rounding);
+* against ``x @ dequantize(W).T`` in float: 8-bit activation blocks are
+  within 2.5% of the largest output (1/254 per element, summed), 16-bit
+  blocks within 1e-3.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tartlet.engine import quant_kernels
+from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, QuantWeight, from_gguf, quantize
+from tartlet.engine.quant_linear import QuantLinear
+
+BLOCK_TYPES = [t for t in GGUF_TYPES if t not in ("F16", "BF16")]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def kern():
+    from tartlet.engine.c_build import find_compiler
+
+    if not find_compiler():
+        pytest.skip("no C compiler on this machine")
+    k = quant_kernels.load()
+    assert k is not None, "a C compiler is present but the quantized kernels did not build"
+    yield k
+    k.set_isa(-1)
+
+
+def isa_levels():
+    k = quant_kernels.load()
+    return list(range(k.best_isa + 1)) if k is not None else [0]
+
+
+def random_gguf(type_name: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """Raw GGUF bytes of a random ``[n, k]`` matrix of ``type_name`` (weights
+    of magnitude up to ~``scale``)."""
+    import gguf.quants as gq
+
+    rng = np.random.default_rng(seed)
+    if type_name in ("F16", "BF16"):
+        w = (rng.standard_normal((n, k)) * 0.05 * scale).astype(np.float32)
+        return w.astype(np.float16).view(np.uint8) if type_name == "F16" else (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, size = gq.GGML_QUANT_SIZES[gq.GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+
+    def f16(offset: int, size: float, sign: float = 1.0) -> None:
+        vals = sign * scale * (rng.random(raw.shape[0]) * size + size * 0.1)
+        raw[:, offset : offset + 2] = vals.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    if type_name == "Q6_K":
+        f16(208, 0.002)
+    elif type_name in K_QUANTS:
+        f16(0, 0.002)
+        f16(2, 0.002)
+    elif type_name in ("Q4_1", "Q5_1"):
+        f16(0, 0.01)
+        f16(2, 0.1, -1.0)
+    else:
+        f16(0, 0.01)
+    return raw
+
+
+def dequant_reference(raw: np.ndarray, type_name: str, n: int, k: int) -> torch.Tensor:
+    import gguf.quants as gq
+
+    if type_name == "BF16":
+        return torch.from_numpy((raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(n, k).copy())
+    return torch.from_numpy(np.asarray(gq.dequantize(raw, gq.GGMLQuantizationType[type_name]), dtype=np.float32).reshape(n, k))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_repack_matches_gguf_dequantize(kern, type_name):
+    n, k = 37, 512
+    raw = random_gguf(type_name, n, k)
+    w = from_gguf(raw, type_name, n, k)
+    ref = dequant_reference(raw, type_name, n, k)
+    got = kern.dequantize(w)
+    tol = 2.0**-11 if type_name in K_QUANTS else 0.0
+    assert (got - ref).abs().max() <= tol * ref.abs().max(), type_name
+    rows = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(kern.dequantize(w, rows), got[rows])
+
+
+@pytest.mark.parametrize("isa", isa_levels())
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_matmul_matches_dequantized_product(kern, isa, type_name):
+    """Every row count 1..33 and odd shapes (an odd number of outputs, an odd
+    number of blocks where the format allows), both activation precisions,
+    on instruction set ``isa``."""
+    assert kern.set_isa(isa) == isa
+    shapes = ((37, 256), (64, 768)) if type_name in K_QUANTS else ((37, 96), (64, 288))
+    for n, k in shapes:
+        raw = random_gguf(type_name, n, k, seed=n)
+        w = from_gguf(raw, type_name, n, k)
+        ref_w = dequant_reference(raw, type_name, n, k)
+        g = torch.Generator().manual_seed(k)
+        for rows in range(1, 34):
+            x = torch.randn(rows, k, generator=g)
+            want = x @ ref_w.T
+            out = torch.empty(rows, n)
+            if w.kind in (F16, BF16):
+                kern.matmul_half(w, x, out)
+                assert rel_err(out, want) < 1e-5, (type_name, rows)
+                continue
+            for bits, tol in ((8, 2.5e-2), (16, 1e-3)):
+                qa, fa = kern.quantize(x, bits)
+                kern.matmul(w, qa, fa, out)
+                assert rel_err(out, want) < tol, (type_name, isa, bits, rows)
+                # exact: the quantized activations times the dequantized weight
+                xq = (qa.view(rows, -1, 32).float() * fa[:, 0, :, None]).view(rows, k)
+                exact_tol = 1e-3 if type_name in K_QUANTS else 1e-5
+                assert rel_err(out, xq @ kern.dequantize(w).T) < exact_tol, (type_name, isa, bits, rows)
+    kern.set_isa(-1)
+
+
+def test_isa_levels_agree(kern):
+    """The SIMD paths compute what the portable C path computes (up to float summation order)."""
+    raw = random_gguf("Q4_K", 50, 768)
+    w = from_gguf(raw, "Q4_K", 50, 768)
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for isa in isa_levels():
+        kern.set_isa(isa)
+        out = torch.empty(9, 50)
+        qa, fa = kern.quantize(x, 8)
+        kern.matmul(w, qa, fa, out)
+        outs.append(out)
+    kern.set_isa(-1)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_quant_linear_parts_bias_residual(kern, act_bits):
+    """A fused projection of parts in different formats (Q4_K, Q6_K, F16 as in
+    a Q4_K_M file) with a bias and a residual equals the float product."""
+    k = 256
+    parts, refs = [], []
+    for i, (t, n) in enumerate((("Q4_K", 40), ("Q4_K", 24), ("Q6_K", 16), ("F16", 8))):
+        raw = random_gguf(t, n, k, seed=i)
+        parts.append(from_gguf(raw, t, n, k))
+        refs.append(dequant_reference(raw, t, n, k))
+    bias = torch.randn(88)
+    lin = QuantLinear(parts, bias, kern, act_bits=act_bits)
+    assert [p.kind for p in lin.parts] == [parts[0].kind, parts[2].kind, F16], "runs of one kind are merged"
+    assert (lin.in_features, lin.out_features) == (k, 88)
+    x, res = torch.randn(5, k), torch.randn(5, 88)
+    want = x @ torch.cat(refs).T + bias + res
+    assert rel_err(lin(x, residual=res), want) < (2.5e-2 if act_bits == 8 else 1e-3)
+    assert rel_err(lin(x[:, :]), x @ torch.cat(refs).T + bias) < (2.5e-2 if act_bits == 8 else 1e-3)
+
+
+def test_quant_linear_float_gemm_path(kern, monkeypatch):
+    """Prefill-sized calls dequantize tiles into a float GEMM; same result as the kernel path."""
+    from tartlet.engine import quant_linear
+
+    raw = random_gguf("Q5_K", 300, 512)
+    w = from_gguf(raw, "Q5_K", 300, 512)
+    lin = QuantLinear([w], torch.randn(300), kern, act_bits=16)
+    x, res = torch.randn(7, 512), torch.randn(7, 300)
+    by_kernel = lin(x, residual=res)
+    monkeypatch.setattr(quant_linear, "DEQUANT_ROWS", 4)
+    monkeypatch.setattr(quant_linear, "_TILE", 512 * 64)  # several tiles
+    by_gemm = lin(x, residual=res)
+    assert rel_err(by_gemm, by_kernel) < 1e-3
+    assert rel_err(by_gemm, x @ kern.dequantize(w).T + lin.bias + res) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_quantize_float_matrix(kern, name):
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1)) * 0.1
+    q = quantize(w, name)
+    step = {"q8_0": 1 / 127, "q5_0": 1 / 15, "q5_1": 1 / 31, "q4_0": 1 / 7, "q4_1": 1 / 15}[name]
+    # round to nearest: each weight within half a step of its block's range
+    assert float((kern.dequantize(q) - w).abs().max()) <= 0.51 * step * float(w.abs().max()) * 2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), name)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(w, "q3_x")
+
+
+def test_select_rows_and_cat():
+    raw = random_gguf("Q6_K", 10, 256)
+    w = from_gguf(raw, "Q6_K", 10, 256)
+    idx = torch.tensor([3, 1, 4])
+    part = w.select_rows(idx)
+    assert part.shape == (3, 256) and torch.equal(part.q, w.q[idx]) and torch.equal(part.d, w.d[idx])
+    both = QuantWeight.cat([part, w])
+    assert both.shape == (13, 256) and torch.equal(both.q[3:], w.q)
+    with pytest.raises(ValueError, match="one kind"):
+        QuantWeight.cat([w, from_gguf(random_gguf("Q8_0", 2, 256), "Q8_0", 2, 256)])
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="divisible by 256"):
+        from_gguf(np.zeros(144, np.uint8), "Q4_K", 1, 128)
+    with pytest.raises(ValueError, match="does not hold"):
+        from_gguf(np.zeros(100, np.uint8), "Q4_0", 2, 64)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        from_gguf(np.zeros(100, np.uint8), "IQ2_XXS", 1, 256)
+
+
+def test_disabled_or_unbuildable(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(quant_kernels, "_loaded", False)
+    monkeypatch.setenv("TARTLET_QUANT_KERNELS", "0")
+    assert quant_kernels.load() is None
+    monkeypatch.setattr(quant_kernels, "_loaded", False)
+    monkeypatch.delenv("TARTLET_QUANT_KERNELS")
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.quant_kernels"):
+        assert quant_kernels.load() is None
+    assert "GGUF weights will be dequantized" in caplog.text

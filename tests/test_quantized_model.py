@@ -1,0 +1,184 @@
+"""The default model run quantized (how ``tartlet run`` and ``serve`` load a
+GGUF) against the float32 reference path on the same file.
+
+The quantized engine multiplies the Q4_1/Q8_0 blocks directly, with
+activations quantized to 16-bit blocks; the reference dequantizes every
+weight to float32 (checked against transformers in ``test_logits.py``).
+
+Tolerances: logits of magnitude ~38 differ by at most ``LOGIT_ATOL`` (0.013
+measured, ~4x room); greedy tokens agree on at least 95% of 256
+teacher-forced decode positions (the issue's bar).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import inline_program, run_ok
+from test_logits import PROBE, as_tensor
+from tiny_gguf import write_tiny_llama
+
+LOGIT_ATOL = 0.05
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old in two sentences.",
+    "List the first five prime numbers.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+TEACHER_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
+    "from Mainz, combined movable metal type, oil-based ink and a wooden screw press into a system that could "
+    "produce books far faster than any scribe. Before his invention, books were copied by hand, which made them "
+    "rare and expensive, and most people never owned one. Within fifty years presses had spread to more than two "
+    "hundred cities across Europe, and millions of books had been printed. The new technology changed religion, "
+    "science and politics: pamphlets carried arguments to readers who had never been reached before, scholars "
+    "could compare identical copies of the same text, and vernacular languages gained a written standard. "
+    "Historians still debate how quickly literacy rose, but few doubt that the press reshaped the flow of ideas, "
+    "and that its effects compare with those of the internet in our own time. In East Asia the story began "
+    "earlier: woodblock printing was used in China by the seventh century, and Bi Sheng made movable type from "
+    "baked clay around 1040. Korean printers cast bronze type in the thirteenth century, and the Jikji, printed "
+    "in 1377, is the oldest surviving book made with movable metal type. Yet the thousands of characters in "
+    "Chinese writing made movable type less practical there than in Europe, where an alphabet of a few dozen "
+    "letters could be set and reset quickly by a trained compositor."
+)
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    return inline_program(tmp_path_factory.mktemp("qlogits"), PROBE, "logits_probe")
+
+
+def chat_ids(engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def test_weights_stay_quantized_and_small(quant_engine, gguf_path):
+    """Every projection is quantized (no float copy kept) and resident weight
+    memory is within 1.2x of the file size."""
+    from tartlet.engine.quant_formats import Q4, Q8, QuantWeight
+    from tartlet.engine.quant_linear import QuantLinear
+
+    m = quant_engine.model
+    assert isinstance(m.embed, QuantWeight) and m.embed.kind == Q8 and m.embed.source == "Q8_0"
+    assert isinstance(m.lm_head, QuantLinear) and m.lm_head.parts[0].q is m.embed.q, "tied head shares the embedding"
+    for layer in m.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = layer[name]
+            assert isinstance(lin, QuantLinear) and [p.kind for p in lin.parts] == [Q4], name
+    weight_bytes = m.weight_bytes()
+    size = gguf_path.stat().st_size
+    print(f"resident weights {weight_bytes / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB GGUF ({weight_bytes / size:.3f}x)")
+    assert weight_bytes <= 1.2 * size
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+async def test_logits_close_to_float_path(runtime, quant_runtime, probe, engine, text):
+    ids = chat_ids(engine, text)
+    ref = as_tensor((await run_ok(runtime, probe, {"ids": ids, "mode": "prefill"}))["logits"])
+    got = as_tensor((await run_ok(quant_runtime, probe, {"ids": ids, "mode": "prefill"}))["logits"])
+    diff = float((got - ref).abs().max())
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"{text[:30]!r}: {len(ids)} positions, max abs logit diff {diff:.3f} (largest {float(ref.abs().max()):.1f}), "
+          f"top-1 agreement {agree:.3f}")
+    assert diff <= LOGIT_ATOL
+    assert int(got[-1].argmax()) == int(ref[-1].argmax()), "the first generated token differs"
+
+
+async def test_teacher_forced_top1_agreement(runtime, quant_runtime, probe, engine):
+    """256 decode positions, each token fed through the paged KV cache one pass at a time."""
+    ids = chat_ids(engine, "Tell me about the printing press.") + engine.tokenizer.encode(TEACHER_TEXT)
+    split = len(ids) - 256
+    assert split > 10
+    ref = as_tensor((await run_ok(runtime, probe, {"ids": ids, "mode": "prefill"}))["logits"])[split - 1 : -1]
+    got = as_tensor((await run_ok(quant_runtime, probe, {"ids": ids[:-1], "mode": "decode", "split": split}))["logits"])
+    assert got.shape == ref.shape == (256, engine.config.vocab_size)
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"top-1 agreement over 256 teacher-forced decode positions: {agree:.4f}, "
+          f"max abs logit diff {float((got - ref).abs().max()):.3f}")
+    assert agree >= 0.95
+
+
+async def test_readme_prompt_says_paris(quant_runtime):
+    res = await run_ok(quant_runtime, "text-completion", {"prompt": "What is the capital of France?", "max_tokens": 16})
+    assert "Paris" in res["text"], res["text"]
+
+
+async def test_batching_never_changes_greedy_outputs(quant_runtime, quant_engine):
+    from test_batching import MAX_TOKENS
+    from test_batching import PROMPTS as BATCH_PROMPTS
+    from test_batching import run_all
+
+    args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in BATCH_PROMPTS]
+    solo = [await run_ok(quant_runtime, "text-completion", a) for a in args]
+    calls0 = quant_engine.scheduler.stats.model_calls
+    together = await run_all(quant_runtime, args)
+    total = sum(len(r["tokens"]) for r in together)
+    assert quant_engine.scheduler.stats.model_calls - calls0 < total, "not batched"
+    for p, a, b in zip(BATCH_PROMPTS, solo, together):
+        assert b["tokens"] == a["tokens"], f"{p!r}: concurrent run differs from the solo run"
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"},  # like Q4_K_M
+        {"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q5_1", "ffn_up": "Q4_0", "ffn_gate": "Q4_1",
+         "ffn_down": "Q8_0", "output": "F16", "token_embd": "BF16"},
+        {"attn_q": "F32", "output": "Q8_0"},
+    ],
+    ids=["q4_k_m", "every-format", "f32-matrices"],
+)
+def test_gguf_type_mixes_match_float_path(tmp_path, mix):
+    """Random-weight Llama GGUFs mixing the formats (including fused Q/K/V and
+    gate/up of different formats, and un-permuted Q/K rows) give the float
+    path's logits. Bound: 0.5% of the largest logit (measured up to 0.22% with
+    random K-quant weights, whose sub-block scale and minimum products are
+    stored as float16: see :mod:`tartlet.engine.quant_formats`)."""
+    from test_loader import engine_logits
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", mix)
+    ids = list(range(3, 40))
+    want = engine_logits(path, "float32", ids, split=20)
+    got = engine_logits(path, "auto", ids, split=20)
+    diff, scale = float((got - want).abs().max()), float(want.abs().max())
+    print(f"{mix}: max abs logit diff {diff:.2e} (largest {scale:.2f})")
+    assert diff <= 5e-3 * scale
+
+
+def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
+    import gguf
+    import numpy as np
+
+    from tartlet.engine.loader import ModelLoadError, load_model
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", {})
+    # rewrite the file with one tensor declared as Q8_1 (no dequantizer, no kernel)
+    reader = gguf.GGUFReader(path)
+    out = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.name == "blk.1.ffn_up.weight":
+            size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1][1]
+            raw = np.zeros((shape[0], shape[1] // 32 * size), np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        elif t.tensor_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+        else:
+            w.add_tensor(t.name, np.asarray(t.data).reshape(shape[0], -1), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for quantized in (True, False):
+        with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q8_1"):
+            load_model(out, quantized=quantized)
