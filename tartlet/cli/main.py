@@ -128,12 +128,17 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
 
 
 def _print_stats(engine: Any) -> None:
+    import resource
+
     st = engine.scheduler.stats
     kv = engine.pool.stats()
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     err.print(
         f"model calls {st.model_calls}, tokens computed {st.tokens_computed}, prefix tokens reused "
         f"{st.prefix_tokens_reused}, forward time {st.forward_seconds:.2f} s, "
-        f"pages used {kv.used} cached {kv.cached} free {kv.free} of {kv.total}",
+        f"pages used {kv.used} cached {kv.cached} free {kv.free} of {kv.total}\n"
+        f"weights {engine.model.weight_bytes() / 2**20:.1f} MiB ({engine.model.weight_summary()}), "
+        f"KV pool {engine.pool.nbytes() / 2**20:.1f} MiB, peak RSS {peak_mib:.0f} MiB",
         highlight=False,
     )
 

@@ -101,6 +101,10 @@ class PagePool:
         self._by_key: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
 
+    def nbytes(self) -> int:
+        """Bytes reserved for keys and values (pages are only resident once written)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of K plus V for one page across all layers."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
 from .linear import Linear, onednn_packing_available
-from .quant_formats import F16, QuantWeight
+from .quant_formats import F16, KIND_NAMES, QuantWeight
 from .quant_linear import QuantLinear, embedding_rows
 
 
@@ -169,7 +169,11 @@ class LlamaModel:
         seen: dict[int, int] = {}
 
         def add(t: torch.Tensor | None) -> None:
-            if t is not None:
+            if t is None:
+                return
+            if t.is_mkldnn:  # a oneDNN-packed weight has no storage to look at: count its elements
+                seen[id(t)] = t.numel() * t.element_size()
+            else:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
         def add_any(obj: object) -> None:
@@ -193,6 +197,19 @@ class LlamaModel:
             for v in layer.values():
                 add_any(v)
         return sum(seen.values())
+
+    def weight_summary(self) -> str:
+        """The weight formats held, e.g. ``"Q4_1 x 210, Q8_0 x 1"`` (quantized
+        matrices by source GGUF type, as loaded) or ``"float32"``."""
+        from collections import Counter
+
+        kinds: Counter[str] = Counter()
+        for lin in [self.lm_head] + [v for layer in self.layers for v in layer.values()]:
+            if isinstance(lin, QuantLinear):
+                kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
+        if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, QuantLinear) or self.lm_head.parts[0].q is not self.embed.q):
+            kinds[self.embed.source] += 1
+        return ", ".join(f"{k} x {n}" for k, n in kinds.most_common()) or str(self.dtype).replace("torch.", "")
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

@@ -22,7 +22,7 @@ from .quant_formats import BF16, F16, QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM.
-DEQUANT_ROWS = 1 << 30
+DEQUANT_ROWS = 128
 
 #: Largest float32 tile (elements) dequantized at once on the GEMM path.
 _TILE = 1 << 22
