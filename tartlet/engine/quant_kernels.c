@@ -37,6 +37,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32
@@ -244,6 +245,67 @@ void tq_matmul(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const 
     }
 #endif
     matmul_c(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+}
+
+/* One projection y = x @ W^T (+ bias) (+ res), W stacked from parts along
+ * the outputs (each a block kind, or float16 / bfloat16 as kinds 4 / 5),
+ * described once by the caller: x is quantized once into a per-thread
+ * buffer, then each part writes its columns of y (row stride n_total). */
+void tq_matmul_half(int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                    float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr);
+
+#define TQ_MAX_PARTS 8
+typedef struct {
+    int64_t kind, n;
+    const uint8_t *q;
+    const uint16_t *d, *m;
+} tq_part;
+
+typedef struct {
+    int64_t nparts, bits, k, n_total;
+    const float *bias;
+    tq_part parts[TQ_MAX_PARTS];
+} tq_linear_desc;
+
+static _Thread_local void *act_buf;
+static _Thread_local size_t act_cap;
+
+static void *scratch(size_t bytes) {
+    if (bytes > act_cap) {
+        free(act_buf);
+        act_cap = bytes * 2;
+        act_buf = aligned_alloc(64, (act_cap + 63) / 64 * 64);
+        if (!act_buf) act_cap = 0;
+    }
+    return act_buf;
+}
+
+/* Returns 0, or -1 when the activation buffer cannot be allocated. */
+int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, float *y, const float *res,
+              int64_t ldr) {
+    const int64_t K = L->k, nb = K / QK;
+    void *qa = 0;
+    float *fa = 0;
+    for (int64_t i = 0; i < L->nparts; i++)
+        if (L->parts[i].kind < 4 && !qa) {
+            const size_t qbytes = (size_t)(M * K * (L->bits / 8) + 63) / 64 * 64;
+            char *buf = scratch(qbytes + (size_t)M * FA * nb * sizeof(float));
+            if (!buf) return -1;
+            qa = buf;
+            fa = (float *)(buf + qbytes);
+            tq_quantize((int)L->bits, x, ldx, M, K, qa, fa);
+        }
+    int64_t n0 = 0;
+    for (int64_t i = 0; i < L->nparts; i++) {
+        const tq_part *p = &L->parts[i];
+        const float *b = L->bias ? L->bias + n0 : 0, *r = res ? res + n0 : 0;
+        if (p->kind >= 4)
+            tq_matmul_half(p->kind == 5, (const uint16_t *)p->q, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr);
+        else
+            tq_matmul((int)p->kind, (int)L->bits, p->q, p->d, p->m, p->n, K, qa, fa, M, y + n0, L->n_total, b, r, ldr);
+        n0 += p->n;
+    }
+    return 0;
 }
 
 /* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */

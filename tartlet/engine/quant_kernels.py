@@ -37,6 +37,21 @@ ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI (256-bit)", 3: "AVX-51
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
+#: Most runs of one kind a :class:`LinearDesc` holds (``TQ_MAX_PARTS`` in the C file).
+MAX_PARTS = 8
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("kind", _I), ("n", _I), ("q", _P), ("d", _P), ("m", _P)]
+
+
+class LinearDesc(ctypes.Structure):
+    """A projection as ``tq_linear`` reads it (``tq_linear_desc``): built once
+    per :class:`~tartlet.engine.quant_linear.QuantLinear`, so a call passes
+    one pointer instead of a dozen arguments per part."""
+
+    _fields_ = [("nparts", _I), ("bits", _I), ("k", _I), ("n_total", _I), ("bias", _P), ("parts", _Part * MAX_PARTS)]
+
 
 def load() -> "QuantKernels | None":
     """The compiled kernels, or ``None`` when they cannot be had (the reason
@@ -74,6 +89,9 @@ class QuantKernels:
         lib.tq_matmul_half.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I]
         for f in (lib.tq_quantize, lib.tq_matmul, lib.tq_dequantize, lib.tq_matmul_half):
             f.restype = None
+        lib.tq_linear.argtypes = [ctypes.POINTER(LinearDesc), _P, _I, _I, _P, _P, _I]
+        lib.tq_linear.restype = ctypes.c_int
+        self._linear = lib.tq_linear
         lib.tq_set_isa.argtypes = [ctypes.c_int]
         lib.tq_set_isa.restype = ctypes.c_int
         lib.tq_best_isa.restype = ctypes.c_int
@@ -113,6 +131,35 @@ class QuantKernels:
         N, K = w.shape
         self._lib.tq_matmul(w.kind, 8 if qa.dtype == torch.int8 else 16, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
           out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
+
+    def linear_desc(self, parts: list[QuantWeight], bias: torch.Tensor | None, bits: int) -> LinearDesc:
+        """The descriptor of ``x @ W^T (+ bias)`` with ``W`` stacked from
+        ``parts`` (one width ``K``) and activations quantized to ``bits``.
+        The tensors must outlive the descriptor (the caller keeps them).
+
+        Raises:
+            ValueError: more than :data:`MAX_PARTS` parts, or ``bits`` not 8 or 16.
+        """
+        if len(parts) > MAX_PARTS:
+            raise ValueError(f"a projection holds at most {MAX_PARTS} runs of one format, got {len(parts)}")
+        if bits not in (8, 16):
+            raise ValueError(f"activations are quantized to 8 or 16 bits, not {bits}")
+        desc = LinearDesc(len(parts), bits, parts[0].shape[1], sum(p.shape[0] for p in parts), _ptr(bias))
+        for i, p in enumerate(parts):
+            desc.parts[i] = _Part(p.kind, p.shape[0], p.q.data_ptr(), _ptr(p.d), _ptr(p.m))
+        return desc
+
+    def linear(self, desc: LinearDesc, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """``out = x @ W^T (+ bias) (+ residual)`` for a :meth:`linear_desc`:
+        ``x`` float32 ``[M, K]`` (rows contiguous), ``out`` float32
+        contiguous ``[M, N]``, ``residual`` float32 ``[M, N]`` (rows contiguous).
+
+        Raises:
+            MemoryError: the activation buffer could not be allocated.
+        """
+        if self._linear(desc, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _ptr(residual),
+                        0 if residual is None else residual.stride(0)):
+            raise MemoryError(f"cannot allocate the quantized activations of a [{x.shape[0]}, {x.shape[1]}] input")
 
     def matmul_half(
         self, w: QuantWeight, x: torch.Tensor, out: torch.Tensor,

@@ -11,6 +11,29 @@
 static const int32_t SPREAD2[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 static const int32_t SPREAD4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
 
+/* one block of 16-bit activations for R rows, accumulated into acc */
+INLINE void block16_avx512(const int kind, const int R, const uint8_t *wq, const uint16_t *d, int64_t nb,
+                           const void *qa, const float *fa, int64_t b, __m512 *acc) {
+    const __m512i w = _mm512_cvtepu8_epi16(unpack_vnni(kind, wq + b * KIND_QBYTES(kind)));
+    if (kind == K_Q6) { /* a weight scale per 16-value half: lanes 0-7 and 8-15 */
+        const __m512i spread = _mm512_loadu_si512((const void *)SPREAD2);
+        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(d + 2 * b)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *a = (const int16_t *)qa + (r * nb + b) * QK;
+            const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)a));
+            const __m128 sc = _mm_mul_ps(dw, _mm_set1_ps(fa[r * FA * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc)), acc[r]);
+        }
+    } else {
+        const float dw = _cvtsh_ss(d[b]);
+        for (int r = 0; r < R; r++) {
+            const int16_t *a = (const int16_t *)qa + (r * nb + b) * QK;
+            const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)a));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dw * fa[r * FA * nb + b]), acc[r]);
+        }
+    }
+}
+
 INLINE void tile_avx512(const int kind, const int A16, const int R, const uint8_t *wq, const uint16_t *d,
                         const uint16_t *m, int64_t nb, const void *qa, const float *fa, float *out) {
     const int qb = KIND_QBYTES(kind);
@@ -18,26 +41,15 @@ INLINE void tile_avx512(const int kind, const int A16, const int R, const uint8_
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t b = 0;
     if (A16) {
-        const __m512i spread = _mm512_loadu_si512((const void *)SPREAD2);
-        for (; b < nb; b++) {
-            const __m512i w = _mm512_cvtepu8_epi16(unpack_vnni(kind, wq + b * qb));
-            if (kind == K_Q6) { /* a weight scale per 16-value half: lanes 0-7 and 8-15 */
-                const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(d + 2 * b)));
-                for (int r = 0; r < R; r++) {
-                    const int16_t *a = (const int16_t *)qa + (r * nb + b) * QK;
-                    const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)a));
-                    const __m128 sc = _mm_mul_ps(dw, _mm_set1_ps(fa[r * FA * nb + b]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc)), acc[r]);
-                }
-            } else {
-                const float dw = _cvtsh_ss(d[b]);
-                for (int r = 0; r < R; r++) {
-                    const int16_t *a = (const int16_t *)qa + (r * nb + b) * QK;
-                    const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)a));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dw * fa[r * FA * nb + b]), acc[r]);
-                }
-            }
+        /* two accumulator sets (even and odd blocks) halve the fma dependency chain */
+        __m512 acc2[4];
+        for (int r = 0; r < R; r++) acc2[r] = _mm512_setzero_ps();
+        for (; b + 2 <= nb; b += 2) {
+            block16_avx512(kind, R, wq, d, nb, qa, fa, b, acc);
+            block16_avx512(kind, R, wq, d, nb, qa, fa, b + 1, acc2);
         }
+        if (b < nb) block16_avx512(kind, R, wq, d, nb, qa, fa, b++, acc);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
     } else {
         const __m512i spread = _mm512_loadu_si512((const void *)(kind == K_Q6 ? SPREAD4 : SPREAD2));
         for (; b + 2 <= nb; b += 2) {

@@ -5,7 +5,8 @@ The weight is a stack of parts along the outputs (fused Q/K/V or gate/up,
 whose parts may come in different GGUF formats, e.g. Q4_K for Q and K and
 Q6_K for V in a ``Q4_K_M`` file): one :class:`QuantWeight` per run of equal
 kinds. ``x`` is quantized to 8-bit blocks once per call and every part writes
-its columns of one output matrix (bias and residual added in the kernel).
+its columns of one output matrix (bias and residual added in the kernel),
+all in one C call (``tq_linear``) over a descriptor built at load.
 
 Batches of at least :data:`DEQUANT_ROWS` rows (prefill) multiply in float
 instead: each part is dequantized into a float32 tile and multiplied by
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import BF16, F16, QuantWeight
+from .quant_formats import QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM.
@@ -62,7 +63,7 @@ class QuantLinear:
             raise ValueError(f"bias shape {tuple(bias.shape)} does not match {self.out_features} outputs")
         self.bias = None if bias is None else bias.to(torch.float32).contiguous()
         self.kernels = kernels
-        self._quantized = any(p.kind not in (F16, BF16) for p in merged)
+        self._desc = kernels.linear_desc(merged, self.bias, act_bits)
 
     @property
     def nbytes(self) -> int:
@@ -85,21 +86,7 @@ class QuantLinear:
         out = torch.empty(T, self.out_features, dtype=torch.float32)
         if T >= DEQUANT_ROWS:
             return self._float_gemm(x, out, residual)
-        k = self.kernels
-        qa = fa = None
-        if self._quantized:
-            qa, fa = k.quantize(x, self.act_bits)
-        n0 = 0
-        for p in self.parts:
-            n1 = n0 + p.shape[0]
-            o = out[:, n0:n1]
-            b = None if self.bias is None else self.bias[n0:n1]
-            r = None if residual is None else residual[:, n0:n1]
-            if p.kind in (F16, BF16):
-                k.matmul_half(p, x, o, b, r)
-            else:
-                k.matmul(p, qa, fa, o, b, r)
-            n0 = n1
+        self.kernels.linear(self._desc, x, out, residual)
         return out
 
     def _float_gemm(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
