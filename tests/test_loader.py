@@ -163,14 +163,15 @@ def test_unsupported_hf_model_type(qwen2_folder, tmp_path):
         load_model(tmp_path)
 
 
-def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: bool = True) -> torch.Tensor:
+def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: bool = True, **cfg_kw) -> torch.Tensor:
     """Float32 logits ``[len(ids), vocab]`` of a whole Engine on ``path``: a
-    prefill of ``split`` tokens, then one token per forward pass."""
+    prefill of ``split`` tokens, then one token per forward pass
+    (``cfg_kw``: more :class:`EngineConfig` fields)."""
     from tartlet.engine.engine import Engine, EngineConfig
     from tartlet.engine.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.scheduler import ForwardRequest
 
-    cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8, cpu_kernels=cpu_kernels)
+    cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8, cpu_kernels=cpu_kernels, **cfg_kw)
     loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=cfg.keeps_quantized())
     eng = Engine(cfg, loaded.config, loaded.weights, loaded.tokenizer)
     try:

@@ -60,6 +60,11 @@ class EngineConfig:
             block of 32 to 16-bit (default) or 8-bit integers (llama.cpp's
             choice: faster for large batches, but on SmolLM2-135M it flips
             greedy answers; see :mod:`tartlet.engine.quant_linear`).
+        kv_dtype: element type of the KV page pool: ``auto`` (the compute
+            dtype), ``float32``, ``bfloat16`` or ``float16``. A 16-bit pool
+            holds twice the tokens in the same ``kv_cache_mb``; keys and
+            values are rounded when written and attention then runs in
+            PyTorch (the fused float32 decode kernel reads float32 pages).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -74,6 +79,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     gemv_copy: bool = True
     act_bits: int = 16
+    kv_dtype: str = "auto"
 
     def torch_dtype(self) -> torch.dtype:
         """The compute dtype (``auto`` computes in float32)."""
@@ -93,6 +99,15 @@ class EngineConfig:
         from .quant_kernels import load
 
         return load() is not None
+
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV pool's element type (``auto``: the compute dtype)."""
+        if self.kv_dtype == "auto":
+            return self.torch_dtype()
+        try:
+            return _DTYPES[self.kv_dtype]
+        except KeyError:
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (choose from auto, {', '.join(_DTYPES)})") from None
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -126,9 +141,10 @@ class Engine:
             act_bits=cfg.act_bits,
         )
         c = model_config
-        per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+        kv_dtype = cfg.torch_kv_dtype()
+        per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
-        self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, device)
+        self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype, device)
         self.scheduler = Scheduler(
             self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
         )

@@ -241,8 +241,8 @@ class LlamaModel:
         else:
             qg = q.index_select(0, g.rows).view(B, Q, self.nh, self.hd)
         flat = g.kv_slots.view(-1)
-        k = kc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, L, hd]
-        v = vc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        k = kc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)  # [B, nkv, L, hd]
+        v = vc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)
         o = F.scaled_dot_product_attention(
             qg.transpose(1, 2),
             k,
@@ -271,7 +271,8 @@ class LlamaModel:
             float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
         """
         nh, nkv, hd = self.nh, self.nkv, self.hd
-        kern = self.kernels
+        # the fused kernels read and write float32 pages; a 16-bit pool takes the PyTorch path
+        kern = self.kernels if k_cache.dtype == torch.float32 else None
         if isinstance(self.embed, QuantWeight):
             x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
@@ -298,8 +299,8 @@ class LlamaModel:
                 # RoPE once over the query and key heads together
                 qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
                 q = qk[:, :nh]
-                kc.index_copy_(0, batch.write_slots, qk[:, nh:])
-                vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd))
+                kc.index_copy_(0, batch.write_slots, qk[:, nh:].to(kc.dtype))
+                vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd).to(vc.dtype))
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             for g, bias, by_kernel, rows_bias in groups:
