@@ -165,7 +165,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_poo
                             float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
     const int64_t g = nh / nkv, row = nkv * hd;
-#pragma omp parallel
+    /* a short attention (one sequence of ~100 tokens: ~20 us) is not worth waking the other threads */
+#pragma omp parallel if (B * L * nh * hd >= (1 << 20))
     {
         float *p = malloc(sizeof(float) * (size_t)(L * g));
 #pragma omp for collapse(2) schedule(static)

@@ -92,6 +92,8 @@ class QuantKernels:
         lib.tq_linear.argtypes = [ctypes.POINTER(LinearDesc), _P, _I, _I, _P, _P, _I]
         lib.tq_linear.restype = ctypes.c_int
         self._linear = lib.tq_linear
+        lib.tq_set_par_min.argtypes = [_I]
+        lib.tq_set_par_min.restype = _I
         lib.tq_set_isa.argtypes = [ctypes.c_int]
         lib.tq_set_isa.restype = ctypes.c_int
         lib.tq_best_isa.restype = ctypes.c_int
@@ -104,6 +106,12 @@ class QuantKernels:
         Process-wide."""
         self.isa = self._lib.tq_set_isa(level)
         return self.isa
+
+    def set_parallel_threshold(self, block_rows: int) -> int:
+        """Products of fewer than ``block_rows`` (``N * M * K / 32``) run on
+        one thread; larger ones are split across OpenMP threads. Returns the
+        previous threshold. Process-wide."""
+        return self._lib.tq_set_par_min(block_rows)
 
     def quantize(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a
