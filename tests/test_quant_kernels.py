@@ -95,9 +95,12 @@ def test_repack_matches_gguf_dequantize(kern, type_name):
     raw = random_gguf(type_name, n, k)
     w = from_gguf(raw, type_name, n, k)
     ref = dequant_reference(raw, type_name, n, k)
-    got = kern.dequantize(w)
     tol = 2.0**-11 if type_name in K_QUANTS else 0.0
-    assert (got - ref).abs().max() <= tol * ref.abs().max(), type_name
+    for isa in isa_levels():  # the portable loop and the SIMD one
+        kern.set_isa(isa)
+        got = kern.dequantize(w)
+        assert (got - ref).abs().max() <= tol * ref.abs().max(), (type_name, isa)
+    kern.set_isa(-1)
     rows = torch.tensor([36, 0, 5, 5])
     assert torch.equal(kern.dequantize(w, rows), got[rows])
 

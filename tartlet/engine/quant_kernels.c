@@ -326,6 +326,12 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
 /* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */
 void tq_dequantize(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t K,
                    const int64_t *rows, int64_t R, float *out) {
+#ifdef TQ_X86
+    if (cur_isa() >= 1) {
+        dequantize_avx2(kind, wq, wd, wm, K, rows, R, out);
+        return;
+    }
+#endif
     const int64_t nb = K / QK, qb = QBYTES[kind];
 #pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
     for (int64_t i = 0; i < R; i++) {

@@ -88,7 +88,7 @@ INLINE void matmul_kind_avx512(const int kind, const int A16, const uint8_t *wq,
                                const uint16_t *wm, int64_t N, int64_t K, const void *qa, const float *fa, int64_t M,
                                float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;
-#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *w = wq + n * nb * qb;
         const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;

@@ -128,7 +128,7 @@ INLINE void FN(matmul_kind)(const int kind, const int A16, const uint8_t *wq, co
                             int64_t N, int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                             const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;
-#pragma omp parallel for if (N * M * nb >= 4096) schedule(static)
+#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *w = wq + n * nb * qb;
         const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
@@ -162,6 +162,40 @@ static void FN(matmul)(int kind, int bits, const uint8_t *wq, const uint16_t *wd
                        const float *res, int64_t ldr) {
     DISPATCH_KINDS(FN(matmul_kind), wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr)
 }
+
+#if !VNNI
+/* Dequantize rows of W into float32 (same values as tq_dequantize's C loop). */
+static void FN(dequantize)(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t K,
+                           const int64_t *rows, int64_t R, float *out) {
+    const int64_t nb = K / QK, qb = QBYTES[kind];
+#pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t n = rows ? rows[i] : i;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i v = FN(unpack)(kind, wq + (n * nb + b) * qb);
+            float d0, d1, m0, m1;
+            if (kind == K_Q6) {
+                d0 = _cvtsh_ss(d[2 * b]);
+                d1 = _cvtsh_ss(d[2 * b + 1]);
+                m0 = -32.0f * d0;
+                m1 = -32.0f * d1;
+            } else {
+                d0 = d1 = _cvtsh_ss(d[b]);
+                m0 = m1 = kind == K_Q8 ? -128.0f * d0 : _cvtsh_ss(m[b]);
+            }
+            float *o = out + i * K + b * QK;
+            const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int j = 0; j < 4; j++) {
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+                const __m256 dv = _mm256_set1_ps(j < 2 ? d0 : d1), mv = _mm256_set1_ps(j < 2 ? m0 : m1);
+                _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(f, dv, mv));
+            }
+        }
+    }
+}
+#endif
 
 #if !VNNI
 /* Activation quantization (same results as quantize_c: scale 127 / max|x|,
