@@ -52,7 +52,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
-    engine = load_engine(kv_cache_mb=512, threads=a.threads)
+    engine = load_engine(kv_cache_mb=512, threads=a.threads, dtype="float32")  # transformers' weights and dtype
     hf, tok = load_hf_reference()
     hf.generation_config.pad_token_id = tok.pad_token_id or 2
 

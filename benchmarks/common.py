@@ -16,7 +16,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def load_engine(**cfg: Any):
-    """A started :class:`Engine` on the default model (float32)."""
+    """A started :class:`Engine` on the default model with ``EngineConfig``'s
+    defaults (its GGUF weights kept quantized, float32 compute) unless ``cfg``
+    says otherwise (``dtype="float32"``: the dequantized reference path)."""
     from tartlet.engine.engine import Engine, EngineConfig
 
     return Engine.load(EngineConfig(**cfg))
