@@ -87,22 +87,7 @@ INLINE void tile_avx512(const int kind, const int A16, const int R, const uint8_
 INLINE void matmul_kind_avx512(const int kind, const int A16, const uint8_t *wq, const uint16_t *wd,
                                const uint16_t *wm, int64_t N, int64_t K, const void *qa, const float *fa, int64_t M,
                                float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;
-#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = wq + n * nb * qb;
-        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
-        float s[4];
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
-            tile_avx512(kind, A16, 4, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
-            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
-        }
-        for (; r < M; r++) {
-            tile_avx512(kind, A16, 1, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
-            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
-        }
-    }
+    MATMUL_ROWS(tile_avx512)
 }
 
 static void matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,

@@ -124,25 +124,33 @@ INLINE void FN(tile)(const int kind, const int A16, const int R, const uint8_t *
     for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + FN(min_term)(kind, signed_q8, d, m, fa + r * FA * nb, nb);
 }
 
+/* The row loop shared by every instruction set: weight rows split across
+ * threads, activation rows in tiles of 4 through TILE. Expands inside a
+ * function with the matmul_kind parameters. */
+#ifndef MATMUL_ROWS
+#define MATMUL_ROWS(TILE)                                                                                  \
+    const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;                                 \
+    _Pragma("omp parallel for if (N * M * nb >= par_min) schedule(static)")                             \
+    for (int64_t n = 0; n < N; n++) {                                                                      \
+        const uint8_t *w = wq + n * nb * qb;                                                               \
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;               \
+        float s[4];                                                                                        \
+        int64_t r = 0;                                                                                     \
+        for (; r + 4 <= M; r += 4) {                                                                       \
+            TILE(kind, A16, 4, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);          \
+            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);     \
+        }                                                                                                  \
+        for (; r < M; r++) {                                                                               \
+            TILE(kind, A16, 1, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);          \
+            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);                                           \
+        }                                                                                                  \
+    }
+#endif
+
 INLINE void FN(matmul_kind)(const int kind, const int A16, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                             int64_t N, int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                             const float *bias, const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;
-#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = wq + n * nb * qb;
-        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
-        float s[4];
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
-            FN(tile)(kind, A16, 4, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
-            for (int i = 0; i < 4; i++) y[(r + i) * ldy + n] = finish(s[i], r + i, n, bias, res, ldr);
-        }
-        for (; r < M; r++) {
-            FN(tile)(kind, A16, 1, w, d, m, nb, (const char *)qa + r * K * asz, fa + r * FA * nb, s);
-            y[r * ldy + n] = finish(s[0], r, n, bias, res, ldr);
-        }
-    }
+    MATMUL_ROWS(FN(tile))
 }
 
 #define DISPATCH_KINDS(F, ...)                                          \
