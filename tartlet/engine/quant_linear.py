@@ -4,15 +4,18 @@ quantized twin of :class:`tartlet.engine.linear.Linear`, same call).
 The weight is a stack of parts along the outputs (fused Q/K/V or gate/up,
 whose parts may come in different GGUF formats, e.g. Q4_K for Q and K and
 Q6_K for V in a ``Q4_K_M`` file): one :class:`QuantWeight` per run of equal
-kinds. ``x`` is quantized to 8-bit blocks once per call and every part writes
-its columns of one output matrix (bias and residual added in the kernel),
-all in one C call (``tq_linear``) over a descriptor built at load.
+kinds. ``x`` is quantized once per call to blocks of 32 integers, 16-bit by
+default (8-bit, llama.cpp's choice, is faster but flipped SmolLM2-135M's
+greedy answer to "What is the capital of France?": its attention inputs
+have outliers 100-470x the block median), and every part writes its
+columns of one output matrix (bias and residual added in the kernel), all
+in one C call (``tq_linear``) over a descriptor built at load.
 
 Batches of at least :data:`DEQUANT_ROWS` rows (prefill, large decode
-batches) multiply in float instead: each part is dequantized into a float32 tile and multiplied by
-PyTorch's GEMM, which beats the integer kernel once the weight tile is
-reused by that many rows; the tile is freed after the call, so no float copy
-of the weights is kept.
+batches) multiply in float instead: each part is dequantized into float32
+tiles multiplied by PyTorch's GEMM, which beats the integer kernel once a
+tile is reused by that many rows; tiles are freed after the call, so no
+float copy of the weights is kept.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class QuantLinear:
         ValueError: parts of different widths, or a bias of the wrong size.
     """
 
-    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: QuantKernels, act_bits: int = 8) -> None:
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: QuantKernels, act_bits: int = 16) -> None:
         if act_bits not in (8, 16):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self.act_bits = act_bits
