@@ -122,17 +122,17 @@ class LlamaModel:
 
         pack = onednn_packing_available(self.device, dtype)
 
+        def float_part(t: torch.Tensor) -> QuantWeight:
+            # a float matrix beside quantized ones (e.g. an F32 tensor in a GGUF): kept as float16
+            # rather than float32 in its own kernel; exact for GGUF F16 tensors
+            return QuantWeight(F16, tuple(t.shape), t.to(torch.float16).contiguous(), source="F32")
+
         def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy) -> "Linear | QuantLinear":
             parts = [raw(n) for n in names]
             if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
                 quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
                 return QuantLinear(quant, bias, self.quant, act_bits=act_bits)
             return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
-
-        def float_part(t: torch.Tensor) -> QuantWeight:
-            # a float matrix beside quantized ones (e.g. an F32 tensor in a GGUF): kept as float16
-            # rather than float32 in its own kernel; exact for GGUF F16 tensors
-            return QuantWeight(F16, tuple(t.shape), t.to(torch.float16).contiguous(), source="F32")
 
         embed = raw("model.embed_tokens.weight")
         self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
@@ -199,8 +199,10 @@ class LlamaModel:
         return sum(seen.values())
 
     def weight_summary(self) -> str:
-        """The weight formats held, e.g. ``"Q4_1 x 210, Q8_0 x 1"`` (quantized
-        matrices by source GGUF type, as loaded) or ``"float32"``."""
+        """The weight formats held, e.g. ``"Q4_1 x 120, Q8_0 x 1"``: quantized
+        weight runs by source GGUF type, counted after fusing (Q/K/V of one
+        format is one run; the default model's 210 Q4_1 matrices are 120), or
+        the float dtype (``"float32"``)."""
         from collections import Counter
 
         kinds: Counter[str] = Counter()
