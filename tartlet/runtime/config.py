@@ -15,7 +15,10 @@ reads it with :func:`load_config`. Layout::
     ...
 
     [limits]   max_pages_per_instance, max_wall_time_s, max_instances_per_user,
-               max_message_bytes, max_upload_bytes
+               max_message_bytes, max_upload_bytes, max_json_depth,
+               max_session_message_bytes, max_backlog_bytes,
+               max_messaging_bytes_per_user, max_topics_per_user,
+               max_builds_per_user
     [auth]     enabled, keys_file
     [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
     [programs] allow_uploads, uploaded_runtime ("wasm": sandboxed, the default;
@@ -71,15 +74,48 @@ class LimitsConfig:
         max_wall_time_s: wall time of one instance, seconds.
         max_instances_per_user: running instances of one user (children
             included).
-        max_message_bytes: largest protocol message, bytes.
+        max_message_bytes: largest protocol message, bytes: one WebSocket
+            frame or one HTTP request body (default 8 MiB, so a largest
+            session message fits in a frame even base64-encoded).
         max_upload_bytes: largest uploaded program (all files), bytes.
+        max_json_depth: deepest nesting of arrays and objects accepted in
+            a WebSocket frame or HTTP body (deeper: ``bad_request`` / 400).
+        max_session_message_bytes: largest session message, bytes, in
+            either direction (text counted as UTF-8): ``session.send`` of a
+            larger one raises ``LimitError`` in the inferlet; a client's
+            ``send`` gets error ``too_large``.
+        max_backlog_bytes: session bytes waiting per user, over all the
+            user's instances: output not yet handed to a client (kept while
+            none is attached, and for a while after the instance ended)
+            plus client messages not yet received by the inferlet. Output
+            over it raises ``LimitError`` in the sending inferlet (backlogs
+            of the user's ended instances are dropped first); input over it
+            is error ``limit`` to the client. Also the most bytes queued for
+            one slow WebSocket client before it is disconnected.
+        max_messaging_bytes_per_user: bytes of messaging messages waiting
+            in the user's queue topics and subscriptions (a broadcast counts
+            once per subscription holding it); a push or broadcast over it
+            raises ``LimitError``.
+        max_topics_per_user: queue topics with waiting messages or pullers
+            plus broadcast topics with subscriptions, per user; a new topic
+            over it raises ``LimitError``.
+        max_builds_per_user: builds of uploaded programs into components
+            (componentize-py, ~220 MB and up to 300 s each) one user may run
+            at once; a build also counts as a running instance against
+            ``max_instances_per_user``. Over it: launch error ``limit``.
     """
 
     max_pages_per_instance: int | None = None
     max_wall_time_s: float | None = 600.0
     max_instances_per_user: int | None = 64
-    max_message_bytes: int = 4 * 2**20
+    max_message_bytes: int = 8 * 2**20
     max_upload_bytes: int = 8 * 2**20
+    max_json_depth: int = 64
+    max_session_message_bytes: int = 4 * 2**20
+    max_backlog_bytes: int = 16 * 2**20
+    max_messaging_bytes_per_user: int = 64 * 2**20
+    max_topics_per_user: int = 1024
+    max_builds_per_user: int = 1
 
 
 @dataclass
@@ -195,6 +231,11 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ServerConfig
     for key in ("uploaded_runtime", "installed_runtime"):
         if getattr(cfg.programs, key) not in ("native", "wasm"):
             raise ConfigError(f"{where} [programs]: {key} must be 'native' or 'wasm', got {getattr(cfg.programs, key)!r}")
+    for key in ("max_message_bytes", "max_upload_bytes", "max_json_depth", "max_session_message_bytes",
+                "max_backlog_bytes", "max_messaging_bytes_per_user", "max_topics_per_user", "max_builds_per_user"):
+        v = getattr(cfg.limits, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{where} [limits]: {key} must be a positive int, got {v!r}")
     mem, cpu = cfg.programs.sandbox_memory_mb, cfg.programs.sandbox_cpu_time_s
     if isinstance(mem, bool) or not isinstance(mem, int) or mem < 32:
         raise ConfigError(f"{where} [programs]: sandbox_memory_mb must be an int >= 32 (MiB), got {mem!r}")
