@@ -20,15 +20,22 @@ def drain(state: HostState) -> None:
 
 
 def assert_no_leaks(state: HostState) -> None:
-    """Every page is free, cached, or held by a named snapshot."""
+    """Every page is free, cached, or held by a named snapshot, and every
+    user's page account holds just its snapshots' pages (call it once no
+    instance runs)."""
     drain(state)
     for name, slot in state.models.items():
         pool = slot.engine.pool
         held = set()
-        for snap_name in slot.snapshots.names():
-            held.update(p for p in slot.snapshots.get(snap_name).seq.pages if p is not None)
+        by_owner: dict[str, set[int]] = {}
+        for snap in slot.snapshots.registry.all():
+            pages = {p for p in (snap.seq.pages if snap.seq is not None else []) if p is not None}
+            held |= pages
+            by_owner.setdefault(snap.owner, set()).update(pages)
         st = pool.stats()
         assert st.used == len(held), f"{name}: {st.used} pages in use, snapshots hold {len(held)}: a page leaked"
+        for owner, acc in slot.accounts._users.items():
+            assert acc.pages == len(by_owner.get(owner, ())), f"{name}: {acc} after every instance ended"
 
 
 def inline_program(tmp_path: Path, code: str, name: str = "inline") -> Program:

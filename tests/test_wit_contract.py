@@ -25,7 +25,6 @@ WIT = ROOT / "wit" / "tartlet.wit"
 NATIVE_ONLY = {
     "close",  # the runtime ends the instance
     "close_io",  # the runtime ends the instance's I/O
-    "check_page_limit",  # called inside forward by the runtime's limited HostApi
 }
 #: WIT functions with no HostApi method: the WASM transport of futures.
 WIT_ONLY = {"wait-any", "future-take", "future-drop"}

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from .batch import AttentionGroup, BatchInputs
+from .kv_accounting import KvQuotaError
 from .kv_cache import KvCacheFullError, PagePool
 from .llama import LlamaModel
 from .sampler import OutputSlot, SlotSampler
@@ -280,8 +281,8 @@ class Scheduler:
             try:
                 slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None)
             except KvCacheFullError as e:
-                if items:
-                    break  # retry once this batch is done
+                if items and not isinstance(e, KvQuotaError):
+                    break  # retry once this batch is done (a quota error would not change)
                 q.popleft()
                 self._rollback(req)
                 req.future.set_exception(e)

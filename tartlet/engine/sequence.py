@@ -9,10 +9,17 @@ private (copy-on-write) before a write.
 
 Sequences are owned by the scheduler thread: their methods are called with no
 forward pass of the same sequence in flight.
+
+Accounting. A sequence may be charged to a :class:`PageAccount` (its
+instance's, or its owner's snapshot account): every page entering or leaving
+its page table is held or released there, and every step that takes pages
+(reserve, fork, prefix attach) checks the account's quota first, raising
+:class:`KvQuotaError` with nothing changed.
 """
 
 from __future__ import annotations
 
+from .kv_accounting import PageAccount
 from .kv_cache import EMPTY_KEY, PagePool, page_key
 
 
@@ -30,10 +37,13 @@ class Sequence:
             masks, positions == indexes); only then are full pages registered
             in the prefix cache.
         keys: content key of each full page while the sequence is pure.
+        account: the :class:`PageAccount` charged with this sequence's pages
+            (None: not accounted).
     """
 
-    def __init__(self, pool: PagePool) -> None:
+    def __init__(self, pool: PagePool, account: PageAccount | None = None) -> None:
         self.pool = pool
+        self.account = account
         self.tokens: list[int] = []
         self.positions: list[int] = []
         self.pages: list[int | None] = []
@@ -75,6 +85,11 @@ class Sequence:
             page = self.pool.lookup(key)
             if page is None:
                 break
+            if self.account is not None:
+                if self.account.room() == 0 and not self.account.holds(page):
+                    self.pool.release(page)  # over quota: compute it instead (reserve then reports the quota)
+                    break
+                self.account.hold(page)
             start = len(self.tokens)
             self.tokens.extend(block)
             self.positions.extend(range(start, start + ps))
@@ -99,15 +114,27 @@ class Sequence:
         n1 = n0 + len(tokens)
         need = -(-n1 // ps) - len(self.pages)
         tail_copy = n0 % ps != 0 and not self._tail_private()
+        acc = self.account
+        if acc is not None:
+            acc.check(fresh=max(0, need) + int(tail_copy))
         with self.pool.lock:
             self.pool.ensure_available(need + int(tail_copy))
             if n0 % ps:
                 tail = self.pages[-1]
                 # A dropped tail (truncated into a dropped page) gets a fresh
                 # page; its old tokens stay masked, so their slots are unused.
-                self.pages[-1] = self.pool.allocate(1)[0] if tail is None else self.pool.make_private(tail, n0 % ps)
+                new_tail = self.pool.allocate(1)[0] if tail is None else self.pool.make_private(tail, n0 % ps)
+                if new_tail != tail and acc is not None:
+                    if tail is not None:
+                        acc.release(tail)
+                    acc.hold(new_tail)
+                self.pages[-1] = new_tail
             if need > 0:
-                self.pages.extend(self.pool.allocate(need))
+                fresh = self.pool.allocate(need)
+                if acc is not None:
+                    for p in fresh:
+                        acc.hold(p)
+                self.pages.extend(fresh)
         if self.pure and (custom_attention or positions != list(range(n0, n1))):
             self.pure = False
         self.tokens.extend(tokens)
@@ -130,7 +157,12 @@ class Sequence:
             j = len(self.keys)
             prev = self.keys[-1] if self.keys else EMPTY_KEY
             key = page_key(prev, self.tokens[j * ps : (j + 1) * ps])
-            self.pages[j] = self.pool.commit(self.pages[j], key)
+            old = self.pages[j]
+            new = self.pool.commit(old, key)
+            if new != old and self.account is not None:
+                self.account.release(old)
+                self.account.hold(new)
+            self.pages[j] = new
             self.keys.append(key)
 
     # -- edits --------------------------------------------------------------
@@ -143,7 +175,7 @@ class Sequence:
         keep = -(-n // ps)
         for p in self.pages[keep:]:
             if p is not None:
-                self.pool.release(p)
+                self._drop(p)
         del self.pages[keep:]
         del self.tokens[n:], self.positions[n:], self.masked[n:]
         del self.keys[n // ps :]
@@ -165,19 +197,26 @@ class Sequence:
         for j in range(len(self.tokens) // ps):
             p = self.pages[j]
             if p is not None and all(self.masked[j * ps : (j + 1) * ps]):
-                self.pool.release(p)
+                self._drop(p)
                 self.pages[j] = None
                 dropped += 1
         return dropped
 
+    def _drop(self, page: int) -> None:
+        self.pool.release(page)
+        if self.account is not None:
+            self.account.release(page)
+
     def fork(self) -> "Sequence":
-        """A new sequence with the same tokens: full pages are shared
-        (refcount + 1), the partly filled last page is copied.
+        """A new sequence with the same tokens, charged to the same account:
+        full pages are shared (refcount + 1), the partly filled last page is
+        copied.
 
         Raises:
             KvCacheFullError: no page is available for the copy.
+            KvQuotaError: the account cannot take the pages.
         """
-        child = Sequence(self.pool)
+        child = Sequence(self.pool, self.account)
         self.fork_into(child)
         return child
 
@@ -189,6 +228,8 @@ class Sequence:
         Raises:
             KvCacheFullError: no page is available for the copy; ``child`` is
                 left empty.
+            KvQuotaError: ``child``'s account cannot take the pages; ``child``
+                is left empty.
         """
         assert not child.tokens and not child.pages, "fork_into needs an empty sequence"
         ps = self.page_size
@@ -196,6 +237,9 @@ class Sequence:
         last = len(self.pages) - 1
         with self.pool.lock:
             copy_tail = bool(n % ps) and self.pages[last] is not None
+            if child.account is not None:
+                shared = self.pages[:last] if copy_tail else self.pages
+                child.account.check((p for p in shared if p is not None), fresh=int(copy_tail))
             self.pool.ensure_available(int(copy_tail))
             for j, p in enumerate(self.pages):
                 if p is None:
@@ -207,6 +251,10 @@ class Sequence:
                 else:
                     self.pool.retain(p)
                     child.pages.append(p)
+            if child.account is not None:
+                for p in child.pages:
+                    if p is not None:
+                        child.account.hold(p)
         child.tokens = list(self.tokens)
         child.positions = list(self.positions)
         child.masked = bytearray(self.masked)
@@ -222,6 +270,31 @@ class Sequence:
             return
         for p in self.pages:
             if p is not None:
-                self.pool.release(p)
+                self._drop(p)
         self.pages.clear()
         self.freed = True
+
+    def transfer_into(self, child: "Sequence") -> None:
+        """Hand every page, token and flag of this sequence to the empty
+        sequence ``child`` (charged to ``child.account``) without copying;
+        this sequence ends empty and freed. Used when an instance takes a
+        snapshot over.
+
+        Raises:
+            KvQuotaError: ``child``'s account cannot take the pages; nothing
+                changes.
+        """
+        assert not child.tokens and not child.pages, "transfer_into needs an empty sequence"
+        live = [p for p in self.pages if p is not None]
+        if child.account is not None:
+            child.account.check(live)
+        for p in live:
+            if self.account is not None:
+                self.account.release(p)
+            if child.account is not None:
+                child.account.hold(p)
+        child.tokens, child.positions, child.pages = self.tokens, self.positions, self.pages
+        child.masked, child.pure, child.keys = self.masked, self.pure, self.keys
+        self.tokens, self.positions, self.pages, self.masked, self.keys = [], [], [], bytearray(), []
+        self.freed = True
+        self.error = "its pages were handed to another context"

@@ -28,15 +28,15 @@ from typing import Any
 import torch
 
 from ..engine.engine import Engine
+from ..engine.kv_accounting import PageAccount
 from ..engine.kv_cache import KvCacheFullError
 from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
-from .errors import InvalidHandleError
+from .errors import InvalidHandleError, LimitError
 from .grammar_api import GrammarHostMixin
 from .io_api import IoHostMixin
 from .session import Session
-from .snapshots import Snapshot
 from .state import HostState, ModelSlot
 
 #: Largest number of input tokens in one forward call.
@@ -75,6 +75,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self.session = session or Session()
         self.instance_id = instance_id
         self._contexts: dict[int, HostContext] = {}
+        self._accounts: dict[int, PageAccount] = {}  # id(slot) -> this instance's page account there
         self._decoders: dict[int, Any] = {}
         self._ids = itertools.count(1)
         self.closed = False
@@ -164,17 +165,50 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._contexts[h] = ctx
         return h
 
+    def _account(self, slot: ModelSlot) -> PageAccount:
+        """This instance's page account on ``slot``'s model (made on first use)."""
+        acc = self._accounts.get(id(slot))
+        if acc is None:
+            acc = slot.accounts.instance(getattr(self, "owner", ""), self.instance_id, getattr(self, "max_pages", None))
+            self._accounts[id(slot)] = acc
+        return acc
+
+    def _new_seq(self, slot: ModelSlot) -> Sequence:
+        """An empty sequence on ``slot``'s pool, charged to this instance.
+
+        Raises:
+            LimitError: the instance has ``max_contexts_per_instance`` contexts open.
+        """
+        cap = slot.accounts.limits.max_contexts_per_instance
+        if cap is not None and len(self._contexts) >= cap:
+            raise LimitError(
+                f"the instance has {len(self._contexts)} contexts open, the limit "
+                "(limits.max_contexts_per_instance): free some first"
+            )
+        return Sequence(slot.engine.pool, self._account(slot))
+
     def context_new(self, model: str | None) -> int:
-        """An empty context on ``model``; returns its handle."""
+        """An empty context on ``model``; returns its handle.
+
+        Raises:
+            LimitError: too many open contexts.
+        """
         slot = self.state.model(model)
-        return self._add(HostContext(slot, slot.engine.new_sequence(), []))
+        return self._add(HostContext(slot, self._new_seq(slot), []))
 
     def context_fork(self, handle: int) -> int:
         """A copy of a context sharing its full pages (copy-on-write); the
-        copy happens after the parent's queued forward passes."""
+        copy happens after the parent's queued forward passes.
+
+        Raises:
+            KvQuotaError: the copied tail page would pass a page quota.
+            LimitError: too many open contexts.
+        """
         parent = self._ctx(handle)
-        child = HostContext(parent.slot, parent.engine.new_sequence(), list(parent.tokens))
-        self._fork_later(parent.engine, parent.seq, child.seq)
+        seq = self._new_seq(parent.slot)
+        fresh = 1 if len(parent.tokens) % parent.engine.pool.page_size else 0  # the copied tail page
+        child = HostContext(parent.slot, seq, list(parent.tokens))
+        _pending(seq.account, fresh, lambda: self._fork_later(parent.engine, parent.seq, child.seq))
         return self._add(child)
 
     def _fork_later(self, engine: Engine, src: Sequence, dst: Sequence) -> Future:
@@ -262,45 +296,64 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         return ctx.engine.scheduler.command(stats, seq)
 
     # -- snapshots -------------------------------------------------------------
+    # Names are per user; ``public/...`` names are listed and opened by every
+    # user, taken and deleted only by their creator (tartlet.host.snapshots).
     def snapshot_save(self, handle: int, name: str) -> None:
-        """Save the context under ``name`` (engine-wide, outlives this instance).
+        """Save the context under ``name`` in the owner's namespace (it
+        outlives this instance; persisted when the server has a data dir).
 
         Raises:
-            SnapshotError: the name exists already.
+            SnapshotError: invalid name, or the name exists already.
+            LimitError: the user has ``max_snapshots_per_user`` snapshots.
+            KvQuotaError: the snapshot's pages would pass a page quota.
         """
         ctx = self._ctx(handle)
-        snap = Snapshot(ctx.engine.new_sequence(), list(ctx.tokens))
-        ctx.slot.snapshots.add(name, snap)
-        self._fork_later(ctx.engine, ctx.seq, snap.seq)
+        ctx.slot.snapshots.save(getattr(self, "owner", ""), ctx.seq, list(ctx.tokens), name)
 
     def snapshot_open(self, model: str | None, name: str) -> int:
-        """A new context forked from snapshot ``name`` (which stays).
+        """A new context forked from snapshot ``name`` (which stays); a
+        snapshot restored from disk is loaded into the pool first.
 
         Raises:
-            SnapshotError: no such snapshot.
+            SnapshotError: no such snapshot for this user, or its file is
+                corrupt or of another model.
+            KvQuotaError, KvCacheFullError: no room for its pages.
+            LimitError: too many open contexts.
         """
         slot = self.state.model(model)
-        snap = slot.snapshots.get(name)
-        child = HostContext(slot, slot.engine.new_sequence(), list(snap.tokens))
-        self._fork_later(slot.engine, snap.seq, child.seq)
+        snap, src = slot.snapshots.fork_source(getattr(self, "owner", ""), name)
+        seq = self._new_seq(slot)
+        fresh = 1 if len(snap.tokens) % slot.engine.pool.page_size else 0
+        child = HostContext(slot, seq, list(snap.tokens))
+        _pending(seq.account, fresh, lambda: self._fork_later(slot.engine, src, child.seq))
         return self._add(child)
 
     def snapshot_take(self, model: str | None, name: str) -> int:
-        """A context that takes over snapshot ``name``'s pages; the name is
-        removed. Raises: SnapshotError when absent."""
+        """A context that takes over snapshot ``name``'s pages (no copy);
+        the name and its file are removed.
+
+        Raises:
+            SnapshotError: absent, or a public snapshot of another user.
+            KvQuotaError: the instance cannot hold its pages.
+            LimitError: too many open contexts.
+        """
         slot = self.state.model(model)
-        snap = slot.snapshots.pop(name)
-        return self._add(HostContext(slot, snap.seq, list(snap.tokens)))
+        seq = self._new_seq(slot)
+        tokens = slot.snapshots.take(getattr(self, "owner", ""), name, seq)
+        return self._add(HostContext(slot, seq, list(tokens)))
 
     def snapshot_delete(self, model: str | None, name: str) -> None:
-        """Remove snapshot ``name`` and release its pages. Raises:
-        SnapshotError when absent."""
-        slot = self.state.model(model)
-        snap = slot.snapshots.pop(name)
-        slot.engine.scheduler.command(snap.seq.free, snap.seq)
+        """Remove snapshot ``name``, its pages and its file.
+
+        Raises:
+            SnapshotError: absent, or a public snapshot of another user.
+        """
+        self.state.model(model).snapshots.delete(getattr(self, "owner", ""), name)
 
     def snapshot_names(self, model: str | None) -> list[str]:
-        return self.state.model(model).snapshots.names()
+        """Snapshot names this instance's user can open (its own and the
+        ``public/`` ones), sorted."""
+        return self.state.model(model).snapshots.names(getattr(self, "owner", ""))
 
     # -- forward pass ----------------------------------------------------------
     def forward(
@@ -350,6 +403,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             end = start + len(tokens)
             if end > e.scheduler.max_seq_len:
                 raise ValueError(f"context would hold {end} tokens, more than the model's {e.scheduler.max_seq_len}")
+            ps = e.pool.page_size
+            fresh = -(-end // ps) - -(-start // ps)
             pos = None
             if positions is not None:
                 if len(positions) != len(tokens) or not all(isinstance(p, int) and 0 <= p < 2**31 for p in positions):
@@ -362,7 +417,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
             slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
             req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots)
-            fut = e.scheduler.submit(req)
+            fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
         def on_done(f: Future) -> None:
@@ -441,6 +496,27 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._contexts.clear()
         self._decoders.clear()
         self._grammar_close()
+
+
+def _pending(acc: PageAccount | None, fresh: int, queue: Any) -> Future:
+    """Pre-check ``fresh`` new pages against ``acc`` (counting calls still
+    queued), then call ``queue()`` and count the pages as pending until its
+    future is done.
+
+    Raises:
+        KvQuotaError: the pages would pass a quota; nothing is queued.
+    """
+    if acc is None or not fresh:
+        return queue()
+    acc.precheck(fresh)
+    acc.pend(fresh)
+    try:
+        fut = queue()
+    except BaseException:
+        acc.pend(-fresh)
+        raise
+    fut.add_done_callback(lambda _: acc.pend(-fresh))
+    return fut
 
 
 def _brle_tensor(runs: Any, size: int, what: str) -> torch.Tensor:

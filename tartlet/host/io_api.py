@@ -27,7 +27,8 @@ class IoHostMixin:
     runtime: Any = None
     #: called with a message when this instance passes a limit (the runtime ends it)
     on_limit: Any = None
-    #: pages the instance's contexts may span (None: unlimited)
+    #: distinct KV pages the instance's contexts may hold, per model (None:
+    #: unlimited; enforced by its page account, tartlet.host.kv_quotas)
     max_pages: int | None = None
 
     def _io(self) -> dict[str, Any]:
@@ -36,25 +37,6 @@ class IoHostMixin:
             io = {"subs": set(), "pulls": set(), "children": {}, "ids": itertools.count(1)}
             self.__dict__["_io_state"] = io
         return io
-
-    # -- limits --------------------------------------------------------------------
-    def check_page_limit(self, handle: int, n_new: int) -> None:
-        """Raise :class:`LimitError` (and ask the runtime to end the
-        instance) if appending ``n_new`` tokens to context ``handle`` would
-        make the instance's contexts span more than ``max_pages`` pages
-        (``sum(ceil(tokens / page_size))``; a fork counts its shared pages)."""
-        if self.max_pages is None:
-            return
-        contexts = self._contexts  # type: ignore[attr-defined]
-        total = 0
-        for h, c in contexts.items():
-            ps = c.engine.pool.page_size
-            total += -(-(len(c.tokens) + (n_new if h == handle else 0)) // ps)
-        if total > self.max_pages:
-            msg = f"page limit exceeded: the instance's contexts would span {total} KV pages, the limit is {self.max_pages}"
-            if self.on_limit is not None:
-                self.on_limit(msg)
-            raise LimitError(msg)
 
     # -- messaging -------------------------------------------------------------------
     def messaging_push(self, topic: str, msg: str | bytes) -> None:

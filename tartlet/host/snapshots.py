@@ -1,68 +1,184 @@
-"""Named KV snapshots, engine-wide.
+"""Named KV snapshots of one engine, in per-user namespaces.
 
 A snapshot is an immutable sequence registered under a name. It holds
-references to its pages, so it outlives the inferlet that saved it and is
-visible to every later inferlet on the same engine until deleted or taken.
+references to its pages (charged to its owner's snapshot account), so it
+outlives the inferlet that saved it and is visible to later inferlets of the
+same user until deleted or taken.
+
+Namespaces. A name belongs to the user that saved it: another user neither
+sees it in :meth:`SnapshotRegistry.names` nor can open, take or delete it
+(to them it does not exist). Names starting with ``public/`` are shared:
+every user can list and open them, only their creator can take or delete
+them, and a public name is unique across users. Without auth every client is
+the one user ``local``, so all snapshots are shared as before.
+
+With a :class:`tartlet.host.snapshot_store.SnapshotStore` a snapshot is also
+written to the data dir; after a restart it is registered again *on disk
+only* (``seq`` is None) and its pages are loaded on first open or take.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..engine.sequence import Sequence
-from .errors import SnapshotError
+from .errors import LimitError, SnapshotError
+
+#: prefix of names every user may list and open
+PUBLIC_PREFIX = "public/"
+#: longest snapshot name, characters
+MAX_NAME_CHARS = 256
 
 
 @dataclass
 class Snapshot:
-    """A saved context: its sequence (filled on the scheduler thread) and
-    the tokens it holds."""
+    """A saved context.
 
-    seq: Sequence
+    Attributes:
+        owner: the user that saved it.
+        name: its name (``public/...`` for a shared one).
+        tokens: the token ids it holds.
+        seq: its pages in the pool, or None while it lies on disk only.
+        path: its file in the data dir (None: not persisted).
+        last_used: ``time.time()`` of the last save/open, for LRU disk eviction.
+    """
+
+    owner: str
+    name: str
     tokens: list[int]
+    seq: Sequence | None = None
+    path: Path | None = None
+    last_used: float = field(default_factory=time.time)
+    #: set once deleted or taken (a pending disk write then removes its file)
+    deleted: bool = False
+    #: serializes loading it from disk
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a valid snapshot name.
+
+    Raises:
+        SnapshotError: not a string, empty, longer than 256 characters, or
+            holding control characters.
+    """
+    if not isinstance(name, str) or not name:
+        raise SnapshotError(f"snapshot name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME_CHARS:
+        raise SnapshotError(f"snapshot name is {len(name)} characters long, the limit is {MAX_NAME_CHARS}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise SnapshotError(f"snapshot name {name[:40]!r} holds control characters")
+    if name.startswith(PUBLIC_PREFIX) and len(name) == len(PUBLIC_PREFIX):
+        raise SnapshotError(f"a public snapshot needs a name after {PUBLIC_PREFIX!r}")
+    return name
+
+
+def _key(owner: str, name: str) -> tuple[str | None, str]:
+    """Registry key: public names live in namespace None, others in their owner's."""
+    return (None, name) if name.startswith(PUBLIC_PREFIX) else (owner, name)
 
 
 class SnapshotRegistry:
-    """Name -> :class:`Snapshot` map of one engine. Thread-safe."""
+    """``(namespace, name) -> Snapshot`` map of one engine. Thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        max_per_user: most snapshots one user may hold, public ones
+            included (None: unlimited).
+    """
+
+    def __init__(self, max_per_user: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._by_name: dict[str, Snapshot] = {}
+        self._by_key: dict[tuple[str | None, str], Snapshot] = {}
+        self.max_per_user = max_per_user
 
-    def add(self, name: str, snap: Snapshot) -> None:
-        """Register ``snap``.
+    def add(self, snap: Snapshot, enforce_limit: bool = True) -> None:
+        """Register ``snap`` under its owner's namespace (``enforce_limit``
+        False: a snapshot restored from disk or put back, not counted
+        against ``max_per_user``).
 
         Raises:
-            SnapshotError: the name is taken, empty or not a string.
+            SnapshotError: an invalid name, or the name is taken.
+            LimitError: the owner holds ``max_per_user`` snapshots already.
         """
-        if not isinstance(name, str) or not name:
-            raise SnapshotError(f"snapshot name must be a non-empty string, got {name!r}")
+        check_name(snap.name)
+        key = _key(snap.owner, snap.name)
         with self._lock:
-            if name in self._by_name:
-                raise SnapshotError(f"a snapshot named {name!r} already exists")
-            self._by_name[name] = snap
+            if key in self._by_key:
+                raise SnapshotError(f"a snapshot named {snap.name!r} already exists")
+            cap = self.max_per_user
+            if enforce_limit and cap is not None and self.count(snap.owner, locked=True) >= cap:
+                raise LimitError(
+                    f"user {snap.owner or '(local)'!r} holds {cap} snapshots, the limit "
+                    "(limits.max_snapshots_per_user): delete some first"
+                )
+            self._by_key[key] = snap
 
-    def get(self, name: str) -> Snapshot:
-        """Raises: SnapshotError when no snapshot has this name."""
-        with self._lock:
-            try:
-                return self._by_name[name]
-            except KeyError:
-                raise SnapshotError(f"no snapshot named {name!r}") from None
+    def get(self, owner: str, name: str) -> Snapshot:
+        """The snapshot ``owner`` sees under ``name`` (its own or a public one).
 
-    def pop(self, name: str) -> Snapshot:
-        """Remove and return a snapshot. Raises: SnapshotError when absent."""
+        Raises:
+            SnapshotError: no such snapshot for this user.
+        """
+        check_name(name)
         with self._lock:
-            try:
-                return self._by_name.pop(name)
-            except KeyError:
-                raise SnapshotError(f"no snapshot named {name!r}") from None
+            snap = self._by_key.get(_key(owner, name))
+        if snap is None:
+            raise SnapshotError(f"no snapshot named {name!r}")
+        return snap
 
-    def names(self) -> list[str]:
+    def pop(self, owner: str, name: str) -> Snapshot:
+        """Remove and return ``owner``'s snapshot ``name``.
+
+        Raises:
+            SnapshotError: absent, or a public snapshot another user created.
+        """
+        check_name(name)
+        key = _key(owner, name)
         with self._lock:
-            return sorted(self._by_name)
+            snap = self._by_key.get(key)
+            if snap is None:
+                raise SnapshotError(f"no snapshot named {name!r}")
+            if snap.owner != owner:
+                raise SnapshotError(f"snapshot {name!r} belongs to another user: only its creator may take or delete it")
+            del self._by_key[key]
+            return snap
+
+    def discard(self, snap: Snapshot) -> None:
+        """Unregister ``snap`` if it is still registered (a failed save)."""
+        key = _key(snap.owner, snap.name)
+        with self._lock:
+            if self._by_key.get(key) is snap:
+                del self._by_key[key]
+
+    def names(self, owner: str) -> list[str]:
+        """Names ``owner`` can open: its own and the public ones, sorted."""
+        with self._lock:
+            return sorted(n for (ns, n) in self._by_key if ns is None or ns == owner)
+
+    def all_names(self) -> list[str]:
+        """Every name of every user, sorted (for operators and tests)."""
+        with self._lock:
+            return sorted(n for (_, n) in self._by_key)
+
+    def all(self) -> list[Snapshot]:
+        """Every registered snapshot, of every user."""
+        with self._lock:
+            return list(self._by_key.values())
+
+    def owned_by(self, owner: str) -> list[Snapshot]:
+        """``owner``'s snapshots (public ones it created included)."""
+        with self._lock:
+            return [s for s in self._by_key.values() if s.owner == owner]
+
+    def count(self, owner: str, locked: bool = False) -> int:
+        if locked:
+            return sum(1 for s in self._by_key.values() if s.owner == owner)
+        with self._lock:
+            return sum(1 for s in self._by_key.values() if s.owner == owner)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._by_name)
+            return len(self._by_key)

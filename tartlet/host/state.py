@@ -1,21 +1,24 @@
-"""What the host shares across inferlet instances: the loaded engines and
-their snapshot registries."""
+"""What the host shares across inferlet instances: the loaded engines, their
+users' KV page accounts and their named snapshots."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..engine.engine import Engine
+from .kv_quotas import KvAccounts, KvLimits
 from .messaging import MessageBus
-from .snapshots import SnapshotRegistry
+from .snapshot_manager import SnapshotManager
 
 
-@dataclass
 class ModelSlot:
-    """One served model: its engine and its named snapshots."""
+    """One served model: its engine, its users' page accounts and its
+    named snapshots."""
 
-    engine: Engine
-    snapshots: SnapshotRegistry = field(default_factory=SnapshotRegistry)
+    def __init__(self, engine: Engine, limits: KvLimits | None = None) -> None:
+        self.engine = engine
+        self.accounts = KvAccounts(limits, engine.pool.num_pages)
+        self.snapshots = SnapshotManager(engine, self.accounts)
 
 
 class HostState:
@@ -31,12 +34,27 @@ class HostState:
         self.bus = MessageBus()  # inferlet messaging (tartlet.host.messaging)
         self.store = None  # tartlet.host.store.Store; None: an in-memory one on first use
         self.http = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
+        self.kv_limits = KvLimits()
 
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
         name = name or engine.name
-        self.models[name] = ModelSlot(engine)
+        self.models[name] = ModelSlot(engine, self.kv_limits)
         if self.default_model is None:
             self.default_model = name
+
+    def configure_kv(self, limits: KvLimits, snapshot_dir: Path | None = None) -> int:
+        """Apply KV limits to every served model and, with ``snapshot_dir``,
+        persist named snapshots there (restoring those already saved).
+        Returns the number of snapshots restored."""
+        self.kv_limits = limits
+        restored = 0
+        budget = None if limits.max_snapshot_disk_mb_per_user is None else int(limits.max_snapshot_disk_mb_per_user * 2**20)
+        for slot in self.models.values():
+            slot.accounts.set_limits(limits)
+            slot.snapshots.registry.max_per_user = limits.max_snapshots_per_user
+            if snapshot_dir is not None:
+                restored += slot.snapshots.enable_persistence(Path(snapshot_dir), budget)
+        return restored
 
     def model(self, name: str | None) -> ModelSlot:
         key = name or self.default_model
@@ -48,4 +66,5 @@ class HostState:
 
     def close(self) -> None:
         for slot in self.models.values():
+            slot.snapshots.close()
             slot.engine.close()

@@ -20,22 +20,14 @@ from .instance import Instance, Status
 from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program
 
 
-class LimitedHostApi(HostApi):
-    """A host API that checks the instance's page limit before each forward pass."""
-
-    def forward(self, handle: int, tokens: list[int], *args: Any, **kw: Any) -> Any:
-        if isinstance(tokens, list):
-            self.check_page_limit(handle, len(tokens))
-        return super().forward(handle, tokens, *args, **kw)
-
-
 class BaseRuntime:
     """Instances and limits common to every runtime.
 
     Args:
         state: the host's engines and registries.
         time_limit_s: default wall-time limit per instance, seconds (None: none).
-        max_pages: KV pages one instance's contexts may span (None: no limit).
+        max_pages: distinct KV pages one instance's contexts may hold on
+            one model, checked at every allocation (None: no limit).
         max_instances_per_user: running instances per owner, counted over
             ``instances`` (None: no limit).
         program_dirs: folders searched (before the bundled one) for
@@ -76,8 +68,8 @@ class BaseRuntime:
             raise LimitError(f"user {owner or '(local)'!r} already runs {cap} instances, the limit (max_instances_per_user)")
 
     def new_api(self, session: Session) -> HostApi:
-        """A host API for a new instance (page-limited when ``max_pages`` is set)."""
-        return (LimitedHostApi if self.max_pages is not None else HostApi)(self.state, session)
+        """A host API for a new instance."""
+        return HostApi(self.state, session)
 
     def attach_api(self, inst: Instance, owner: str) -> None:
         """Wire ``inst.api`` to this runtime: id, owner, children, page limit."""
