@@ -14,7 +14,10 @@ reads it with :func:`load_config`. Layout::
     kv_cache_mb = 1024          # the page budget of this model, MiB
     ...
 
-    [limits]   max_pages_per_instance, max_wall_time_s, max_instances_per_user,
+    [limits]   max_pages_per_instance, max_pages_per_user, pool_fraction_per_user,
+               max_snapshot_pages_per_user, max_snapshots_per_user,
+               max_contexts_per_instance, max_snapshot_disk_mb_per_user,
+               max_wall_time_s, max_instances_per_user,
                max_message_bytes, max_upload_bytes, max_json_depth,
                max_session_message_bytes, max_backlog_bytes,
                max_messaging_bytes_per_user, max_topics_per_user,
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.engine import EngineConfig
+from ..host.kv_quotas import KvLimits
 
 
 class ConfigError(ValueError):
@@ -69,8 +73,23 @@ class LimitsConfig:
     """Per-instance and per-user limits (None: unlimited).
 
     Attributes:
-        max_pages_per_instance: KV pages the contexts of one instance may
-            span (counted as ``ceil(tokens / page_size)`` per context).
+        max_pages_per_instance: distinct KV pages the contexts of one
+            instance may hold on one model (a page shared by its forks counts
+            once), checked at every allocation: forward, fork, snapshot open
+            and take. Over it the call or pass raises ``KvQuotaError`` in
+            that inferlet only.
+        max_pages_per_user: distinct KV pages one user's running instances
+            and named snapshots may hold together, per model.
+        pool_fraction_per_user: the same as a fraction of each model's page
+            pool (the smaller applies); only with auth on, where users are
+            told apart (default 0.5: no user can take the whole pool).
+        max_snapshot_pages_per_user: distinct pages one user's snapshots may
+            hold, per model (None: only the user bound applies).
+        max_snapshots_per_user: named snapshots per user and model.
+        max_contexts_per_instance: contexts one instance may have open.
+        max_snapshot_disk_mb_per_user: disk space of one user's persisted
+            snapshots, MiB per model; the least recently used files are
+            deleted past it (the snapshot stays in memory until a restart).
         max_wall_time_s: wall time of one instance, seconds.
         max_instances_per_user: running instances of one user (children
             included).
@@ -106,6 +125,12 @@ class LimitsConfig:
     """
 
     max_pages_per_instance: int | None = None
+    max_pages_per_user: int | None = None
+    pool_fraction_per_user: float | None = 0.5
+    max_snapshot_pages_per_user: int | None = None
+    max_snapshots_per_user: int | None = 1024
+    max_contexts_per_instance: int | None = 4096
+    max_snapshot_disk_mb_per_user: float | None = 4096.0
     max_wall_time_s: float | None = 600.0
     max_instances_per_user: int | None = 64
     max_message_bytes: int = 8 * 2**20
@@ -116,6 +141,18 @@ class LimitsConfig:
     max_messaging_bytes_per_user: int = 64 * 2**20
     max_topics_per_user: int = 1024
     max_builds_per_user: int = 1
+
+    def kv_limits(self, auth: bool) -> KvLimits:
+        """The KV and snapshot limits for the host (``auth``: whether users
+        are told apart; without it ``pool_fraction_per_user`` is off)."""
+        return KvLimits(
+            max_pages_per_user=self.max_pages_per_user,
+            pool_fraction_per_user=self.pool_fraction_per_user if auth else None,
+            max_snapshot_pages_per_user=self.max_snapshot_pages_per_user,
+            max_snapshots_per_user=self.max_snapshots_per_user,
+            max_contexts_per_instance=self.max_contexts_per_instance,
+            max_snapshot_disk_mb_per_user=self.max_snapshot_disk_mb_per_user,
+        )
 
 
 @dataclass
@@ -236,6 +273,15 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ServerConfig
         v = getattr(cfg.limits, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{where} [limits]: {key} must be a positive int, got {v!r}")
+    for key in ("max_pages_per_instance", "max_pages_per_user", "max_snapshot_pages_per_user",
+                "max_snapshots_per_user", "max_contexts_per_instance"):
+        v = getattr(cfg.limits, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{where} [limits]: {key} must be a positive int (or absent: unlimited), got {v!r}")
+    for key, top in (("pool_fraction_per_user", 1.0), ("max_snapshot_disk_mb_per_user", float("inf"))):
+        v = getattr(cfg.limits, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top):
+            raise ConfigError(f"{where} [limits]: {key} must be a number in (0, {top}], got {v!r}")
     mem, cpu = cfg.programs.sandbox_memory_mb, cfg.programs.sandbox_cpu_time_s
     if isinstance(mem, bool) or not isinstance(mem, int) or mem < 32:
         raise ConfigError(f"{where} [programs]: sandbox_memory_mb must be an int >= 32 (MiB), got {mem!r}")
