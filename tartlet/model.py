@@ -62,6 +62,11 @@ class Model:
 
         return Context(self)
 
+    def snapshot_names(self) -> list[str]:
+        """Names of the snapshots this inferlet's user can open on this
+        model: its own and the ``public/`` ones (shared by all users), sorted."""
+        return _binding.host().snapshot_names(self.name)
+
     def kv_stats(self) -> dict[str, int]:
         """The pool's page counts: total, free, cached, used, page_size."""
         return _binding.host().kv_stats(self.name)
