@@ -106,18 +106,39 @@ async def test_prompt_longer_than_the_free_pages(runtime, engine, tmp_path):
     assert_no_leaks(runtime.state)
     held = pool.allocate(pool.available() - 40)  # as if other contexts held them
     computed0 = engine.scheduler.stats.tokens_computed
+    engine.scheduler.kv_wait_s = 0.5  # nothing will free pages: wait briefly
     try:
         inst = await run_failing(runtime, tmp_path, LONG_PROMPT, {"n": 60 * pool.page_size})
         assert inst.error.startswith("KvCacheFullError: KV cache is full: need "), inst.error
-        assert f"of {pool.num_pages}" in inst.error
+        assert f"of {pool.num_pages}" in inst.error and "(waited 0.5 s for pages to be freed)" in inst.error
         assert engine.scheduler.stats.tokens_computed - computed0 == engine.scheduler.max_batch_tokens
         engine.scheduler.command(lambda: None).result(timeout=60)
         assert pool.stats().used == len(held), "the failed prefill kept pages"
         assert pool.available() == 40
     finally:
+        engine.scheduler.kv_wait_s = 10.0
         for p in held:
             pool.release(p)
     await still_serving(runtime)
+
+
+async def test_a_request_waits_for_pages_others_free(runtime, engine):
+    """With the pool full, a generation waits (it does not fail) and
+    resumes once pages are freed; its output is the one of a quiet pool."""
+    args = {"prompt": "Name three colours of the rainbow.", "max_tokens": 40}
+    ref = await run_ok(runtime, "text-completion", args)
+    pool = engine.pool
+    assert_no_leaks(runtime.state)
+    held = pool.allocate(pool.available() - 1)  # one page left: not enough for prompt + answer
+    try:
+        task = asyncio.ensure_future(run_ok(runtime, "text-completion", args))
+        await asyncio.sleep(1.5)
+        assert not task.done(), "the request should be waiting for pages"
+    finally:
+        for p in held:
+            pool.release(p)
+    assert (await asyncio.wait_for(task, 60)) == ref
+    assert_no_leaks(runtime.state)
 
 
 async def test_context_longer_than_max_seq_len(runtime, engine, tmp_path):

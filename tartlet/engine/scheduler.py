@@ -21,6 +21,12 @@ slot results.
 Batching needs requests to arrive together: after a round, the loop waits up
 to ``batch_wait_s`` for the sequences it just served to submit their next
 step, so concurrent decoders land in the same batch.
+
+Pool pressure. A request that cannot get KV pages because the pool is full
+(not because of its owner's quota, which fails it at once) waits in the
+queue, with everything later that touches its sequence, while other
+sequences run and free pages; later work on other sequences goes past it.
+After ``kv_wait_s`` seconds of waiting it fails with ``KvCacheFullError``.
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class ForwardRequest:
     start_len: int = -1
     results: list[object] = field(default_factory=list)
     enqueued_at: float = 0.0
+    #: when it first found the pool full (0: never), see Scheduler.kv_wait_s
+    waiting_since: float = 0.0
 
 
 @dataclass
@@ -123,6 +131,8 @@ class Scheduler:
         batch_wait_s: how long a round waits for last round's sequences to
             come back before running without them (seconds).
         max_seq_len: longest sequence allowed, in tokens.
+        kv_wait_s: how long a request may wait for pages when the pool is
+            full before it fails with ``KvCacheFullError`` (seconds).
     """
 
     def __init__(
@@ -132,6 +142,7 @@ class Scheduler:
         max_batch_tokens: int = 512,
         batch_wait_s: float = 0.003,
         max_seq_len: int | None = None,
+        kv_wait_s: float = 10.0,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -139,6 +150,7 @@ class Scheduler:
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.batch_wait_s = batch_wait_s
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.kv_wait_s = kv_wait_s
         self.stats = SchedulerStats()
         self._queue: collections.deque[ForwardRequest | Command] = collections.deque()
         self._cond = threading.Condition()
@@ -216,6 +228,10 @@ class Scheduler:
                     self._cond.wait(left)
                 self._expected.clear()
                 items = self._build()
+                if not items and self._queue:
+                    # only requests waiting for pages are left: sleep until
+                    # new work (a free, say) arrives or a wait times out
+                    self._cond.wait(0.02)
             if items:
                 self._run(items)
 
@@ -223,10 +239,25 @@ class Scheduler:
         """Drain the queue into a batch (called with the condition held)."""
         items: list[_Item] = []
         busy: set[int] = set()
+        waiting: set[int] = set()  # sequences with a request waiting for pages
+        left: list[ForwardRequest | Command] = []  # what waits, in queue order
         budget = self.max_batch_tokens
         q = self._queue
+        try:
+            self._drain(q, items, busy, waiting, left, budget)
+        finally:
+            q.extendleft(reversed(left))
+        return items
+
+    def _drain(self, q: collections.deque, items: list[_Item], busy: set[int], waiting: set[int],
+               left: list[ForwardRequest | Command], budget: int) -> None:  # fmt: skip
         while q and budget > 0:
             head = q[0]
+            touched = head.touches if isinstance(head, Command) else (head.seq,)
+            if any(id(s) in waiting for s in touched):
+                left.append(q.popleft())  # stays behind the waiting request of its sequence
+                waiting.update(id(s) for s in touched)
+                continue
             if isinstance(head, Command):
                 if any(id(s) in busy for s in head.touches):
                     break
@@ -281,13 +312,20 @@ class Scheduler:
             try:
                 slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None)
             except KvCacheFullError as e:
-                if items and not isinstance(e, KvQuotaError):
-                    break  # retry once this batch is done (a quota error would not change)
+                if not isinstance(e, KvQuotaError):  # the pool is full: wait for pages, up to kv_wait_s
+                    now = time.perf_counter()
+                    req.waiting_since = req.waiting_since or now
+                    if now - req.waiting_since < self.kv_wait_s:
+                        left.append(q.popleft())
+                        waiting.add(id(seq))
+                        continue
+                    e = KvCacheFullError(f"{e} (waited {self.kv_wait_s:g} s for pages to be freed)")
                 q.popleft()
                 self._rollback(req)
                 req.future.set_exception(e)
                 continue
             outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
+            req.waiting_since = 0.0
             items.append(_Item(req, start, n, slots, outs))
             busy.add(id(seq))
             budget -= n
@@ -296,7 +334,6 @@ class Scheduler:
                 q.popleft()
             else:
                 break  # the rest of this prefill goes in the next round
-        return items
 
     def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
         """The error for appending ``n`` tokens to ``seq`` when the result
