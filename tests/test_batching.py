@@ -196,3 +196,46 @@ async def test_seeded_sampling_is_reproducible_alone_and_concurrently(runtime):
     assert together[0]["tokens"] == a["tokens"] and together[-1]["tokens"] == a["tokens"]
     other_seed = await run_ok(runtime, "text-completion", {**seeded, "seed": 99})
     assert other_seed["tokens"] != a["tokens"]
+
+
+def test_users_share_a_round_fairly(engine):
+    """A long prefill of one user does not hold back another user's short
+    request: with two users queued, each gets half of ``max_batch_tokens``
+    per round, so the short one finishes in the first model call while the
+    prefill is chunked over several, and both results equal solo runs."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.sequence import Sequence
+
+    sched = engine.scheduler
+    tok = engine.tokenizer
+    long_ids = (tok.encode("The history of the river valley is long and varied. ") * 60)[:1500]
+    short_ids = tok.encode("The capital of France is")
+
+    def request(ids: list[int], user: str) -> tuple[ForwardRequest, Sequence]:
+        seq = Sequence(engine.pool)
+        slot = OutputSlot(len(ids) - 1, SamplerSpec(temperature=0.0))
+        return ForwardRequest(seq, list(ids), outputs=[slot], user=user), seq
+
+    solo = []
+    for ids in (long_ids, short_ids):
+        req, seq = request(ids, "solo")
+        solo.append(sched.submit(req).result(timeout=120))
+        sched.command(seq.free, seq).result(timeout=60)
+    engine.pool.evict_all_cached()
+
+    done_at: dict[str, int] = {}
+    calls0 = sched.stats.model_calls
+    reqs = [request(long_ids, "alice"), request(short_ids, "bob")]
+    with sched._cond:  # queue both before the scheduler looks
+        futs = [sched.submit(r) for r, _ in reqs]
+    for name, f in zip(("long", "short"), futs):
+        f.add_done_callback(lambda _f, name=name: done_at.setdefault(name, sched.stats.model_calls - calls0))
+    results = [f.result(timeout=120) for f in futs]
+    for _, seq in reqs:
+        sched.command(seq.free, seq).result(timeout=60)
+    assert results == solo
+    assert done_at["short"] == 1
+    # the first round gave the prefill half the budget; alone, it gets all of it
+    half = sched.max_batch_tokens // 2
+    assert done_at["long"] == 1 + -(-(len(long_ids) - half) // sched.max_batch_tokens)

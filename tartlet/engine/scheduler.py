@@ -27,6 +27,12 @@ Pool pressure. A request that cannot get KV pages because the pool is full
 queue, with everything later that touches its sequence, while other
 sequences run and free pages; later work on other sequences goes past it.
 After ``kv_wait_s`` seconds of waiting it fails with ``KvCacheFullError``.
+
+Fairness. Requests carry their user. When several users have work queued,
+each user's tokens in one round are capped at an equal share of
+``max_batch_tokens`` (a long prefill of one user is chunked to its share, so
+other users' decode steps ride in the same round instead of waiting behind
+it); work past a share waits for the next round, in order.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class ForwardRequest:
     enqueued_at: float = 0.0
     #: when it first found the pool full (0: never), see Scheduler.kv_wait_s
     waiting_since: float = 0.0
+    #: who the tokens count for in the per-user fair share of a round
+    user: str = ""
 
 
 @dataclass
@@ -251,16 +259,18 @@ class Scheduler:
 
     def _drain(self, q: collections.deque, items: list[_Item], busy: set[int], waiting: set[int],
                left: list[ForwardRequest | Command], budget: int) -> None:  # fmt: skip
+        users = {r.user for r in q if isinstance(r, ForwardRequest)}
+        share = self.max_batch_tokens // len(users) if len(users) > 1 else self.max_batch_tokens
+        used: dict[str, int] = {}  # tokens of each user in this round
         while q and budget > 0:
             head = q[0]
             touched = head.touches if isinstance(head, Command) else (head.seq,)
-            if any(id(s) in waiting for s in touched):
-                left.append(q.popleft())  # stays behind the waiting request of its sequence
+            if any(id(s) in waiting or id(s) in busy for s in touched):
+                # stays behind the earlier work of its sequence (next round)
+                left.append(q.popleft())
                 waiting.update(id(s) for s in touched)
                 continue
             if isinstance(head, Command):
-                if any(id(s) in busy for s in head.touches):
-                    break
                 q.popleft()
                 if head.future.set_running_or_notify_cancel():
                     try:
@@ -270,8 +280,11 @@ class Scheduler:
                 continue
             req = head
             seq = req.seq
-            if id(seq) in busy:
-                break
+            allowance = share - used.get(req.user, 0)
+            if allowance <= 0:  # this user had its share of the round
+                left.append(q.popleft())
+                waiting.add(id(seq))
+                continue
             if not req.started:
                 if not req.future.set_running_or_notify_cancel():
                     q.popleft()  # cancelled while queued
@@ -305,7 +318,7 @@ class Scheduler:
                         q.popleft()
                         req.future.set_result([])
                         continue
-            n = min(len(req.tokens) - req.done, budget)
+            n = min(len(req.tokens) - req.done, budget, allowance)
             lo, hi = req.done, req.done + n
             start = len(seq)
             positions = req.positions[lo:hi] if req.positions is not None else list(range(start, start + n))
@@ -329,11 +342,12 @@ class Scheduler:
             items.append(_Item(req, start, n, slots, outs))
             busy.add(id(seq))
             budget -= n
+            used[req.user] = used.get(req.user, 0) + n
             req.done = hi
-            if hi == len(req.tokens):
-                q.popleft()
-            else:
-                break  # the rest of this prefill goes in the next round
+            q.popleft()
+            if hi < len(req.tokens):  # the rest of this prefill goes in the next round
+                left.append(req)
+                waiting.add(id(seq))
 
     def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
         """The error for appending ``n`` tokens to ``seq`` when the result

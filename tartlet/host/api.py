@@ -416,7 +416,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                     raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
             slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
-            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots)
+            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=getattr(self, "owner", ""))
             fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
