@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from harness import drain, inline_program, run_ok
 
 PROMPT = (
@@ -146,3 +147,50 @@ async def test_snapshot_of_a_forked_generation_resumes_exactly(runtime, tmp_path
     """
     out = await run_ok(runtime, inline_program(tmp_path, code, "resume"))
     assert out["parts"] == out["whole"]
+
+
+async def test_persisted_snapshots_restore_and_refuse_another_model(runtime, engine, tmp_path):
+    """With a data dir, a saved snapshot is written to a safetensors file;
+    a fresh manager on the same dir (a restart) lists it, loads its pages on
+    open and continues exactly as before. A file stamped with another
+    model's identity is a clear error, and nothing leaks."""
+    from tartlet.host.errors import SnapshotError
+    from tartlet.host.snapshot_manager import SnapshotManager
+
+    slot = runtime.state.model(None)
+    live = slot.snapshots
+    live.enable_persistence(tmp_path / "snaps")
+    name = f"persist-{uuid.uuid4().hex[:8]}"
+    try:
+        saved = await run_ok(runtime, inline_program(tmp_path, SAVE, "save"), {"name": name})
+        live.flush()
+        (f,) = (tmp_path / "snaps").glob("*/*/*.safetensors")
+        assert f.stat().st_mode & 0o777 == 0o600
+        # a restart: a new manager over the same folder; the old one's pages go
+        restarted = SnapshotManager(engine, slot.accounts)
+        assert restarted.enable_persistence(tmp_path / "snaps") == 1
+        assert restarted.names("") == [name] and restarted.registry.get("", name).seq is None
+        slot.snapshots = restarted
+        gone = live.registry.pop("", name)  # the old process's pages: freed as by a real restart
+        engine.scheduler.command(gone.seq.free, gone.seq).result(timeout=60)
+        assert engine.pool.stats().used == 0
+        opened = await run_ok(runtime, inline_program(tmp_path, OPEN, "open"), {"name": name})
+        assert opened["tokens"] == saved["tokens"] and opened["text"] == saved["text"]
+
+        other = SnapshotManager(engine, slot.accounts)
+        other.enable_persistence(tmp_path / "snaps")
+        other.store.identity = other.store.identity.replace('"page_size": 16', '"page_size": 32')
+        with pytest.raises(SnapshotError, match=r"saved with another model or settings \(page_size: saved 16, here 32\)"):
+            other.fork_source("", name)
+        with pytest.raises(SnapshotError, match="no snapshot named"):
+            other.fork_source("someone-else", name)  # per-user namespaces
+    finally:
+        slot.snapshots = live
+        for mgr in (live, locals().get("restarted")):
+            if mgr is not None:
+                for snap in mgr.registry.all():
+                    mgr.delete(snap.owner, snap.name)
+                mgr.close()
+        live.store, live._writer = None, None
+    drain(runtime.state)
+    assert engine.pool.stats().used == 0

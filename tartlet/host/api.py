@@ -407,8 +407,11 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             fresh = -(-end // ps) - -(-start // ps)
             pos = None
             if positions is not None:
-                if len(positions) != len(tokens) or not all(isinstance(p, int) and 0 <= p < 2**31 for p in positions):
-                    raise ValueError(f"positions must be {len(tokens)} non-negative ints, one per input token")
+                cap = e.scheduler.max_seq_len
+                if len(positions) != len(tokens) or not all(type(p) is int and 0 <= p < cap for p in positions):
+                    raise ValueError(
+                        f"positions must be {len(tokens)} ints in [0, {cap}) (the model's context), one per input token"
+                    )
                 pos = list(positions)
             attn = None
             if attention is not None:
