@@ -72,11 +72,15 @@ class SequenceFreedError(RuntimeError):
     """A pass on a context that was destroyed."""
 
 
+class KvQuotaError(KvCacheFullError):
+    """Taking more KV pages would pass a quota (instance, user or snapshots)."""
+
+
 _ERRORS: dict[str, type[BaseException]] = {
     c.__name__: c
     for c in (
         HostError, InvalidHandleError, SnapshotError, LimitError, SamplingError, ContextLengthError,
-        ChatTemplateError, KvCacheFullError, SequenceFreedError,
+        ChatTemplateError, KvCacheFullError, KvQuotaError, SequenceFreedError,
     )
 }  # fmt: skip
 
