@@ -260,7 +260,7 @@ class Scheduler:
     def _drain(self, q: collections.deque, items: list[_Item], busy: set[int], waiting: set[int],
                left: list[ForwardRequest | Command], budget: int) -> None:  # fmt: skip
         users = {r.user for r in q if isinstance(r, ForwardRequest)}
-        share = self.max_batch_tokens // len(users) if len(users) > 1 else self.max_batch_tokens
+        share = max(1, self.max_batch_tokens // len(users)) if len(users) > 1 else self.max_batch_tokens
         used: dict[str, int] = {}  # tokens of each user in this round
         while q and budget > 0:
             head = q[0]
