@@ -161,9 +161,13 @@ class SnapshotManager:
                     raise SnapshotError(seq.error or f"snapshot {name!r} could not be loaded")
                 seq.transfer_into(dst)
             except BaseException as e:
-                if not seq.freed:
-                    self.registry.add(snap, enforce_limit=False)
                 dst.free(f"taking snapshot {name!r} failed: {e}")
+                if not seq.freed:  # put it back, unless its name was saved again meanwhile
+                    try:
+                        self.registry.add(snap, enforce_limit=False)
+                    except SnapshotError:
+                        seq.free()
+                        self._forget_file(snap)
                 raise
             self._forget_file(snap)
 
