@@ -4,8 +4,11 @@ and (when the server has a data dir) persistence.
 The registry (:mod:`tartlet.host.snapshots`) maps names to snapshots per
 user; each snapshot's pages are charged to its owner's snapshot account
 (:mod:`tartlet.host.kv_quotas`). With a :class:`SnapshotStore`, every saved
-snapshot is written to disk by a background writer right after the scheduler
-has forked it (the KV is copied out on the scheduler thread, written off it),
+snapshot is written to disk by a background writer after the scheduler has
+forked it. The writer copies the KV out of the pool itself, one snapshot at
+a time (a snapshot's pages are immutable while it holds them), so a storm of
+saves queues references, not copies of the KV; a snapshot deleted or taken
+before its turn is skipped,
 and at start the files on disk are registered again *on disk only*: their
 pages are loaded into the pool on first open or take. Page edits all run as
 scheduler commands, ordered after the forward passes of the sequences they
@@ -107,8 +110,7 @@ class SnapshotManager:
                 log.warning("snapshot %r of user %r failed: %s", name, owner, e)
                 raise
             if self.store is not None and self._writer is not None:
-                data = self._gather(snap, dst)
-                self._writer.submit(self._persist, snap, data)
+                self._writer.submit(self._persist, snap, dst)
 
         acc.pend(tail)
         try:
@@ -219,23 +221,29 @@ class SnapshotManager:
         return seq
 
     def _gather(self, snap: Snapshot, seq: Sequence) -> SnapshotFile:
-        """Copy the KV of ``seq``'s live pages out of the pool (scheduler thread)."""
+        """Copy the KV of ``seq``'s live pages out of the pool (writer
+        thread: the pages are immutable while the snapshot holds them; if it
+        is taken or deleted meanwhile, what was read is discarded)."""
         pool = seq.pool
         ps = pool.page_size
-        live = [p for p in seq.pages if p is not None]
+        pages = seq.pages  # transfer_into replaces the list, never edits it
+        live = [p for p in pages if p is not None]
         rows = (torch.tensor(live, dtype=torch.long)[:, None] * ps + torch.arange(ps)).reshape(-1)
         return SnapshotFile(
             owner=snap.owner, name=snap.name, tokens=list(seq.tokens), positions=list(seq.positions),
-            masked=bytes(seq.masked), live=[int(p is not None) for p in seq.pages], pure=seq.pure,
+            masked=bytes(seq.masked), live=[int(p is not None) for p in pages], pure=seq.pure,
             k=pool.k[:, rows].cpu(), v=pool.v[:, rows].cpu(),
         )  # fmt: skip
 
-    def _persist(self, snap: Snapshot, data: SnapshotFile) -> None:
+    def _persist(self, snap: Snapshot, seq: Sequence) -> None:
         assert self.store is not None
+        if snap.deleted or seq.freed:
+            return  # deleted or taken before its turn
         try:
-            path = self.store.write(data)
-        except OSError as e:
-            log.error("could not write snapshot %r of user %r: %s", snap.name, snap.owner, e)
+            path = self.store.write(self._gather(snap, seq))
+        except Exception as e:  # a full disk, or the snapshot taken while it was read
+            if not (snap.deleted or seq.freed):
+                log.error("could not write snapshot %r of user %r: %s", snap.name, snap.owner, e)
             return
         with self._io_lock:
             if snap.deleted:
