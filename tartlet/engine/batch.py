@@ -31,6 +31,11 @@ class AttentionGroup:
             attention without padding or holes: plain causal over exactly
             ``L == Q`` fresh tokens when ``Q > 1``, every one of the ``L``
             slots when ``Q == 1``.
+        q_index, kv_index: int64 ``[B, Q]`` and ``[B, L]`` token indexes in
+            their sequence of each query and of each KV column (padding
+            columns: any value, they are masked). Set only for models with
+            sliding-window layers, which narrow ``mask`` with them
+            (``kv_index > q_index - W``); ``None`` otherwise.
     """
 
     rows: torch.Tensor | None
@@ -38,6 +43,8 @@ class AttentionGroup:
     num_queries: int
     kv_slots: torch.Tensor
     mask: torch.Tensor | None
+    q_index: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,5 +73,6 @@ class BatchInputs:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask)) for g in self.groups]
+        groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index))
+                  for g in self.groups]
         return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows))

@@ -16,8 +16,9 @@ class ModelConfig:
     """Architecture of a Llama-family decoder.
 
     Attributes:
-        architecture: ``"llama"`` or ``"qwen2"`` (the latter adds a bias to the
-            Q, K and V projections).
+        architecture: a key of :data:`tartlet.engine.loader.FAMILIES`
+            (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"``,
+            ``"gemma2"``, ``"gemma3"``); the fields below say what differs.
         vocab_size: number of rows of the embedding matrix.
         hidden_size: model width ``H``.
         intermediate_size: SwiGLU inner width.
@@ -30,10 +31,29 @@ class ModelConfig:
         rms_norm_eps: epsilon of RMSNorm.
         rope_theta: RoPE base frequency.
         rope_scaling: Hugging Face ``rope_scaling`` dict (``rope_type`` one of
-            ``default``, ``linear``, ``dynamic``-less ``llama3``) or ``None``.
+            :data:`tartlet.engine.rope.SUPPORTED_ROPE_TYPES`) or ``None``.
         max_position_embeddings: trained context length in tokens.
         tie_word_embeddings: the output projection reuses the embedding matrix.
         attention_bias: Q, K, V projections carry a bias (Qwen2).
+        qk_norm: RMSNorm over each query and key head (weights ``[head_dim]``)
+            before RoPE (Qwen3, Gemma 3).
+        sliding_window: ``W``: sliding layers attend to the last ``W`` tokens,
+            the query's own included (HF ``sliding_window_overlay``:
+            ``kv_idx > q_idx - W``); ``None``: no sliding layers.
+        layer_types: per layer ``"sliding_attention"`` or ``"full_attention"``
+            (HF ``layer_types``); empty: every layer slides when
+            ``sliding_window`` is set (Mistral).
+        hidden_act: MLP gate activation, ``"silu"`` (SwiGLU) or
+            ``"gelu_pytorch_tanh"`` (GeGLU, Gemma).
+        gemma_norms: Gemma's RMSNorm scales by ``1 + w``, the embedding is
+            multiplied by ``sqrt(hidden_size)``, and each block has pre and post
+            norms around attention and MLP (Gemma 2 and 3).
+        query_pre_attn_scalar: attention scale is ``query_pre_attn_scalar ** -0.5``
+            instead of ``head_dim ** -0.5`` (Gemma).
+        attn_logit_softcapping / final_logit_softcapping: ``c * tanh(x / c)``
+            on attention scores / output logits (Gemma 2), or ``None``.
+        rope_local_theta: RoPE base of the sliding layers when it differs
+            from ``rope_theta`` (Gemma 3; those layers use no scaling), or ``None``.
         bos_token_id / eos_token_ids / pad_token_id: special token ids.
         name: human-readable model name (from metadata or the folder name).
     """
@@ -52,7 +72,24 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"
+    gemma_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
     name: str = "model"
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window ``W`` of layer ``i``, or ``None`` for a global layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window

@@ -11,7 +11,28 @@ Two layout facts matter:
 * llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``)
   reorders the rows of Q and K of *llama* models for its interleaved RoPE.
   We undo it per head so Hugging Face's ``rotate_half`` RoPE is correct.
-  Qwen2 files are not permuted (they use the NeoX RoPE layout).
+  Qwen2/3, Phi-3 and Gemma files are not permuted (they use the NeoX RoPE layout).
+
+Per family (``convert_hf_to_gguf.py`` and ``src/llama-model.cpp`` of llama.cpp):
+
+* Qwen3, Gemma 3: ``attn_q_norm``/``attn_k_norm`` are the QK-norm weights.
+* Phi-3: ``attn_qkv`` is HF's fused ``qkv_proj``; ``ffn_up`` is the fused
+  ``gate_up_proj`` (no ``ffn_gate``); ``rope_factors_short``/``_long`` are
+  LongRoPE's ``short_factor``/``long_factor``.
+* Gemma 2/3: ``ffn_norm`` is ``pre_feedforward_layernorm``,
+  ``post_attention_norm``/``post_ffw_norm`` the post norms, and every norm
+  weight was stored plus one (the converter folds Gemma's ``1 + w``): we
+  subtract it again. The sliding-window layer pattern is
+  ``attention.sliding_window_pattern`` (a period or one flag per layer) or,
+  when absent, llama.cpp's fixed one (every 2nd layer global for Gemma 2,
+  every 6th for Gemma 3); sliding layers of Gemma 3 use
+  ``rope.freq_base_swa`` (10000 when absent). The attention scale is
+  ``key_length ** -0.5`` (llama.cpp's choice except for the 27B models).
+* Llama 3.1+: ``rope_freqs`` divides the RoPE frequencies (llama.cpp's
+  encoding of ``rope_type = llama3``).
+
+Mistral files say ``llama``; llama.cpp's converter does not keep Mistral's
+sliding window, so neither can we (it matters only past 4096 tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +45,8 @@ import numpy as np
 import torch
 
 from tartlet.engine.config import ModelConfig
-from tartlet.engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, ModelLoadError, check_weights
+from tartlet.engine.loader import GGUF_ARCHITECTURES, LoadedModel, ModelLoadError, check_weights
+from tartlet.engine.rope import Rotary
 from tartlet.engine.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -36,6 +58,9 @@ _GLOBAL_NAMES = {
 }
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -48,13 +73,24 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None for tensors we do not use."""
+_GEMMA_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_NAMES = {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"}
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Hugging Face name of a GGUF tensor of architecture ``arch`` (ours,
+    e.g. ``"gemma3"``), or None for tensors we do not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _PHI3_NAMES if arch == "phi3" else _BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -111,13 +147,11 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
             or a RoPE scaling this engine does not implement.
     """
     arch = _meta(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    ours = GGUF_ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ModelLoadError(f"{path}: per-dimension RoPE frequencies (rope_freqs.weight, Llama 3.1 style) "
-                             "are not supported")
 
     def need(key: str) -> Any:
         value = _meta(reader, f"{arch}.{key}")
@@ -136,18 +170,49 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
 
     rope_scaling = None
     kind = _meta(reader, f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
+    orig = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_short.weight" in tensors:  # Phi-3 LongRoPE: the factor lists are tensors
+        rope_scaling = {"rope_type": "longrope",
+                        "short_factor": read_tensor(tensors["rope_factors_short.weight"]).tolist(),
+                        "long_factor": read_tensor(tensors["rope_factors_long.weight"]).tolist(),
+                        "original_max_position_embeddings": int(orig or _meta(reader, f"{arch}.context_length", 4096))}
+        attn = _meta(reader, f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            rope_scaling["attention_factor"] = float(attn)
+    elif "rope_freqs.weight" in tensors:  # Llama 3.1+: llama3 scaling stored as frequency divisors
+        rope_scaling = {"rope_type": "freq_factors", "freq_factors": read_tensor(tensors["rope_freqs.weight"]).tolist()}
+    elif kind not in (None, "none"):
         rope_scaling = {"rope_type": kind, "factor": float(need("rope.scaling.factor"))}
-        orig = _meta(reader, f"{arch}.rope.scaling.original_context_length")
         if orig is not None:
             rope_scaling["original_max_position_embeddings"] = int(orig)
+    n_layer = int(need("block_count"))
+    family: dict[str, Any] = dict(qk_norm="blk.0.attn_q_norm.weight" in tensors)
+    window = _meta(reader, f"{arch}.attention.sliding_window")
+    if ours in ("gemma2", "gemma3"):
+        pattern = _meta(reader, f"{arch}.attention.sliding_window_pattern", 2 if ours == "gemma2" else 6)
+        if isinstance(pattern, list):  # per layer, True = sliding
+            slides = [bool(x) for x in pattern]
+        else:  # llama.cpp's set_swa_pattern(n): every n-th layer is global
+            slides = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+        family.update(
+            gemma_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=float(head_dim),
+            attn_logit_softcapping=_meta(reader, f"{arch}.attn_logit_softcapping"),
+            final_logit_softcapping=_meta(reader, f"{arch}.final_logit_softcapping"),
+            layer_types=tuple("sliding_attention" if x else "full_attention" for x in slides),
+        )
+        if ours == "gemma3":
+            family["rope_local_theta"] = float(_meta(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    if window:
+        family["sliding_window"] = int(window)
+    else:
+        family.pop("layer_types", None)
 
-    return ModelConfig(
-        architecture=arch,
+    config = ModelConfig(
+        architecture=ours,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
+        num_hidden_layers=n_layer,
         num_attention_heads=n_head,
         num_key_value_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", n_head)),
         head_dim=head_dim,
@@ -161,7 +226,13 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
         eos_token_ids=tokenizer.eos_token_ids,
         pad_token_id=tokenizer.pad_token_id,
         name=str(_meta(reader, "general.name") or path.stem),
+        **family,
     )
+    try:
+        Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return config
 
 
 def read_tensor(tensor: Any) -> np.ndarray:
@@ -208,7 +279,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
     permuted = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     weights: dict[str, Any] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, config.architecture)
         if name is None:
             continue
         kind = t.tensor_type.name
@@ -225,6 +296,8 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
                 if f".{part}." in name:
                     perm = unpermute_qk(torch.arange(shape[0]), n_head)
                     w = w.index_select(0, perm) if isinstance(w, torch.Tensor) else w.select_rows(perm)
+        if config.gemma_norms and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma norms as 1 + w
         weights[name] = w.to(dtype).contiguous() if isinstance(w, torch.Tensor) else w
     del reader  # unmaps the file: only the converted tensors stay resident
     weights = check_weights(path, config, weights)

@@ -1,9 +1,12 @@
 """Read a Hugging Face model folder (``config.json`` + ``*.safetensors`` + tokenizer).
 
-``config.json`` keys follow ``transformers``' ``LlamaConfig``/``Qwen2Config``.
-Both the 4.x ``rope_theta``/``rope_scaling`` keys and the 5.x
-``rope_parameters`` dict are understood. Weight names are already Hugging
-Face's; Qwen2 always has Q/K/V biases (``Qwen2Attention`` hard-codes
+``config.json`` keys follow ``transformers``' config classes of the supported
+families (:data:`~tartlet.engine.loader.HF_MODEL_TYPES`: ``LlamaConfig``,
+``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``,
+``Gemma2Config``, ``Gemma3TextConfig``). Both the 4.x
+``rope_theta``/``rope_scaling`` keys and the 5.x ``rope_parameters`` dict
+(per layer type for Gemma 3) are understood. Weight names are already
+Hugging Face's; Qwen2 always has Q/K/V biases (``Qwen2Attention`` hard-codes
 ``bias=True``).
 """
 
@@ -17,32 +20,104 @@ import torch
 from safetensors.torch import load_file
 
 from tartlet.engine.config import ModelConfig
-from tartlet.engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, ModelLoadError, check_weights
+from tartlet.engine.loader import HF_MODEL_TYPES, LoadedModel, ModelLoadError, check_weights
+from tartlet.engine.rope import Rotary
 from tartlet.engine.tokenizer import Tokenizer
+
+
+def _rope(cfg: dict[str, Any], key: str | None = None) -> tuple[float, dict[str, Any] | None]:
+    """``(theta, scaling)`` of ``config.json``: the 4.x ``rope_theta`` and
+    ``rope_scaling`` keys or the 5.x ``rope_parameters`` dict (per layer
+    type, ``key``, for Gemma 3); ``scaling`` is ``None`` for plain RoPE."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if key is not None and isinstance(rope.get(key), dict):
+        rope = dict(rope[key])
+    theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn") \
+            and "original_max_position_embeddings" not in scaling and "original_max_position_embeddings" in cfg:
+        scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    if cfg.get("model_type") == "phi3" and scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+        scaling = {**scaling, "rope_type": "longrope"}  # Phi3Config reads both as longrope
+    return float(theta), scaling
+
+
+def _family_fields(path: Path, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields that differ between families, from ``config.json``.
+
+    Defaults per family are those of the ``transformers`` config classes
+    (``Qwen2Config`` ... ``Gemma3TextConfig``) for configs that omit a key.
+
+    Raises:
+        ModelLoadError: partial rotary embeddings, or an MLP activation we do not implement.
+    """
+    n = int(cfg["num_hidden_layers"])
+    gemma = arch in ("gemma2", "gemma3")
+    f: dict[str, Any] = dict(qk_norm=arch in ("qwen3", "gemma3"), gemma_norms=gemma)
+    # sliding windows: Qwen2/3 only with use_sliding_window; Mistral and Phi-3 on every layer; Gemma per layer
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None
+    elif gemma and window is None:
+        window = 4096
+    types = tuple(cfg.get("layer_types") or ())
+    if window is not None and not types:
+        if arch in ("qwen2", "qwen3"):
+            start = int(cfg.get("max_window_layers", 28))
+            types = tuple("sliding_attention" if i >= start else "full_attention" for i in range(n))
+        elif arch == "gemma2":
+            types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n))
+        elif arch == "gemma3":
+            pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+            types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+    if window is not None and types and "sliding_attention" not in types:
+        window, types = None, ()
+    f.update(sliding_window=None if window is None else int(window), layer_types=types if window is not None else ())
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if gemma and act == "gelu":
+        act = "gelu_pytorch_tanh"  # Gemma configs that say "gelu" run the tanh approximation (HF GemmaConfig note)
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"{path}: MLP activation {act!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+    f["hidden_act"] = act
+    rope = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ModelLoadError(f"{path}: partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+    if gemma:
+        f.update(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                 attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+                 final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None))
+    if arch == "gemma3":
+        local = cfg.get("rope_local_base_freq")
+        if local is None:
+            local, local_scaling = _rope(cfg, "sliding_attention")
+            if local_scaling is not None:
+                raise ModelLoadError(f"{path}: RoPE scaling on sliding layers is not supported")
+        f["rope_local_theta"] = float(local)
+    return f
 
 
 def config_from_hf(path: Path, cfg: dict[str, Any], tokenizer: Tokenizer) -> ModelConfig:
     """Map a ``config.json`` dict onto :class:`ModelConfig`.
 
     Raises:
-        ModelLoadError: unsupported ``model_type``, sliding-window attention,
+        ModelLoadError: unsupported ``model_type`` (the message lists the
+            supported ones), an unsupported feature of a supported family
+            (see :func:`_family_fields`, RoPE types of :mod:`tartlet.engine.rope`),
             or a missing required key.
     """
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported model_type {arch!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
+    mt = cfg.get("model_type")
+    arch = HF_MODEL_TYPES.get(mt)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported model_type {mt!r} "
+                             f"(supported: {', '.join(HF_MODEL_TYPES)})")
     try:
         hidden, n_head = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta, scaling = _rope(cfg, "full_attention")
         eos = cfg.get("eos_token_id")
         eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
         eos_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *eos]))
-        return ModelConfig(
+        config = ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -52,18 +127,24 @@ def config_from_hf(path: Path, cfg: dict[str, Any], tokenizer: Tokenizer) -> Mod
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_head),
             head_dim=int(cfg.get("head_dim") or hidden // n_head),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
             bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else cfg.get("pad_token_id"),
             name=path.name,
+            **_family_fields(path, arch, cfg),
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: config.json lacks {e.args[0]!r}") from e
+    try:
+        Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return config
 
 
 def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

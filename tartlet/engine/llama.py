@@ -1,14 +1,38 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2) over a paged KV cache.
+"""The decoder of every supported family, over a paged KV cache.
 
+One decoder serves Llama (SmolLM, Llama 3.x), Mistral, Qwen2, Qwen3, Phi-3
+and Gemma 2/3; :class:`~tartlet.engine.config.ModelConfig` says what differs.
 The math follows Hugging Face ``modeling_llama.py``: RMSNorm (Zhang &
 Sennrich, 2019), rotary position embeddings in the ``rotate_half`` layout (Su
-et al., 2021), grouped-query attention (Ainslie et al., 2023), SwiGLU MLP
-(Shazeer, 2020), optional QKV bias (Qwen2), tied embeddings. It differs in
-execution only: one call runs a ragged batch of many sequences, reads and
-writes K/V in the page pool, and computes logits just for the rows asked for.
-Q/K/V and gate/up projections are fused into one matrix each, so a layer costs
-four matrix multiplications, each a :class:`~tartlet.engine.linear.Linear`
-(prepacked for oneDNN on CPU, residual adds fused in).
+et al., 2021; variants in :mod:`tartlet.engine.rope`), grouped-query attention
+(Ainslie et al., 2023), SwiGLU MLP (Shazeer, 2020), optional QKV bias (Qwen2),
+tied embeddings. Family options, each as in its HF modeling file:
+
+* QK-norm (``modeling_qwen3.py``, ``modeling_gemma3.py``): RMSNorm over each
+  query and key head (weight ``[head_dim]``) after the projection, before RoPE.
+* sliding-window attention (``modeling_mistral.py``; per layer in
+  ``modeling_gemma2.py``/``modeling_gemma3.py``/``modeling_qwen2.py``): a
+  sliding layer's query at token index ``i`` sees only indexes ``j > i - W``
+  (HF ``sliding_window_overlay``), on top of the usual mask. The scheduler
+  gives each attention group the token indexes of its queries and KV columns
+  (``AttentionGroup.q_index``/``kv_index``) when the model has a window.
+* fused ``qkv_proj`` and ``gate_up_proj`` weights (``modeling_phi3.py``) are
+  used as they are (the other families' Q/K/V and gate/up are fused at load).
+* Gemma (``modeling_gemma2.py``, ``modeling_gemma3.py``): RMSNorm scaled by
+  ``1 + w``, embedding times ``sqrt(hidden_size)`` (rounded to the compute
+  dtype), norms after attention and after the MLP as well as before
+  (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+  ``post_feedforward_layernorm``), GeGLU (tanh GELU gate), attention scale
+  ``query_pre_attn_scalar ** -0.5``, soft-capping ``c * tanh(x / c)`` of
+  attention scores and final logits (Gemma 2), and a RoPE base of its own for
+  sliding layers (Gemma 3's ``rope_local_base_freq``).
+
+It differs in execution only: one call runs a ragged batch of many sequences,
+reads and writes K/V in the page pool, and computes logits just for the rows
+asked for. Q/K/V and gate/up projections are fused into one matrix each, so a
+layer costs four matrix multiplications, each a
+:class:`~tartlet.engine.linear.Linear` (prepacked for oneDNN on CPU, residual
+adds fused in) or :class:`~tartlet.engine.quant_linear.QuantLinear`.
 """
 
 from __future__ import annotations
@@ -23,50 +47,17 @@ from .config import ModelConfig
 from .linear import Linear, onednn_packing_available
 from .quant_formats import F16, KIND_NAMES, QuantWeight
 from .quant_linear import QuantLinear, embedding_rows
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, float32 ``[head_dim // 2]``.
-
-    ``inv_freq[i] = theta ** (-2i / head_dim)``; ``rope_scaling`` of type
-    ``linear`` divides them by ``factor``; type ``llama3`` applies the
-    wavelength-dependent smoothing of Llama 3.1 (as in HF
-    ``_compute_llama3_parameters``).
-
-    Raises:
-        ValueError: an unsupported ``rope_type``.
-    """
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    sc = config.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "default":
-        pass
-    elif kind == "linear":
-        inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-        factor = float(sc["factor"])
-        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wl = 2 * math.pi / inv
-        scaled = torch.where(wl > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wl - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wl >= high_wl) & (wl <= low_wl)
-        inv = torch.where(is_mid, mid, scaled)
-    else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
-    return inv.to(torch.float32)
+from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 
 
 class LlamaModel:
-    """Inference-only Llama-family model.
+    """Inference-only decoder of any supported family (see the module docstring).
 
     Args:
-        config: architecture.
+        config: architecture, family options included.
         weights: Hugging Face-named tensors (``model.layers.{i}.self_attn.q_proj.weight``
-            ... ``[out, in]``), as produced by :func:`tartlet.engine.loader.load_model`.
+            ... ``[out, in]``; see :mod:`tartlet.engine.loader` for each family's
+            set), as produced by :func:`tartlet.engine.loader.load_model`.
             Consumed: projections are fused and the dict is not kept.
         dtype: compute dtype (float32 or bfloat16); logits are float32.
         device: where weights live and the model runs.
@@ -134,34 +125,57 @@ class LlamaModel:
                 return QuantLinear(quant, bias, self.quant, act_bits=act_bits)
             return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
 
+        def norm(name: str) -> torch.Tensor:
+            t = w(name)  # Gemma's RMSNorm scales by (1 + w): added once here (HF Gemma3RMSNorm, in float32)
+            return (t.float() + 1.0).to(dtype) if c.gemma_norms else t
+
+        def fused(p: str, whole: str, *parts: str, bias: torch.Tensor | None = None) -> "Linear | QuantLinear":
+            # one matrix: as stored when the checkpoint fuses it (Phi-3's qkv_proj, gate_up_proj), else concatenated
+            return linear(p + whole, bias=bias) if p + whole in weights else linear(*[p + x for x in parts], bias=bias)
+
         embed = raw("model.embed_tokens.weight")
         self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
+        # Gemma: embeddings times sqrt(H), the factor rounded to the compute dtype (HF Gemma3TextScaledWordEmbedding)
+        self.embed_scale = float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.gemma_norms else None
         # the vocabulary projection needs no GEMV copy: packed is as fast at one row
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.lm_head = linear(head, copy=False)
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if c.attention_bias else None
-            self.layers.append(
-                dict(
-                    ln1=w(p + "input_layernorm.weight"),
-                    qkv=linear(*[p + f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
-                    o=linear(p + "self_attn.o_proj.weight"),
-                    ln2=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=linear(p + "mlp.down_proj.weight"),
-                )
+            layer = dict(
+                ln1=norm(p + "input_layernorm.weight"),
+                qkv=fused(p, "self_attn.qkv_proj.weight", *[f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
+                o=linear(p + "self_attn.o_proj.weight"),
+                ln2=norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms else "post_attention_layernorm.weight")),
+                gate_up=fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             )
+            if c.qk_norm:
+                layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
+            if c.gemma_norms:
+                layer.update(post_attn=norm(p + "post_attention_layernorm.weight"),
+                             post_ff=norm(p + "post_feedforward_layernorm.weight"))
+            self.layers.append(layer)
         weights.clear()
-        self.inv_freq = rope_inv_freq(c).to(self.device)
+        # RoPE per layer: Gemma 3's sliding layers have their own base and no scaling
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(self.device)
+        self.inv_freq = self.rotary.inv_freq
+        local = None
+        if c.rope_local_theta is not None:
+            local = Rotary(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings).to(self.device)
+        self.windows = [c.layer_window(i) for i in range(c.num_hidden_layers)]
+        self.layer_rope = [local if (local is not None and self.windows[i] is not None) else self.rotary
+                           for i in range(c.num_hidden_layers)]
         self.kernels = None
         if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
             from . import cpu_kernels as ck
 
             self.kernels = ck.load()
-        self.scale = 1.0 / math.sqrt(self.hd)
+        self.scale = 1.0 / math.sqrt(self.hd) if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
+        self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
 
     def weight_bytes(self) -> int:
         """Bytes of weight memory the model holds (each storage counted once:
@@ -230,6 +244,19 @@ class LlamaModel:
         times ``sin`` with its first half negated (``sin`` arrives so)."""
         return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
 
+    def _window_mask(self, g: AttentionGroup, window: int) -> torch.Tensor | None:
+        """Group ``g``'s bool mask ``[B, Q, L]`` narrowed to a sliding window
+        of ``window`` tokens (``kv_index > q_index - window``, HF
+        ``sliding_window_overlay``), or ``None`` when no visible key of the
+        group is that far back (the group's own mask serves unchanged)."""
+        if g.q_index is None or g.kv_index is None:
+            raise ValueError("a sliding-window model needs the token indexes of each attention group")
+        qi, ki = g.q_index[:, :, None], g.kv_index[:, None, :]
+        if int((g.q_index.amax(1) - g.kv_index.amin(1)).max()) < window:
+            return None
+        base = (ki <= qi) if g.mask is None else g.mask
+        return base & (ki > qi - window)
+
     def _attend(
         self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
     ) -> None:
@@ -245,15 +272,27 @@ class LlamaModel:
         flat = g.kv_slots.view(-1)
         k = kc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)  # [B, nkv, L, hd]
         v = vc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2),
-            k,
-            v,
-            attn_mask=bias,
-            is_causal=bias is None and Q > 1,
-            scale=self.scale,
-            enable_gqa=self.nkv != self.nh,
-        )
+        cap = self.config.attn_logit_softcapping
+        if cap is None:
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2),
+                k,
+                v,
+                attn_mask=bias,
+                is_causal=bias is None and Q > 1,
+                scale=self.scale,
+                enable_gqa=self.nkv != self.nh,
+            )
+        else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py)
+            rep = self.nh // self.nkv
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = torch.matmul(qg.transpose(1, 2), k.transpose(2, 3)) * self.scale
+            scores = torch.tanh(scores / cap) * cap
+            if bias is not None:
+                scores = scores + bias
+            elif Q > 1:
+                scores = scores.masked_fill(~torch.ones(Q, L, dtype=torch.bool, device=q.device).tril(L - Q), float("-inf"))
+            o = torch.matmul(torch.softmax(scores.float(), -1).to(v.dtype), v)
         o = o.transpose(1, 2).reshape(B * Q, self.nh * self.hd)
         if g.rows is None:
             out[g.row_start : g.row_start + B * Q] = o
@@ -272,6 +311,7 @@ class LlamaModel:
         Returns:
             float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
         """
+        c = self.config
         nh, nkv, hd = self.nh, self.nkv, self.hd
         # the fused kernels read and write float32 pages; a 16-bit pool takes the PyTorch path
         kern = self.kernels if k_cache.dtype == torch.float32 else None
@@ -279,24 +319,38 @@ class LlamaModel:
             x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
             x = self.embed.index_select(0, batch.input_ids)
-        freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        if kern is None:  # [T, 1, hd], sin's first half negated (see _rope)
-            cos = freqs.cos().repeat(1, 2).to(self.dtype)[:, None, :]
-            s = freqs.sin()
-            sin = torch.cat((-s, s), dim=-1).to(self.dtype)[:, None, :]
-        else:  # [T, hd / 2]
-            cos, sin = freqs.cos(), freqs.sin()
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = {}  # per distinct Rotary: cos, sin
+        for rot in dict.fromkeys(self.layer_rope):
+            cos, sin = rot.cos_sin(batch.positions)
+            if kern is None:  # [T, 1, hd], sin's first half negated (see _rope)
+                cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+            ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernel
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         # once per pass, not per layer: additive masks (as [B, L] rows for
-        # the decode kernel) and per-layer cache views
-        groups = []
-        for g in batch.groups:
-            bias = None if g.mask is None else self._additive(g.mask)
-            by_kernel = kern is not None and g.num_queries == 1
-            groups.append((g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)))
-        for layer, kc, vc in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
+        # the decode kernel) and per-layer cache views; sliding layers get their own
+        soft = c.attn_logit_softcapping is not None  # the decode kernel does not soft-cap
+
+        def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> tuple:
+            bias = None if mask is None else self._additive(mask)
+            by_kernel = kern is not None and g.num_queries == 1 and not soft
+            return g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)
+
+        plans = {None: [prepared(g, g.mask) for g in batch.groups]}
+        for win in set(self.windows) - {None}:
+            plans[win] = [prepared(g, m) if (m := self._window_mask(g, win)) is not None else plain
+                          for g, plain in zip(batch.groups, plans[None])]
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, k_cache.unbind(0), v_cache.unbind(0))):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
+            if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
+                eps = c.rms_norm_eps
+                qh = qkv[:, : nh * hd].view(T, nh, hd)
+                kh = qkv[:, nh * hd : (nh + nkv) * hd].view(T, nkv, hd)
+                qh.copy_(F.rms_norm(qh, (hd,), layer["q_norm"], eps))
+                kh.copy_(F.rms_norm(kh, (hd,), layer["k_norm"], eps))
+            cos, sin = ropes[self.layer_rope[i]]
             if kern is None:
                 # RoPE once over the query and key heads together
                 qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
@@ -305,13 +359,22 @@ class LlamaModel:
                 vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd).to(vc.dtype))
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
-            for g, bias, by_kernel, rows_bias in groups:
+            for g, bias, by_kernel, rows_bias in plans[self.windows[i]]:
                 if by_kernel:
                     kern.paged_decode_attention(q, kc, vc, g.kv_slots, rows_bias, g.rows, g.row_start, attn_out, self.scale)
                 else:
                     self._attend(q, attn_out, g, bias, kc, vc)
-            x = layer["o"](attn_out, residual=x)
-            gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
-            x = layer["down"](F.silu(gate).mul_(up), residual=x)
+            if c.gemma_norms:  # norms after attention and MLP too, before each residual add
+                x = x + self._rms_norm(layer["o"](attn_out), layer["post_attn"])
+                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = x + self._rms_norm(layer["down"](self.act(gate).mul_(up)), layer["post_ff"])
+            else:
+                x = layer["o"](attn_out, residual=x)
+                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = layer["down"](self.act(gate).mul_(up), residual=x)
         h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if c.final_logit_softcapping is not None:  # Gemma 2: c * tanh(logits / c)
+            cap = c.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,16 +1,23 @@
 """Load a model (config + weights + tokenizer) from a GGUF file or a Hugging Face folder.
 
-Whatever the source, weights come out under Hugging Face Llama names in
+Whatever the source, weights come out under Hugging Face names in
 PyTorch orientation (``[out_features, in_features]``)::
 
     model.embed_tokens.weight                         [vocab, H]
     model.layers.{i}.input_layernorm.weight           [H]
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  [out, in]
     model.layers.{i}.self_attn.{q,k,v}_proj.bias      [out]      (Qwen2 only)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      [head_dim] (QK-norm: Qwen3, Gemma 3)
     model.layers.{i}.post_attention_layernorm.weight  [H]
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight [H] (Gemma)
     model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
     model.norm.weight                                 [H]
     lm_head.weight                                    [vocab, H] (only when not tied)
+
+Phi-3 keeps its fused ``self_attn.qkv_proj.weight`` ``[(nh + 2 nkv) hd, H]``
+(rows Q, K, V) and ``mlp.gate_up_proj.weight`` ``[2 I, H]`` (rows gate, up)
+instead of the separate matrices. Gemma norm weights are HF's (the model
+scales by ``1 + w``).
 
 Q and K rows are in Hugging Face's ``rotate_half`` RoPE order.
 
@@ -32,7 +39,16 @@ if TYPE_CHECKING:
     from tartlet.engine.quant_formats import QuantWeight
     from tartlet.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+#: Our architecture names, one per model family the decoder (:mod:`tartlet.engine.llama`) runs.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+#: Hugging Face ``model_type`` -> architecture.
+HF_MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "gemma2": "gemma2", "gemma3_text": "gemma3",
+}
+#: GGUF ``general.architecture`` -> architecture (llama.cpp writes Mistral models as ``llama``).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 class ModelLoadError(ValueError):
@@ -63,13 +79,24 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
+    fused = config.architecture == "phi3"
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.gemma_norms:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+        if fused:
+            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
+        else:
+            names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.attention_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if fused:
+            names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names
 
 

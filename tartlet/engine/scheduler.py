@@ -159,6 +159,8 @@ class Scheduler:
         self.batch_wait_s = batch_wait_s
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         self.kv_wait_s = kv_wait_s
+        # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
+        self._indexes = getattr(model.config, "sliding_window", None) is not None
         self.stats = SchedulerStats()
         self._queue: collections.deque[ForwardRequest | Command] = collections.deque()
         self._cond = threading.Condition()
@@ -433,8 +435,12 @@ class Scheduler:
             if it.n == 1:
                 decode.append((row0, it))
             else:
-                kv, mask = self._kv_and_mask(it, lo)
-                groups.append(AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None]))
+                kv, mask, logical = self._kv_and_mask(it, lo)
+                g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
+                if self._indexes:
+                    g.q_index = torch.arange(it.start, it.start + it.n)[None]
+                    g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
+                groups.append(g)
         if decode:
             groups.append(self._decode_group(decode))
         return BatchInputs(
@@ -445,16 +451,17 @@ class Scheduler:
             output_rows=torch.tensor(out_rows, dtype=torch.long),
         )
 
-    def _kv_and_mask(self, it: _Item, lo: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _kv_and_mask(self, it: _Item, lo: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """KV slots ``[L]`` of the item's sequence up to the end of its chunk,
-        and its bool mask ``[n, L]`` (None when plain causal suffices)."""
+        its bool mask ``[n, L]`` (None when plain causal suffices) and the
+        token index of each slot (None when it is the slot's number)."""
         seq = it.req.seq
         end = it.start + it.n
         slots, logical = kv_view(seq, end)
         hidden = seq.masked.find(1, 0, end) != -1
         custom = it.req.attention
         if custom is None and not hidden and (it.n == 1 or (it.start == 0 and logical is None)):
-            return slots, None  # causal: a lone query sees everything before it
+            return slots, None, logical  # causal: a lone query sees everything before it
         if logical is None:
             logical = torch.arange(end)
         q_idx = torch.arange(it.start, end)
@@ -472,7 +479,7 @@ class Scheduler:
         # a token always attends to itself, so no row is empty
         self_col = (logical[None, :] == q_idx[:, None])
         mask |= self_col
-        return slots, mask
+        return slots, mask, logical
 
     def _decode_group(self, decode: list[tuple[int, _Item]]) -> AttentionGroup:
         """One attention group for all single-token requests. The KV lists
@@ -486,24 +493,36 @@ class Scheduler:
             kv, lens = simple
             L = kv.shape[1]
             if min(lens) == L:
-                return AttentionGroup(rows_t, rows[0], 1, kv, None)
-            mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
-            return AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
-        views, masks = [], []
+                g = AttentionGroup(rows_t, rows[0], 1, kv, None)
+            else:
+                mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
+                g = AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
+            if self._indexes:
+                g.q_index = torch.tensor(lens)[:, None] - 1
+                g.kv_index = torch.arange(L).expand(B, L)
+            return g
+        views, masks, idx = [], [], []
         for _, it in decode:
-            slots, mask = self._kv_and_mask(it, it.req.done - 1)
+            slots, mask, logical = self._kv_and_mask(it, it.req.done - 1)
             views.append(slots)
             masks.append(mask)
+            idx.append(torch.arange(slots.shape[0]) if logical is None else logical)
         L = max(v.shape[0] for v in views)
         kv = torch.zeros(B, L, dtype=torch.long)
         mask = torch.zeros(B, 1, L, dtype=torch.bool)
-        for b, (v, m) in enumerate(zip(views, masks)):
+        kv_index = torch.zeros(B, L, dtype=torch.long)
+        for b, (v, m, ix) in enumerate(zip(views, masks, idx)):
             kv[b, : v.shape[0]] = v
+            kv_index[b, : v.shape[0]] = ix
             if m is None:
                 mask[b, 0, : v.shape[0]] = True
             else:
                 mask[b, 0, : v.shape[0]] = m[0]
-        return AttentionGroup(rows_t, rows[0], 1, kv, mask)
+        g = AttentionGroup(rows_t, rows[0], 1, kv, mask)
+        if self._indexes:
+            g.q_index = torch.tensor([it.start for _, it in decode])[:, None]
+            g.kv_index = kv_index
+        return g
 
     def _plain_decode_slots(self, decode: list[tuple[int, _Item]]) -> tuple[torch.Tensor, list[int]] | None:
         """The common case of :meth:`_decode_group` in a few tensor ops for
