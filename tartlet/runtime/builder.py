@@ -8,9 +8,12 @@ it bundles its own CPython 3.14 and stdlib):
   ``_wasm_binding.py`` (the WIT-backed binding);
 - the inferlet's folder (its entry module and sibling modules);
 - its pure-Python dependencies, named in the manifest as
-  ``dependencies = ["module", ...]`` (import names) and copied from the
-  building Python's environment; a dependency with native extensions is
-  refused.
+  ``dependencies = ["module", ...]``: top-level import names (no dots),
+  looked up with :class:`importlib.machinery.PathFinder` in the building
+  Python's installed-package folders (``sys.path`` without the working
+  directory) and copied; nothing is imported in the building process (a
+  server builds untrusted uploads). A dependency with native extensions,
+  a dotted name, or one that is not installed as Python source is refused.
 
 A generated app module imports the entry module and exports the WIT world's
 ``run``. componentize-py pre-initialises the component, so the SDK and the
@@ -24,8 +27,8 @@ componentize-py version) under ``<cache>/builds/<hash>.wasm``; the cache is
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -95,18 +98,48 @@ def _tree_files(root: Path) -> dict[str, bytes]:
     return out
 
 
+#: Most dependencies one manifest may name.
+MAX_DEPENDENCIES = 64
+
+
+def _search_path() -> list[str]:
+    """Where dependencies are looked up: ``sys.path`` without the working
+    directory (``""``, ``"."`` or the cwd itself), so a build never picks up
+    files that merely lie where the server was started."""
+    cwd = os.path.realpath(os.getcwd())
+    out = []
+    for p in sys.path:
+        if not p or p == "." or not os.path.isabs(p) or os.path.realpath(p) == cwd:
+            continue
+        out.append(p)
+    return out
+
+
 def _dependency_dirs(program: Program) -> list[Path]:
     """Source folders (or files) of the manifest's pure-Python dependencies.
 
+    Each is found with ``importlib.machinery.PathFinder.find_spec`` over
+    :func:`_search_path`: no module (and no parent package) is imported.
+
     Raises:
-        ProgramError: a dependency that is not installed or has native code.
+        ProgramError: not a list of at most :data:`MAX_DEPENDENCIES`
+            top-level module names, or a dependency that is not installed
+            as Python source or has native code.
     """
     deps = program.manifest.get("dependencies", [])
-    if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
-        raise ProgramError(f"inferlet {program.name!r}: `dependencies` must be a list of module names")
+    if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps) or len(deps) > MAX_DEPENDENCIES:
+        raise ProgramError(
+            f"inferlet {program.name!r}: `dependencies` must be a list of at most {MAX_DEPENDENCIES} module names"
+        )
+    search = _search_path()
     out = []
     for name in deps:
-        spec = importlib.util.find_spec(name)
+        if not name.isidentifier():
+            raise ProgramError(
+                f"inferlet {program.name!r}: dependency {name[:100]!r} is not a top-level module name "
+                "(name the package, e.g. 'yaml', not 'yaml.loader')"
+            )
+        spec = importlib.machinery.PathFinder.find_spec(name, search)
         if spec is None or spec.origin in (None, "built-in", "frozen"):
             raise ProgramError(f"inferlet {program.name!r}: dependency {name!r} is not installed as Python source here")
         path = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
@@ -115,6 +148,17 @@ def _dependency_dirs(program: Program) -> list[Path]:
             raise ProgramError(f"inferlet {program.name!r}: dependency {name!r} is not pure Python ({(native or [path])[0].name})")
         out.append(path)
     return out
+
+
+def pending_build(program: Program) -> str | None:
+    """The build key of ``program`` when :func:`build` would run
+    componentize-py for it (not cached yet), else None.
+
+    Raises:
+        ProgramError: bad manifest or dependency (as :func:`build`).
+    """
+    key = build_key(program)
+    return None if (cache_dir() / "builds" / f"{key}.wasm").is_file() else key
 
 
 def build_key(program: Program) -> str:
@@ -206,7 +250,10 @@ def _componentize(program: Program, dest: Path) -> None:
         if proc.returncode != 0 or not out.is_file():
             log = (proc.stderr or proc.stdout).strip()
             # componentize-py appends a Rust backtrace; the Python error is above it
-            log = log.split("\nStack backtrace:")[0][-4000:]
+            log = log.split("\nStack backtrace:")[0]
+            for path, label in ((str(stage), "<program>"), (str(deps), "<deps>"), (tmp, "<build>")):
+                log = log.replace(path, label)
+            log = log[-4000:]
             raise BuildError(f"building inferlet {program.name!r} failed:\n{log}")
         tmp_dest = dest.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         shutil.move(str(out), tmp_dest)

@@ -103,10 +103,19 @@ def load_program(path: Path) -> Program:
             manifest = tomllib.loads(mf.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ProgramError(f"{mf}: invalid TOML: {e}") from None
-    entry = path / manifest.get("entry", "main.py")
+    entry_name = manifest.get("entry", "main.py")
+    if (
+        not isinstance(entry_name, str) or not entry_name or "\0" in entry_name or "\\" in entry_name
+        or Path(entry_name).is_absolute() or ".." in Path(entry_name).parts
+    ):  # fmt: skip
+        raise ProgramError(f"{mf}: `entry` must be a relative path inside the inferlet folder, got {entry_name!r:.80}")
+    name = manifest.get("name", path.name)
+    if not isinstance(name, str) or not name:
+        raise ProgramError(f"{mf}: `name` must be a non-empty string, got {name!r:.80}")
+    entry = path / entry_name
     if not entry.is_file():
-        raise ProgramError(f"inferlet folder {path} has no entry file {entry.name}")
-    return Program(manifest.get("name", path.name), path, entry, manifest)
+        raise ProgramError(f"inferlet folder {path} has no entry file {entry_name}")
+    return Program(name, path, entry, manifest)
 
 
 def find_program(name_or_path: str, search: list[Path] | None = None) -> Program:
