@@ -39,7 +39,7 @@ from ..host.grammar import GrammarError, Matcher
 from ..runtime.instance import Status
 from ..runtime.program import load_program
 from .auth import AuthError
-from .protocol import ProtocolError
+from .protocol import ProtocolError, parse_json
 from .service import Service
 from .ws import bearer
 
@@ -267,6 +267,30 @@ def check_response_format(engine: Any, rf: dict[str, Any]) -> None:
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop"}
 
 
+async def read_json_body(request: Request, limits: Any) -> Any:
+    """The request's JSON body, read up to ``limits.max_message_bytes``
+    (checked against ``Content-Length`` first, then while streaming) and
+    nested at most ``limits.max_json_depth`` deep.
+
+    Raises:
+        ApiError: 413 (too large), 400 (not UTF-8 JSON, or nested too deep).
+    """
+    cap = limits.max_message_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > cap):
+        raise ApiError(413, f"the request body is larger than the limit of {cap} bytes ([limits] max_message_bytes)", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ApiError(413, f"the request body is larger than the limit of {cap} bytes ([limits] max_message_bytes)", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return parse_json(b"".join(chunks), limits.max_json_depth)
+    except ProtocolError as e:
+        raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
 class OpenAiRoutes:
     """Route handlers bound to a :class:`Service`."""
 
@@ -298,10 +322,7 @@ class OpenAiRoutes:
     async def _complete(self, request: Request, chat: bool) -> Response:
         try:
             user = self._user(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise _bad("the request body is not valid JSON") from None
+            body = await read_json_body(request, self.service.cfg.limits)
             model = body.get("model") if isinstance(body, dict) else None
             if isinstance(model, str) and model not in self.service.state.models:
                 served = ", ".join(self.service.state.models)

@@ -29,14 +29,23 @@ Server -> client: ``output`` {``instance``, ``data`` | ``data_b64``},
 ``too_large``, ``forbidden``.
 
 Disconnect policy: an instance keeps running when its client disconnects
-(reattach with ``attach``; up to :data:`BACKLOG` output messages are kept
-meanwhile) unless it was launched with ``abort_on_disconnect``. Its wall-time
-limit still applies.
+(reattach with ``attach``; up to :data:`BACKLOG` output messages and
+``[limits] max_backlog_bytes`` per user are kept meanwhile; the ``attached``
+reply's ``dropped`` counts messages lost to those limits) unless it was
+launched with ``abort_on_disconnect``. Its wall-time limit still applies.
+
+Frames are at most ``[limits] max_message_bytes`` (larger: the connection is
+closed with code 1009) and nest arrays and objects at most ``max_json_depth``
+deep (deeper: ``bad_request``). A field of the wrong type is ``bad_request``
+naming the field.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
+from typing import Any
 
 #: Output messages kept for an instance while no client is attached.
 BACKLOG = 1000
@@ -45,11 +54,19 @@ CLOSE_UNAUTHORIZED = 4401
 
 
 class ProtocolError(ValueError):
-    """A request the server refuses; ``code`` is the protocol error code."""
+    """A request the server refuses; ``code`` is the protocol error code,
+    ``request_id`` the request's ``id`` when known before it was refused."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, request_id: Any = None) -> None:
         super().__init__(message)
         self.code = code
+        self.request_id = request_id
+
+
+#: Nesting the stdlib parser handles well below the recursion limit: a frame
+#: nested deeper than ``max_json_depth`` but not deeper than this is still
+#: parsed, only to echo its ``id`` in the error.
+SAFE_PARSE_DEPTH = 200
 
 
 def program_hash(files: dict[str, str]) -> str:
@@ -62,3 +79,61 @@ def program_hash(files: dict[str, str]) -> str:
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
     return "sha256:" + h.hexdigest()
+
+
+#: A JSON string literal (escapes included), matched in linear time.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deeply arrays and objects nest in JSON ``text`` (0 for a scalar),
+    counted on the raw text without parsing it (brackets inside strings are
+    skipped), in time linear in ``len(text)``. On malformed text the count
+    is an upper bound of what a parser would reach."""
+    import numpy as np
+
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int64)
+    return int(max(0, np.cumsum(steps).max()))
+
+
+def parse_json(data: str | bytes, max_depth: int) -> Any:
+    """Parse a client's JSON (a WebSocket frame or an HTTP body).
+
+    Args:
+        data: the text (bytes are decoded as UTF-8).
+        max_depth: deepest nesting of arrays and objects accepted.
+
+    Raises:
+        ProtocolError: ``bad_request``: not UTF-8, malformed JSON, or nested
+            deeper than ``max_depth`` (checked before parsing, so deep input
+            never reaches the recursive parser).
+    """
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("bad_request", "the body is not UTF-8 text") from None
+    if data.count("[") + data.count("{") > max_depth:  # only then can it nest too deep
+        depth = json_depth(data)
+        if depth > max_depth:
+            rid = None
+            if depth <= SAFE_PARSE_DEPTH:
+                try:
+                    obj = json.loads(data)
+                    rid = obj.get("id") if isinstance(obj, dict) else None
+                except (json.JSONDecodeError, RecursionError):
+                    pass
+            raise ProtocolError(
+                "bad_request", f"JSON nested {depth} levels deep; the limit is {max_depth} ([limits] max_json_depth)", rid
+            )
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise ProtocolError("bad_request", f"malformed JSON: {e}") from None
+    except RecursionError:  # only when max_depth is set above the interpreter's recursion limit
+        raise ProtocolError("bad_request", "JSON nested too deeply ([limits] max_json_depth)") from None
