@@ -9,7 +9,12 @@ Queue topics: :func:`push` a message, :func:`pull` takes the oldest one
     messaging.broadcast("news", "hello")
     assert await sub.next() == "hello"
 
-Messages are ``str`` or ``bytes`` of at most 1 MiB.
+Messages are ``str`` or ``bytes`` of at most 1 MiB. What waits is bounded
+per user (server ``[limits]``): ``max_messaging_bytes_per_user`` bytes of
+undelivered messages and ``max_topics_per_user`` topics in use; a call past
+them raises ``LimitError`` naming the limit. Messages pushed on a queue
+topic wait for a puller after their sender ended; a subscription's
+undelivered messages are dropped when it closes.
 """
 
 from __future__ import annotations
@@ -22,17 +27,28 @@ def push(topic: str, msg: str | bytes) -> None:
 
     Raises:
         ValueError: bad topic, non-str/bytes or oversized message, full backlog.
+        LimitError: the user's undelivered messages or topics would pass
+            their limit.
     """
     _binding.host().messaging_push(topic, msg)
 
 
 async def pull(topic: str) -> str | bytes:
-    """The next message pushed on ``topic`` (waits for one)."""
+    """The next message pushed on ``topic`` (waits for one).
+
+    Raises:
+        LimitError: a new topic would pass the user's topic limit.
+    """
     return await _binding.wait(_binding.host().messaging_pull(topic))
 
 
 def broadcast(topic: str, msg: str | bytes) -> int:
-    """Send ``msg`` to every open subscription of ``topic``; returns how many got it."""
+    """Send ``msg`` to every open subscription of ``topic``; returns how many got it.
+
+    Raises:
+        LimitError: the copies waiting in subscriptions would pass the
+            user's byte limit (then none is delivered).
+    """
     return _binding.host().messaging_broadcast(topic, msg)
 
 

@@ -11,14 +11,25 @@ from . import _binding
 
 
 def send(text: str) -> None:
-    """Send text to the client."""
+    """Send text to the client.
+
+    Raises:
+        LimitError: the text is larger than the server's
+            ``max_session_message_bytes`` (4 MiB by default, as UTF-8), or
+            the server already keeps ``max_backlog_bytes`` of this user's
+            output for clients that are not reading (detached or slow).
+    """
     if not isinstance(text, str):
         raise TypeError(f"session.send takes a str, got {type(text).__name__}; use send_bytes for bytes")
     _binding.host().session_send(text)
 
 
 def send_bytes(data: bytes) -> None:
-    """Send bytes to the client."""
+    """Send bytes to the client.
+
+    Raises:
+        LimitError: as :func:`send`.
+    """
     if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"session.send_bytes takes bytes, got {type(data).__name__}")
     _binding.host().session_send(bytes(data))

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -61,9 +62,14 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     from ..host.state import HostState
     from ..host.store import Store
 
+    from ..host.messaging import MessageBus
+
     state = HostState()
     for m in cfg.models:
         state.add_engine(Engine.load(m, progress=progress), name=m.model)
+    lim = cfg.limits
+    state.bus = MessageBus(lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
+    Path(cfg.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a new data dir is the server user's only
     state.store = Store(cfg.store_path)
     h = cfg.http
     state.http = HttpFetcher(HttpPolicy(list(h.allow_hosts), h.max_response_bytes, h.max_request_bytes, h.timeout_s))

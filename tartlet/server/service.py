@@ -5,18 +5,28 @@ abort, and forget finished instances after a while.
 Runs on the server's event loop; session sends may come from any thread
 (a WASM instance's), so output is handed to the loop with
 ``call_soon_threadsafe``.
+
+Memory held for clients is bounded per user (``[limits] max_backlog_bytes``,
+one :class:`~tartlet.host.session.ByteBudget`): an output message is charged
+when the inferlet sends it and released when it is handed to a connection
+(or dropped); client messages are charged while they wait in the inbox.
+Builds of uploaded programs are counted per user (``max_builds_per_user``)
+and as running instances (``max_instances_per_user``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..host.errors import LimitError
-from ..host.session import Session
+from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from ..runtime.config import ServerConfig
 from ..runtime.instance import Instance, Status
@@ -35,16 +45,37 @@ Subscriber = Callable[[Event], None]
 
 class Channel:
     """Output fan-out of one instance: subscribers get events; while none is
-    attached, the last :data:`BACKLOG` events are kept."""
+    attached, the last :data:`BACKLOG` events are kept, their bytes charged
+    to the owner in ``budget``.
 
-    def __init__(self, inst: Instance, loop: asyncio.AbstractEventLoop) -> None:
+    Args:
+        inst: the instance.
+        loop: the server's event loop.
+        budget: the per-user budget of bytes waiting for clients (None:
+            unbounded).
+    """
+
+    def __init__(self, inst: Instance, loop: asyncio.AbstractEventLoop, budget: ByteBudget | None = None) -> None:
         self.inst = inst
         self.loop = loop
+        self.budget = budget
         self.subs: list[Subscriber] = []
-        self.backlog: collections.deque[Event] = collections.deque(maxlen=BACKLOG)
+        self.backlog: collections.deque[tuple[Event, int]] = collections.deque()
         self.abort_on_disconnect = False
+        #: output messages lost to the backlog limits since the last attach
+        self.dropped = 0
+        self._lock = threading.Lock()
 
     def on_send(self, msg: str | bytes) -> None:
+        """Session listener (the sender's thread).
+
+        Raises:
+            LimitError: the owner's bytes waiting for clients would pass
+                ``budget`` (raised into the sending inferlet).
+        """
+        size = message_bytes(msg)
+        if self.budget is not None:
+            self.budget.take(self.inst.owner, size)
         ev: Event = {"type": "output", "instance": self.inst.id}
         if isinstance(msg, bytes):
             import base64
@@ -52,39 +83,70 @@ class Channel:
             ev["data_b64"] = base64.b64encode(msg).decode()
         else:
             ev["data"] = msg
-        self.loop.call_soon_threadsafe(self._emit, ev)
+        self.loop.call_soon_threadsafe(self._emit, ev, size)
 
-    def _emit(self, ev: Event) -> None:
-        if self.subs:
-            for sub in list(self.subs):
-                sub(ev)
-        else:
-            self.backlog.append(ev)
+    def _give(self, size: int) -> None:
+        if size and self.budget is not None:
+            self.budget.give(self.inst.owner, size)
+
+    def _emit(self, ev: Event, size: int = 0) -> None:
+        with self._lock:
+            subs = list(self.subs)
+            if not subs:
+                self.backlog.append((ev, size))
+                if len(self.backlog) > BACKLOG:
+                    _, old = self.backlog.popleft()
+                    self.dropped += 1
+                    self._give(old)
+                return
+        for sub in subs:
+            sub(ev)
+        self._give(size)
+
+    def drop_backlog(self) -> int:
+        """Drop the kept output (counted in :attr:`dropped`); returns the
+        bytes released. Callable from any thread."""
+        with self._lock:
+            freed = sum(size for _, size in self.backlog)
+            self.dropped += sum(1 for ev, _ in self.backlog if ev["type"] == "output")
+            self.backlog.clear()
+        self._give(freed)
+        return freed
 
     def exit_event(self) -> Event:
         i = self.inst
         return {"type": "exit", "instance": i.id, "status": i.status.value, "result": _jsonable(i.result), "error": i.error}
 
-    def attach(self, sub: Subscriber) -> None:
-        while self.backlog:
-            sub(self.backlog.popleft())
-        self.subs.append(sub)
+    def attach(self, sub: Subscriber) -> int:
+        """Replay the kept output to ``sub`` and stream to it from now on;
+        returns how many output messages were dropped meanwhile."""
+        with self._lock:
+            kept, self.backlog = self.backlog, collections.deque()
+            dropped, self.dropped = self.dropped, 0
+            self.subs.append(sub)
+        for ev, size in kept:
+            if ev["type"] != "exit":  # the exit event is sent once, below
+                sub(ev)
+            self._give(size)
         if self.inst.done.is_set():
             sub(self.exit_event())
+        return dropped
 
     def detach(self, sub: Subscriber) -> None:
-        if sub in self.subs:
-            self.subs.remove(sub)
+        with self._lock:
+            if sub in self.subs:
+                self.subs.remove(sub)
 
 
 def _jsonable(v: Any) -> Any:
     import json
+    import reprlib
 
     try:
         json.dumps(v)
         return v
-    except (TypeError, ValueError):
-        return repr(v)
+    except (TypeError, ValueError, RecursionError):
+        return reprlib.repr(v)
 
 
 class Service:
@@ -103,12 +165,18 @@ class Service:
         self.auth = auth and cfg.auth.enabled
         self.keys = KeyStore(cfg.auth.keys_file)
         self.programs = ProgramCache(cfg.upload_dir, lim.max_upload_bytes)
+        #: bytes of session messages waiting, per user (output kept for clients + inboxes)
+        self.session_budget = ByteBudget(lim.max_backlog_bytes, "max_backlog_bytes", "session messages waiting", self._reclaim)
+        self._builds: dict[str, int] = collections.defaultdict(int)  # builds running, per user
+        self._building: dict[str, asyncio.Future] = {}  # build key -> the build (shared by concurrent launches)
         common = dict(
             time_limit_s=lim.max_wall_time_s, max_pages=lim.max_pages_per_instance,
             max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
         )  # fmt: skip
         self.runtime = NativeRuntime(state, **common)
         self._common = common
+        # KV quotas per user and instance; named snapshots persisted in the data dir
+        self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), Path(cfg.data_dir) / "snapshots")
         self._sandbox: Any = None  # the WasmRuntime, created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
@@ -167,23 +235,90 @@ class Service:
             raise ProtocolError("not_found", str(e)) from None
         return found, runtimes.installed_runtime == "wasm"
 
-    async def prepare(self, program: Program, sandboxed: bool) -> None:
+    async def prepare(self, program: Program, sandboxed: bool, user: str = "local") -> None:
         """Build and compile a sandboxed program (cached) on a worker thread,
         so the event loop keeps serving meanwhile; nothing for native ones.
 
+        A build that is not cached yet counts for ``user`` until it ends
+        (even if the client goes away): at most ``[limits]
+        max_builds_per_user`` at once, and each as a running instance
+        against ``max_instances_per_user``. Concurrent launches of the same
+        program share one build, counted once.
+
         Raises:
-            ProtocolError: ``bad_request`` (the build or compile failed: the
-                message has the error).
+            ProtocolError: ``limit`` (too many builds or instances),
+                ``bad_request`` (the build or compile failed: the message has
+                the error, with server paths replaced by placeholders).
         """
         if not sandboxed:
             return
-        from ..runtime.builder import BuildError
+        from ..runtime import builder
         from ..runtime.wasm_engine import WasmLoadError
 
         try:
-            await asyncio.to_thread(self.sandbox.prepare, program)
-        except (ProgramError, BuildError, WasmLoadError) as e:
-            raise ProtocolError("bad_request", str(e)) from None
+            key = None if program.entry.suffix == ".wasm" else await asyncio.to_thread(builder.pending_build, program)
+            if key is None:  # built already (or a component): compiling is cached too, or quick to redo
+                await asyncio.to_thread(self.sandbox.prepare, program)
+                return
+            build = self._building.get(key)
+            if build is None:
+                self._check_build_slot(user)
+                build = asyncio.ensure_future(asyncio.to_thread(self.sandbox.prepare, program))
+                self._building[key] = build
+                self._builds[user] += 1
+
+                def done(_: Any, key: str = key, user: str = user) -> None:
+                    self._building.pop(key, None)
+                    self._builds[user] -= 1
+                    if not self._builds[user]:
+                        del self._builds[user]
+
+                build.add_done_callback(done)
+            await asyncio.shield(build)
+        except (ProgramError, builder.BuildError, WasmLoadError) as e:
+            raise ProtocolError("bad_request", self.scrub(str(e))) from None
+
+    def _check_build_slot(self, user: str) -> None:
+        lim = self.cfg.limits
+        builds = self._builds.get(user, 0)
+        if builds >= lim.max_builds_per_user:
+            self.limit_refusals += 1
+            raise ProtocolError(
+                "limit", f"user {user!r} already runs {builds} program build(s), the limit ([limits] max_builds_per_user); "
+                "launch again when it is done"
+            )  # fmt: skip
+        cap = lim.max_instances_per_user
+        if cap is not None and len(self.runtime.running(user)) + builds >= cap:
+            self.limit_refusals += 1
+            raise ProtocolError(
+                "limit", f"user {user!r} already runs {cap} instances and builds, the limit (max_instances_per_user)"
+            )
+
+    def scrub(self, text: str) -> str:
+        """``text`` with server paths (data dir, caches, temp dir, the Python
+        installation) replaced by placeholders such as ``<data>``, so an
+        error sent to a client names the problem, not the server's layout."""
+        from ..runtime import builder
+
+        places = {
+            str(self.cfg.upload_dir): "<upload>", str(self.cfg.data_dir): "<data>", str(self.cfg.program_dir): "<programs>",
+            str(builder.cache_dir()): "<cache>", tempfile.gettempdir(): "<tmp>", sys.prefix: "<python>",
+            sys.base_prefix: "<python>", str(Path(__file__).resolve().parents[2]): "<tartlet>",
+        }  # fmt: skip
+        for path in sorted(places, key=len, reverse=True):
+            if len(path) > 1:
+                text = text.replace(path, places[path])
+        return text
+
+    def _reclaim(self, user: str, need: int) -> None:
+        """Free ``need`` bytes of ``user``'s budget if possible: drop the kept
+        output of the user's ended instances, oldest first (any thread)."""
+        ended = [ch for ch in list(self.channels.values()) if ch.inst.owner == user and ch.inst.finished_at is not None]
+        freed = 0
+        for ch in sorted(ended, key=lambda c: c.inst.finished_at or 0.0):
+            freed += ch.drop_backlog()
+            if freed >= need:
+                return
 
     # -- instances -----------------------------------------------------------------
     def launch(
@@ -202,6 +337,10 @@ class Service:
         """
         if not isinstance(args, dict):
             raise ProtocolError("bad_request", f"inferlet args must be a JSON object, got {type(args).__name__}")
+        cap_n = self.cfg.limits.max_instances_per_user
+        if cap_n is not None and self._builds.get(user, 0) and len(self.runtime.running(user)) + self._builds[user] >= cap_n:
+            self.limit_refusals += 1
+            raise ProtocolError("limit", f"user {user!r} already runs {cap_n} instances and builds, the limit (max_instances_per_user)")
         cap = self.cfg.limits.max_wall_time_s
         if time_limit_s is not None:
             if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
@@ -209,7 +348,8 @@ class Service:
             cap = min(cap, float(time_limit_s)) if cap else float(time_limit_s)
         self.prune()
         loop = asyncio.get_running_loop()
-        session = Session()
+        lim = self.cfg.limits
+        session = Session(lim.max_session_message_bytes, self.session_budget, user)
         try:
             runtime = self.sandbox if sandboxed else self.runtime
             inst = runtime.launch(program, args, session, owner=user, time_limit_s=cap)
@@ -217,18 +357,24 @@ class Service:
             self.limit_refusals += 1
             raise ProtocolError("limit", str(e)) from None
         except (ProgramError, TypeError) as e:
-            raise ProtocolError("bad_request", str(e)) from None
+            raise ProtocolError("bad_request", self.scrub(str(e))) from None
         except RuntimeError as e:  # WasmInstanceError, WasmLoadError, BuildError
-            raise ProtocolError("bad_request", str(e)) from None
+            raise ProtocolError("bad_request", self.scrub(str(e))) from None
         self.launched += 1
+        assert inst.task is not None
         if listener is not None:
             session.listen(listener)
+            inst.task.add_done_callback(lambda _t: session.end())
         else:
-            ch = Channel(inst, loop)
+            ch = Channel(inst, loop, self.session_budget)
             session.listen(ch.on_send)
             self.channels[inst.id] = ch
-            assert inst.task is not None
-            inst.task.add_done_callback(lambda _t, ch=ch: ch._emit(ch.exit_event()))
+
+            def ended(_t: Any, ch: Channel = ch) -> None:
+                session.end()  # client messages it never received are dropped
+                ch._emit(ch.exit_event())
+
+            inst.task.add_done_callback(ended)
         return inst
 
     def get(self, user: str, iid: Any) -> Instance:
@@ -270,7 +416,9 @@ class Service:
         for iid, i in list(self.runtime.instances.items()):
             if i.finished_at is not None and now - i.finished_at > RETAIN_FINISHED_S:
                 del self.runtime.instances[iid]
-                self.channels.pop(iid, None)
+                ch = self.channels.pop(iid, None)
+                if ch is not None:
+                    ch.drop_backlog()
 
     def running(self) -> int:
         return len(self.runtime.running())

@@ -12,8 +12,10 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ..host.errors import LimitError
+from ..host.session import message_bytes
 from .auth import AuthError
-from .protocol import CLOSE_UNAUTHORIZED, ProtocolError
+from .protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
 from .service import Event, Service
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,42 @@ def bearer(headers: Any, query: Any) -> str | None:
     return query.get("key")
 
 
+def _event_bytes(ev: Event) -> int:
+    """Bytes an event's payload holds (its output data; other events are small)."""
+    data = ev.get("data") if "data" in ev else ev.get("data_b64")
+    return message_bytes(data) if isinstance(data, str) else 0
+
+
+def _field(req: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str, default: Any = None) -> Any:
+    """``req[name]`` checked against ``kind`` (bools are not numbers);
+    ``default`` when absent or null.
+
+    Raises:
+        ProtocolError: ``bad_request`` naming the field and the type it needs.
+    """
+    v = req.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, kind) or (isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise ProtocolError("bad_request", f"`{name}` must be {what}, got {type(v).__name__}")
+    return v
+
+
+def _instance_id(req: dict[str, Any]) -> str:
+    iid = _field(req, "instance", str, "a string (an instance id)")
+    if iid is None:
+        raise ProtocolError("bad_request", "this request needs `instance` (an instance id)")
+    return iid
+
+
 class Connection:
-    """One client: reads requests, writes replies and instance events."""
+    """One client: reads requests, writes replies and instance events.
+
+    Events waiting to be written are bounded: more than
+    :data:`MAX_PENDING_EVENTS` or ``[limits] max_backlog_bytes`` of output
+    data and the client is disconnected as too slow (close code 1008); its
+    instances keep running and keep their output for a later ``attach``.
+    """
 
     def __init__(self, service: Service, ws: WebSocket, user: str) -> None:
         self.service = service
@@ -40,12 +76,21 @@ class Connection:
         self.out: asyncio.Queue[Event | None] = asyncio.Queue()
         self.attached: dict[str, Any] = {}  # instance id -> subscriber
         self.launched: list[str] = []
+        self.pending_bytes = 0
+        self.max_pending_bytes = service.cfg.limits.max_backlog_bytes
+        self.too_slow = False
 
     def emit(self, ev: Event) -> None:
-        if self.out.qsize() >= MAX_PENDING_EVENTS:
+        if self.too_slow:
+            return
+        size = _event_bytes(ev)
+        if self.out.qsize() >= MAX_PENDING_EVENTS or self.pending_bytes + size > self.max_pending_bytes:
             log.warning("client of user %s is too slow; disconnecting", self.user)
+            self.too_slow = True
+            self.close()  # detach now: later output is kept for a reattach, within the user's budget
             self.out.put_nowait(None)
             return
+        self.pending_bytes += size
         self.out.put_nowait(ev)
 
     async def _writer(self) -> None:
@@ -54,11 +99,16 @@ class Connection:
             if ev is None:
                 await self.ws.close(code=1008, reason="client too slow")
                 return
-            await self.ws.send_text(json.dumps(ev))
+            try:
+                text = json.dumps(ev)
+            except (TypeError, ValueError, RecursionError):
+                text = json.dumps(_error(ev.get("id"), "internal", "the server could not encode a reply"))
+            self.pending_bytes -= _event_bytes(ev)
+            await self.ws.send_text(text)
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._writer())
-        limit = self.service.cfg.limits.max_message_bytes
+        lim = self.service.cfg.limits
         try:
             while True:
                 msg = await self.ws.receive()
@@ -68,13 +118,13 @@ class Connection:
                 if text is None:
                     self.emit(_error(None, "bad_request", "frames must be JSON text"))
                     continue
-                if len(text) > limit:
-                    self.emit(_error(None, "too_large", f"message of {len(text)} bytes is larger than {limit}"))
+                if len(text) > lim.max_message_bytes:  # uvicorn's ws_max_size closes on larger frames first
+                    self.emit(_error(None, "too_large", f"message of {len(text)} characters is larger than {lim.max_message_bytes} bytes"))
                     continue
                 try:
-                    req = json.loads(text)
-                except json.JSONDecodeError as e:
-                    self.emit(_error(None, "bad_request", f"malformed JSON: {e}"))
+                    req = parse_json(text, lim.max_json_depth)
+                except ProtocolError as e:
+                    self.emit(_error(e.request_id, e.code, str(e)))
                     continue
                 rid = req.get("id") if isinstance(req, dict) else None
                 try:
@@ -85,9 +135,11 @@ class Connection:
                         self.emit({**reply, "id": rid})
                 except ProtocolError as e:
                     self.emit(_error(rid, e.code, str(e)))
+                except LimitError as e:
+                    self.emit(_error(rid, "limit", str(e)))
                 except Exception as e:  # never let one request kill the connection
                     log.exception("request failed")
-                    self.emit(_error(rid, "internal", f"{type(e).__name__}: {e}"))
+                    self.emit(_error(rid, "internal", f"internal error ({type(e).__name__}); the server log has details"))
         except WebSocketDisconnect:
             pass
         finally:
@@ -106,62 +158,82 @@ class Connection:
 
     # -- requests ------------------------------------------------------------------
     async def handle(self, req: dict[str, Any]) -> Event | None:
-        t = req.get("type")
+        """Answer one request (a dict). Every field is type-checked here or
+        in the service; a wrong one is ``bad_request`` naming it.
+
+        Raises:
+            ProtocolError: the error to send back.
+            LimitError: a session limit (sent back as ``limit``).
+        """
+        t = _field(req, "type", str, "a string such as 'launch'")
         svc, user = self.service, self.user
         if t == "ping":
             return {"type": "pong", "user": user}
         if t == "launch":
-            program, sandboxed = svc.resolve(req.get("inferlet"), req.get("program"))
-            await svc.prepare(program, sandboxed)  # a first sandboxed launch builds: seconds, off the loop
-            inst = svc.launch(user, program, req.get("args", {}), time_limit_s=req.get("time_limit_s"), sandboxed=sandboxed)
+            inferlet = _field(req, "inferlet", str, "a string (an inferlet name)")
+            program_hash = _field(req, "program", str, "a string (an upload hash 'sha256:...')")
+            args = _field(req, "args", dict, "a JSON object", {})
+            time_limit = _field(req, "time_limit_s", (int, float), "a number of seconds")
+            attach = _field(req, "attach", bool, "true or false", True)
+            abort_on_disconnect = _field(req, "abort_on_disconnect", bool, "true or false", False)
+            program, sandboxed = svc.resolve(inferlet, program_hash)
+            await svc.prepare(program, sandboxed, user)  # a first sandboxed launch builds: seconds, off the loop
+            inst = svc.launch(user, program, args, time_limit_s=time_limit, sandboxed=sandboxed)
             ch = svc.channels[inst.id]
-            ch.abort_on_disconnect = bool(req.get("abort_on_disconnect", False))
-            if req.get("attach", True):
+            ch.abort_on_disconnect = abort_on_disconnect
+            if attach:
                 self._attach(inst.id)
             return {"type": "launched", "instance": inst.id, "program": program.name}
         if t == "upload":
             return {"type": "uploaded", "program": svc.programs.add(req.get("files"))}
         if t == "send":
-            inst = svc.get(user, req.get("instance"))
-            if "data_b64" in req:
+            inst = svc.get(user, _instance_id(req))
+            if req.get("data_b64") is not None:
+                b64 = _field(req, "data_b64", str, "a base64 string")
                 try:
-                    data: str | bytes = base64.b64decode(req["data_b64"], validate=True)
-                except (binascii.Error, TypeError):
-                    raise ProtocolError("bad_request", "data_b64 is not valid base64") from None
-            elif isinstance(req.get("data"), str):
-                data = req["data"]
+                    data: str | bytes = base64.b64decode(b64, validate=True)
+                except binascii.Error:
+                    raise ProtocolError("bad_request", "`data_b64` is not valid base64") from None
             else:
-                raise ProtocolError("bad_request", "send needs `data` (text) or `data_b64` (bytes)")
+                data = _field(req, "data", str, "a string")
+                if data is None:
+                    raise ProtocolError("bad_request", "send needs `data` (text) or `data_b64` (bytes)")
+            limit = svc.cfg.limits.max_session_message_bytes
+            if message_bytes(data) > limit:
+                raise ProtocolError(
+                    "too_large", f"session message of {message_bytes(data)} bytes is larger than the limit of {limit} "
+                    "([limits] max_session_message_bytes)"
+                )  # fmt: skip
             inst.session.push(data)
             return None
         if t == "close_input":
-            svc.get(user, req.get("instance")).session.close()
+            svc.get(user, _instance_id(req)).session.close()
             return None
         if t == "attach":
-            iid = req.get("instance")
+            iid = _instance_id(req)
             ch = svc.channel(user, iid)
-            if iid not in self.attached:
-                self._attach(iid)
-            return {"type": "attached", "instance": iid, "status": ch.inst.status.value}
+            dropped = 0 if iid in self.attached else self._attach(iid)
+            return {"type": "attached", "instance": iid, "status": ch.inst.status.value, "dropped": dropped}
         if t == "detach":
-            iid = req.get("instance")
+            iid = _instance_id(req)
             sub = self.attached.pop(iid, None)
             ch = svc.channels.get(iid)
             if sub is not None and ch is not None:
                 ch.detach(sub)
             return {"type": "ok"}
         if t == "abort":
-            svc.get(user, req.get("instance")).abort(f"aborted by {user}")
+            svc.get(user, _instance_id(req)).abort(f"aborted by {user}")
             return {"type": "ok"}
         if t == "list":
             return {"type": "instances", "instances": svc.list(user)}
-        raise ProtocolError("bad_request", f"unknown request type {t!r}")
+        raise ProtocolError("bad_request", f"unknown request type {t!r:.80}")
 
-    def _attach(self, iid: str) -> None:
+    def _attach(self, iid: str) -> int:
+        """Stream ``iid``'s output to this client; returns the messages dropped meanwhile."""
         ch = self.service.channels[iid]
         sub = self.emit
         self.attached[iid] = sub
-        ch.attach(sub)
+        return ch.attach(sub)
 
 
 def _error(rid: Any, code: str, message: str) -> Event:
