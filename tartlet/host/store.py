@@ -8,6 +8,7 @@ store that lives as long as the process (``tartlet run``, tests).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -30,13 +31,19 @@ def _check_key(key: str) -> None:
 class Store:
     """SQLite-backed key-value store.
 
+    A new database file is created 0600 (a new folder 0700); SQLite gives
+    its ``-wal`` and ``-shm`` files the database file's permissions.
+
     Args:
         path: database file (created with its folder), or ``":memory:"``.
     """
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         if str(path) != ":memory:":
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            p = Path(path).expanduser()
+            p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.close(os.open(p, os.O_RDWR | os.O_CREAT, 0o600))  # before SQLite creates it with the umask's mode
+            path = p
         self.path = str(path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)

@@ -57,10 +57,13 @@ class KeyStore:
         return keys
 
     def _save(self, keys: list[dict[str, Any]]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the file atomically, created 0600 (its folder 0700 when new)."""
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"keys": keys}, indent=2))
-        os.chmod(tmp, 0o600)
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"keys": keys}, indent=2))
         tmp.replace(self.path)
         self._cache = None
 
