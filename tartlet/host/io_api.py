@@ -40,7 +40,13 @@ class IoHostMixin:
 
     # -- messaging -------------------------------------------------------------------
     def messaging_push(self, topic: str, msg: str | bytes) -> None:
-        """Queue ``msg`` on ``topic`` for exactly one puller."""
+        """Queue ``msg`` on ``topic`` for exactly one puller.
+
+        Raises:
+            MessagingError: bad topic or message, full topic backlog.
+            LimitError: the owner's waiting bytes or topics would pass
+                ``[limits] max_messaging_bytes_per_user`` / ``max_topics_per_user``.
+        """
         self.state.bus.push(self.owner, topic, msg)  # type: ignore[attr-defined]
 
     def messaging_pull(self, topic: str) -> Future:
@@ -53,7 +59,13 @@ class IoHostMixin:
         return fut
 
     def messaging_broadcast(self, topic: str, msg: str | bytes) -> int:
-        """Send ``msg`` to every subscriber of ``topic``; returns how many."""
+        """Send ``msg`` to every subscriber of ``topic``; returns how many.
+
+        Raises:
+            MessagingError: bad topic or message.
+            LimitError: the copies waiting in subscriptions would pass the
+                owner's ``max_messaging_bytes_per_user`` (none is delivered).
+        """
         return self.state.bus.broadcast(self.owner, topic, msg)  # type: ignore[attr-defined]
 
     def messaging_subscribe(self, topic: str) -> int:

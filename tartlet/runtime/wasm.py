@@ -267,7 +267,7 @@ class WasmRuntime(BaseRuntime):
                 inst.result = json.loads(value.payload)
                 inst.status = Status.FINISHED
                 return
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, RecursionError) as e:  # RecursionError: a result nested too deeply
                 kind, value = "error", e
         inst.status = Status.FAILED
         if host.stop_reason is not None:
