@@ -5,6 +5,11 @@ row dimension ``T``. Attention is computed per :class:`AttentionGroup`: a set
 of requests whose queries and KV are gathered into one padded
 ``scaled_dot_product_attention`` call (all single-token decode requests form
 one group; each multi-token request is a group of its own).
+
+:func:`build_batch` turns the scheduler's chosen chunks (:class:`BatchItem`)
+into these tensors: KV slots from each sequence's page table, masks for
+custom attention, hidden tokens and padding, and the sliding-window indexes.
+The scheduler decides *what* runs; this module decides how it is laid out.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .sequence import Sequence
 
 
 @dataclass
@@ -48,6 +55,33 @@ class AttentionGroup:
 
 
 @dataclass
+class BatchItem:
+    """One request's chunk in a batch, as :func:`build_batch` reads it.
+
+    Attributes:
+        seq: its sequence, already extended by the chunk (``reserve`` ran).
+        token_ids: the chunk's ``n`` input token ids.
+        start: logical index in ``seq`` of the chunk's first token.
+        slot_mapping: pool row each token's K and V are written to (vLLM's
+            ``slot_mapping``), ``n`` ints.
+        output_index: chunk-relative indexes of the tokens whose logits are wanted.
+        attention: per chunk token, a bool ``[start + j + 1]``-or-longer mask
+            over logical positions (True = may attend), or None: causal.
+    """
+
+    seq: Sequence
+    token_ids: list[int]
+    start: int
+    slot_mapping: list[int]
+    output_index: list[int]
+    attention: list[torch.Tensor] | None
+
+    @property
+    def n(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
 class BatchInputs:
     """Everything the model needs for one forward pass.
 
@@ -76,3 +110,157 @@ class BatchInputs:
         groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index))
                   for g in self.groups]
         return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows))
+
+
+def build_batch(items: list[BatchItem], indexes: bool = False) -> BatchInputs:
+    """The tensors of one model call over ``items`` (in order): flat rows,
+    one attention group per multi-token item and one for all single-token
+    (decode) items. ``indexes``: fill ``q_index``/``kv_index`` (models with
+    sliding-window layers)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    write: list[int] = []
+    out_rows: list[int] = []
+    groups: list[AttentionGroup] = []
+    decode: list[tuple[int, BatchItem]] = []
+    for it in items:
+        row0 = len(ids)
+        ids.extend(it.token_ids)
+        pos.extend(it.seq.positions[it.start : it.start + it.n])
+        write.extend(it.slot_mapping)
+        out_rows.extend(row0 + i for i in it.output_index)
+        if it.n == 1:
+            decode.append((row0, it))
+        else:
+            kv, mask, logical = _kv_and_mask(it)
+            g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
+            if indexes:
+                g.q_index = torch.arange(it.start, it.start + it.n)[None]
+                g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
+            groups.append(g)
+    if decode:
+        groups.append(_decode_group(decode, indexes))
+    return BatchInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(pos, dtype=torch.long),
+        write_slots=torch.tensor(write, dtype=torch.long),
+        groups=groups,
+        output_rows=torch.tensor(out_rows, dtype=torch.long),
+    )
+
+
+def _kv_and_mask(it: BatchItem) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """KV slots ``[L]`` of the item's sequence up to the end of its chunk,
+    its bool mask ``[n, L]`` (None when plain causal suffices) and the
+    token index of each slot (None when it is the slot's number)."""
+    seq = it.seq
+    end = it.start + it.n
+    slots, logical = kv_view(seq, end)
+    hidden = seq.masked.find(1, 0, end) != -1
+    custom = it.attention
+    if custom is None and not hidden and (it.n == 1 or (it.start == 0 and logical is None)):
+        return slots, None, logical  # causal: a lone query sees everything before it
+    if logical is None:
+        logical = torch.arange(end)
+    q_idx = torch.arange(it.start, end)
+    if custom is None:
+        mask = logical[None, :] <= q_idx[:, None]
+    else:
+        full = torch.zeros(it.n, end, dtype=torch.bool)
+        for j in range(it.n):
+            m = custom[j]
+            full[j, : m.shape[0]] = m[:end]
+        mask = full[:, logical]
+    if hidden:
+        vis = ~torch.frombuffer(bytearray(seq.masked[:end]), dtype=torch.bool)
+        mask &= vis[logical][None, :]
+    # a token always attends to itself, so no row is empty
+    self_col = (logical[None, :] == q_idx[:, None])
+    mask |= self_col
+    return slots, mask, logical
+
+
+def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> AttentionGroup:
+    """One attention group for all single-token requests. The KV lists
+    are padded to the longest; the mask is left out when no request
+    needs one (no padding, nothing hidden), e.g. at batch size 1."""
+    B = len(decode)
+    rows = [r for r, _ in decode]
+    rows_t = None if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, dtype=torch.long)
+    simple = _plain_decode_slots(decode)
+    if simple is not None:
+        kv, lens = simple
+        L = kv.shape[1]
+        if min(lens) == L:
+            g = AttentionGroup(rows_t, rows[0], 1, kv, None)
+        else:
+            mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
+            g = AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
+        if indexes:
+            g.q_index = torch.tensor(lens)[:, None] - 1
+            g.kv_index = torch.arange(L).expand(B, L)
+        return g
+    views, masks, idx = [], [], []
+    for _, it in decode:
+        slots, mask, logical = _kv_and_mask(it)
+        views.append(slots)
+        masks.append(mask)
+        idx.append(torch.arange(slots.shape[0]) if logical is None else logical)
+    L = max(v.shape[0] for v in views)
+    kv = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, 1, L, dtype=torch.bool)
+    kv_index = torch.zeros(B, L, dtype=torch.long)
+    for b, (v, m, ix) in enumerate(zip(views, masks, idx)):
+        kv[b, : v.shape[0]] = v
+        kv_index[b, : v.shape[0]] = ix
+        if m is None:
+            mask[b, 0, : v.shape[0]] = True
+        else:
+            mask[b, 0, : v.shape[0]] = m[0]
+    g = AttentionGroup(rows_t, rows[0], 1, kv, mask)
+    if indexes:
+        g.q_index = torch.tensor([it.start for _, it in decode])[:, None]
+        g.kv_index = kv_index
+    return g
+
+
+def _plain_decode_slots(decode: list[tuple[int, BatchItem]]) -> tuple[torch.Tensor, list[int]] | None:
+    """The common case of :meth:`_decode_group` in a few tensor ops for
+    the whole batch: when every request attends causally to all its
+    tokens (no custom mask, nothing hidden, no dropped page), the KV
+    slots ``[B, L]`` (rows padded with slots of page 0) and each
+    request's length; else ``None``."""
+    tables, lens = [], []
+    for _, it in decode:
+        seq, end = it.seq, it.start + 1
+        ps = seq.page_size
+        table = seq.pages[: -(-end // ps)]
+        if it.attention is not None or None in table or seq.masked.find(1, 0, end) != -1:
+            return None
+        tables.append(table)
+        lens.append(end)
+    P = max(len(t) for t in tables)
+    pages = torch.tensor([t + [0] * (P - len(t)) for t in tables], dtype=torch.long)
+    slots = (pages[:, :, None] * ps + torch.arange(ps)).view(len(decode), P * ps)
+    return slots[:, : max(lens)].contiguous(), lens
+
+
+def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pool rows ``[L]`` holding the KV of logical tokens ``[0, end)`` of
+    ``seq`` that are still live, and their logical indexes (``None`` when no
+    page was dropped, i.e. ``L == end`` and the index is the row number)."""
+    ps = seq.page_size
+    npages = -(-end // ps)
+    table = seq.pages[:npages]
+    if all(p is not None for p in table):
+        base = torch.tensor(table, dtype=torch.long)
+        slots = (base[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
+        return slots, None
+    live = [(j, p) for j, p in enumerate(table) if p is not None]
+    js = torch.tensor([j for j, _ in live], dtype=torch.long)
+    base = torch.tensor([p for _, p in live], dtype=torch.long)
+    off = torch.arange(ps)[None, :]
+    slots = (base[:, None] * ps + off).reshape(-1)
+    logical = (js[:, None] * ps + off).reshape(-1)
+    keep = logical < end
+    return slots[keep], logical[keep]

@@ -47,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from .batch import AttentionGroup, BatchInputs
+from .batch import BatchItem, build_batch
 from .kv_accounting import KvQuotaError
 from .kv_cache import KvCacheFullError, PagePool
 from .llama import LlamaModel
@@ -121,12 +121,11 @@ class SchedulerStats:
 
 
 @dataclass
-class _Item:
-    req: ForwardRequest
-    start: int  # logical index of the first token of this chunk
-    n: int
-    slots: list[int]
-    out_slots: list[tuple[int, OutputSlot]]  # (slot position in req.outputs, slot)
+class _Item(BatchItem):
+    """One chunk of a request in the batch being built."""
+
+    req: ForwardRequest = None  # type: ignore[assignment]
+    out_slots: list[tuple[int, OutputSlot]] = field(default_factory=list)  # (position in req.outputs, slot)
 
 
 class Scheduler:
@@ -341,7 +340,8 @@ class Scheduler:
                 continue
             outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
             req.waiting_since = 0.0
-            items.append(_Item(req, start, n, slots, outs))
+            chunk_mask = None if req.attention is None else req.attention[lo:hi]
+            items.append(_Item(seq, req.tokens[lo:hi], start, slots, [s.index - lo for _, s in outs], chunk_mask, req, outs))
             busy.add(id(seq))
             budget -= n
             used[req.user] = used.get(req.user, 0) + n
@@ -374,7 +374,7 @@ class Scheduler:
     def _run(self, items: list[_Item]) -> None:
         t0 = time.perf_counter()
         try:
-            batch = self._tensors(items).to(self.model.device)
+            batch = build_batch(items, self._indexes).to(self.model.device)
             logits = self.model.forward(batch, self.pool.k, self.pool.v)
             slots = [s for it in items for _, s in it.out_slots]
             results = self.sampler.run(logits, slots) if slots else []
@@ -417,150 +417,3 @@ class Scheduler:
                 req.future.set_exception(err)
             else:
                 req.future.set_result(req.results)
-
-    def _tensors(self, items: list[_Item]) -> BatchInputs:
-        ids: list[int] = []
-        pos: list[int] = []
-        write: list[int] = []
-        out_rows: list[int] = []
-        groups: list[AttentionGroup] = []
-        decode: list[tuple[int, _Item]] = []
-        for it in items:
-            row0 = len(ids)
-            req, lo = it.req, it.req.done - it.n
-            ids.extend(req.tokens[lo : lo + it.n])
-            pos.extend(it.req.seq.positions[it.start : it.start + it.n])
-            write.extend(it.slots)
-            out_rows.extend(row0 + s.index - lo for _, s in it.out_slots)
-            if it.n == 1:
-                decode.append((row0, it))
-            else:
-                kv, mask, logical = self._kv_and_mask(it, lo)
-                g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
-                if self._indexes:
-                    g.q_index = torch.arange(it.start, it.start + it.n)[None]
-                    g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
-                groups.append(g)
-        if decode:
-            groups.append(self._decode_group(decode))
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
-            write_slots=torch.tensor(write, dtype=torch.long),
-            groups=groups,
-            output_rows=torch.tensor(out_rows, dtype=torch.long),
-        )
-
-    def _kv_and_mask(self, it: _Item, lo: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """KV slots ``[L]`` of the item's sequence up to the end of its chunk,
-        its bool mask ``[n, L]`` (None when plain causal suffices) and the
-        token index of each slot (None when it is the slot's number)."""
-        seq = it.req.seq
-        end = it.start + it.n
-        slots, logical = kv_view(seq, end)
-        hidden = seq.masked.find(1, 0, end) != -1
-        custom = it.req.attention
-        if custom is None and not hidden and (it.n == 1 or (it.start == 0 and logical is None)):
-            return slots, None, logical  # causal: a lone query sees everything before it
-        if logical is None:
-            logical = torch.arange(end)
-        q_idx = torch.arange(it.start, end)
-        if custom is None:
-            mask = logical[None, :] <= q_idx[:, None]
-        else:
-            full = torch.zeros(it.n, end, dtype=torch.bool)
-            for j in range(it.n):
-                m = custom[lo + j]
-                full[j, : m.shape[0]] = m[:end]
-            mask = full[:, logical]
-        if hidden:
-            vis = ~torch.frombuffer(bytearray(seq.masked[:end]), dtype=torch.bool)
-            mask &= vis[logical][None, :]
-        # a token always attends to itself, so no row is empty
-        self_col = (logical[None, :] == q_idx[:, None])
-        mask |= self_col
-        return slots, mask, logical
-
-    def _decode_group(self, decode: list[tuple[int, _Item]]) -> AttentionGroup:
-        """One attention group for all single-token requests. The KV lists
-        are padded to the longest; the mask is left out when no request
-        needs one (no padding, nothing hidden), e.g. at batch size 1."""
-        B = len(decode)
-        rows = [r for r, _ in decode]
-        rows_t = None if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, dtype=torch.long)
-        simple = self._plain_decode_slots(decode)
-        if simple is not None:
-            kv, lens = simple
-            L = kv.shape[1]
-            if min(lens) == L:
-                g = AttentionGroup(rows_t, rows[0], 1, kv, None)
-            else:
-                mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
-                g = AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
-            if self._indexes:
-                g.q_index = torch.tensor(lens)[:, None] - 1
-                g.kv_index = torch.arange(L).expand(B, L)
-            return g
-        views, masks, idx = [], [], []
-        for _, it in decode:
-            slots, mask, logical = self._kv_and_mask(it, it.req.done - 1)
-            views.append(slots)
-            masks.append(mask)
-            idx.append(torch.arange(slots.shape[0]) if logical is None else logical)
-        L = max(v.shape[0] for v in views)
-        kv = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, 1, L, dtype=torch.bool)
-        kv_index = torch.zeros(B, L, dtype=torch.long)
-        for b, (v, m, ix) in enumerate(zip(views, masks, idx)):
-            kv[b, : v.shape[0]] = v
-            kv_index[b, : v.shape[0]] = ix
-            if m is None:
-                mask[b, 0, : v.shape[0]] = True
-            else:
-                mask[b, 0, : v.shape[0]] = m[0]
-        g = AttentionGroup(rows_t, rows[0], 1, kv, mask)
-        if self._indexes:
-            g.q_index = torch.tensor([it.start for _, it in decode])[:, None]
-            g.kv_index = kv_index
-        return g
-
-    def _plain_decode_slots(self, decode: list[tuple[int, _Item]]) -> tuple[torch.Tensor, list[int]] | None:
-        """The common case of :meth:`_decode_group` in a few tensor ops for
-        the whole batch: when every request attends causally to all its
-        tokens (no custom mask, nothing hidden, no dropped page), the KV
-        slots ``[B, L]`` (rows padded with slots of page 0) and each
-        request's length; else ``None``."""
-        ps = self.pool.page_size
-        tables, lens = [], []
-        for _, it in decode:
-            seq, end = it.req.seq, it.start + 1
-            table = seq.pages[: -(-end // ps)]
-            if it.req.attention is not None or None in table or seq.masked.find(1, 0, end) != -1:
-                return None
-            tables.append(table)
-            lens.append(end)
-        P = max(len(t) for t in tables)
-        pages = torch.tensor([t + [0] * (P - len(t)) for t in tables], dtype=torch.long)
-        slots = (pages[:, :, None] * ps + torch.arange(ps)).view(len(decode), P * ps)
-        return slots[:, : max(lens)].contiguous(), lens
-
-
-def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pool rows ``[L]`` holding the KV of logical tokens ``[0, end)`` of
-    ``seq`` that are still live, and their logical indexes (``None`` when no
-    page was dropped, i.e. ``L == end`` and the index is the row number)."""
-    ps = seq.page_size
-    npages = -(-end // ps)
-    table = seq.pages[:npages]
-    if all(p is not None for p in table):
-        base = torch.tensor(table, dtype=torch.long)
-        slots = (base[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
-        return slots, None
-    live = [(j, p) for j, p in enumerate(table) if p is not None]
-    js = torch.tensor([j for j, _ in live], dtype=torch.long)
-    base = torch.tensor([p for _, p in live], dtype=torch.long)
-    off = torch.arange(ps)[None, :]
-    slots = (base[:, None] * ps + off).reshape(-1)
-    logical = (js[:, None] * ps + off).reshape(-1)
-    keep = logical < end
-    return slots[keep], logical[keep]
