@@ -312,7 +312,7 @@ class WasmHost:
         return {
             "name": m.name, "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids),
             "bos_token_id": m.bos_token_id, "page_size": m.page_size, "max_seq_len": m.max_seq_len,
-            "has_chat_template": m.has_chat_template,
+            "has_chat_template": m.has_chat_template, "add_bos_token": m.add_bos_token,
         }  # fmt: skip
 
     def tokenize(self, model: str | None, text: str) -> list[int]:

@@ -84,8 +84,18 @@ class Context:
 
     # -- filling -------------------------------------------------------------------
     def fill(self, text: str) -> None:
-        """Append the tokens of ``text`` (pending until the next pass)."""
-        self._pending += self.model.tokenize(text)
+        """Append the tokens of ``text`` (pending until the next pass).
+
+        The first fill of an empty context starts with the model's BOS token
+        when the model asks for one (``Model.add_bos_token``, e.g. Gemma) and
+        ``text`` does not already begin with it (chat templates write it).
+        """
+        ids = self.model.tokenize(text)
+        bos = self.model.bos_token_id
+        if self.model.add_bos_token and bos is not None and not self._pending and not self.tokens \
+                and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        self._pending += ids
 
     def fill_tokens(self, ids: list[int]) -> None:
         """Append token ids (pending until the next pass).

@@ -19,6 +19,11 @@ class Model:
         eos_token_ids: ids that end a generation by default.
         page_size: tokens per KV page.
         max_seq_len: longest context, in tokens.
+        bos_token_id: the beginning-of-sequence token, or None.
+        has_chat_template: the model ships a chat template.
+        add_bos_token: the model expects ``bos_token_id`` first in every
+            sequence (SentencePiece models such as Gemma and Llama 2);
+            :meth:`Context.fill` on an empty context puts it there.
     """
 
     def __init__(self, info: dict[str, Any]) -> None:
@@ -29,6 +34,7 @@ class Model:
         self.page_size: int = info["page_size"]
         self.max_seq_len: int = info["max_seq_len"]
         self.has_chat_template: bool = info.get("has_chat_template", False)
+        self.add_bos_token: bool = info.get("add_bos_token", False)
 
     @classmethod
     def load(cls, name: str | None = None) -> "Model":

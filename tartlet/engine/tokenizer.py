@@ -4,9 +4,13 @@ Two sources are supported:
 
 * a GGUF file's ``tokenizer.ggml.*`` metadata (GGUF spec,
   https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, "Tokenizer"), for
-  byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``). The
-  construction follows ``transformers.integrations.gguf.gguf_tokenizer_mapping``
-  so ids match ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``;
+  byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) and
+  SentencePiece BPE vocabularies (``"llama"``: Llama 2, Mistral v0.1, Gemma,
+  Phi-3; ``"▁"`` for spaces, ``<0xNN>`` byte-fallback tokens, merges rebuilt
+  from the scores or, for Gemma, the token order). The construction follows
+  ``transformers.integrations.gguf.gguf_tokenizer_mapping`` (5.x) and the
+  ``LlamaTokenizer``/``GemmaTokenizer`` backends so ids match
+  ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``;
 * a Hugging Face folder with ``tokenizer.json`` and ``tokenizer_config.json``.
 
 Special-token strings that appear in text (``<|im_start|>``) are always parsed
@@ -101,6 +105,89 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+#: GGUF architectures whose ``"llama"`` vocabulary is built like ``GemmaTokenizer``.
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary, best first.
+
+    Every split of every token into two vocabulary entries is a merge ranked
+    by the token's ``ranks`` value (higher merges first; ties: longer left,
+    then longer right piece, then the order found). Same result as
+    ``transformers.tokenization_utils_base.generate_merges(vocab, ranks)``.
+
+    Args:
+        vocab: token -> id.
+        ranks: token -> score, iterated in its own order (a token missing
+            from ``vocab`` contributes nothing).
+    """
+    found: list[tuple[str, str, float]] = []
+    for token, score in ranks.items():
+        local = []
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in vocab and right in vocab:
+                local.append((left, right, score))
+        if len(local) > 1:
+            local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found += local
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _sentencepiece_backend(
+    arch: str | None, tokens: list[str], scores: list[float] | None, unk: str | None
+) -> tuple[_HFTokenizer, bool]:
+    """A ``tokenizers`` BPE for a GGUF ``"llama"`` (SentencePiece) vocabulary.
+
+    * Gemma (``arch`` in :data:`_GEMMA_ARCHS`), as ``GemmaTokenizer``: tokens
+      made only of two or more spaces are respelled with ``"▁"``; merges are
+      ranked by position in the file (Gemma's scores do not follow its merge
+      order); normalizer ``" " -> "▁"``, no prefix space.
+    * Phi-3: merges by score; normalizer prepends ``"▁"`` and replaces spaces.
+    * Others (Llama 2, Mistral v0.1, ...), as ``LlamaTokenizer``: merges by
+      score; ``Metaspace`` pre-tokenizer adding ``"▁"`` before the first word;
+      the decoder strips that one leading space again.
+
+    All use byte fallback (``<0xNN>`` tokens) and fuse unknown pieces.
+
+    Returns:
+        ``(backend, leading_space_stripped)``.
+    """
+    from tokenizers import normalizers
+
+    gemma = arch in _GEMMA_ARCHS
+    if gemma:
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if gemma:
+        ranks: dict[str, float] = {t: -i for i, t in enumerate(tokens)}
+    else:
+        if not scores or len(scores) != len(tokens):
+            raise ValueError("GGUF SentencePiece vocabulary lacks tokenizer.ggml.scores")
+        ranks = dict(zip(tokens, scores))
+    unk = unk if unk in vocab else None
+    bpe = models.BPE(vocab=vocab, merges=_sentencepiece_merges(vocab, ranks), unk_token=unk,
+                     fuse_unk=True, byte_fallback=True, dropout=None)
+    backend = _HFTokenizer(bpe)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    strip = False
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        steps.append(decoders.Strip(" ", 1, 0))
+        strip = True
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(" ", 1, 0))
+        strip = True
+    backend.decoder = decoders.Sequence(steps)
+    return backend, strip
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
     if isinstance(value, dict):
@@ -120,6 +207,12 @@ class Tokenizer:
     ``<|endoftext|>``, ``<|eot_id|>``, ...), ascending by id. This is
     llama.cpp's end-of-generation set; a chat model ending a turn with
     ``<|im_end|>`` stops even when its metadata names another eos.
+
+    ``add_bos_token``: the model expects ``bos_token_id`` first in every
+    sequence (GGUF ``tokenizer.ggml.add_bos_token``, default True for
+    SentencePiece vocabularies; ``add_bos_token`` of ``tokenizer_config.json``).
+    :meth:`encode` adds it only with ``add_special_tokens=True``; the SDK's
+    ``Context.fill`` puts it before the first text of an empty context.
     """
 
     def __init__(
@@ -131,9 +224,11 @@ class Tokenizer:
         pad_token_id: int | None,
         unk_token_id: int | None = None,
         chat_template: str | None = None,
+        add_bos_token: bool = False,
     ) -> None:
         self._tok = backend
         self.bos_token_id = bos_token_id
+        self.add_bos_token = bool(add_bos_token) and bos_token_id is not None
         self.pad_token_id = pad_token_id
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
@@ -151,49 +246,66 @@ class Tokenizer:
     def from_gguf(cls, reader: "gguf.GGUFReader") -> "Tokenizer":
         """Build from GGUF ``tokenizer.ggml.*`` metadata.
 
-        Uses ``tokens``, ``merges``, ``token_type`` (3 = CONTROL -> special
-        token, 4 = USER_DEFINED -> plain added token), ``bos/eos/padding/
-        unknown_token_id``, ``add_bos_token``/``add_eos_token``, ``pre`` (split
-        regex) and ``tokenizer.chat_template``.
+        Uses ``model`` (``"gpt2"``: byte-level BPE with ``merges``;
+        ``"llama"``: SentencePiece BPE, see :func:`_sentencepiece_backend`),
+        ``tokens``, ``scores``, ``merges``, ``token_type`` (3 = CONTROL ->
+        special token, 4 = USER_DEFINED -> plain added token), ``bos/eos/
+        padding/unknown_token_id``, ``add_bos_token`` (default True for
+        ``"llama"`` vocabularies, as llama.cpp and transformers), ``add_eos_token``,
+        ``pre`` (split regex, byte-level only), ``general.architecture``
+        (Gemma and Phi-3 SentencePiece variants) and ``tokenizer.chat_template``.
 
         Raises:
-            NotImplementedError: ``tokenizer.ggml.model`` is not ``"gpt2"``
-                (e.g. ``"llama"`` SentencePiece vocabularies).
-            ValueError: the metadata has no token list or no merges.
+            NotImplementedError: ``tokenizer.ggml.model`` is neither ``"gpt2"``
+                nor ``"llama"`` (e.g. ``"t5"`` Unigram, ``"bert"``).
+            ValueError: the metadata has no token list, or no merges
+                (``"gpt2"``) / no scores (``"llama"``, except Gemma).
         """
         kind = _gguf_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise NotImplementedError(
-                f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+                f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') "
+                "and SentencePiece BPE ('llama') are"
             )
         tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
-        merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
-        if not tokens or not merges:
-            raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        if not tokens:
+            raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens")
         types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+        eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
+        unk = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
 
-        # Some converters store tokens as raw UTF-8 instead of GPT-2's byte alphabet: respell those.
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
-        backend = _HFTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(_gguf_value(reader, "tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        # A CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
-        backend.add_special_tokens([
-            AddedToken(t, special=True, normalized=False)
-            for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
-        ])
+        if kind == "gpt2":
+            merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
+            if not merges:
+                raise ValueError("GGUF metadata lacks tokenizer.ggml.merges")
+            # Some converters store tokens as raw UTF-8 instead of GPT-2's byte alphabet: respell those.
+            spelling = _bytes_to_unicode()
+            alphabet = set(spelling.values())
+            spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
+            vocab = {t: i for i, t in enumerate(spelled)}
+            bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+            backend = _HFTokenizer(bpe)
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(_gguf_value(reader, "tokenizer.ggml.pre"))
+            backend.decoder = decoders.ByteLevel()
+            # A CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
+            controls = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+            add_bos_default = False
+        else:
+            arch = _gguf_value(reader, "general.architecture")
+            scores = _gguf_value(reader, "tokenizer.ggml.scores")
+            unk_text = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else "<unk>"
+            backend, _ = _sentencepiece_backend(arch, tokens, scores, unk_text)
+            vocab = backend.get_vocab(with_added_tokens=False)
+            controls = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
+            add_bos_default = True
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in controls])
         backend.add_tokens([
             AddedToken(t, special=False, normalized=False)
             for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED and t in vocab
         ])
 
-        bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
-        eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
-        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
         add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
         if add_bos or add_eos:
             head = [(tokens[bos], bos)] if add_bos else []
@@ -207,8 +319,9 @@ class Tokenizer:
             bos_token_id=bos,
             eos_token_ids=[eos] if eos is not None else [],
             pad_token_id=_gguf_value(reader, "tokenizer.ggml.padding_token_id"),
-            unk_token_id=_gguf_value(reader, "tokenizer.ggml.unknown_token_id"),
+            unk_token_id=unk,
             chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+            add_bos_token=add_bos,
         )
 
     @classmethod
@@ -255,6 +368,7 @@ class Tokenizer:
             pad_token_id=first(token_id("pad_token"), gen.get("pad_token_id"), cfg.get("pad_token_id")),
             unk_token_id=token_id("unk_token"),
             chat_template=template,
+            add_bos_token=bool(tcfg.get("add_bos_token", False)),
         )
 
     # ------------------------------------------------------------------ encoding

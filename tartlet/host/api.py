@@ -90,7 +90,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
     def model_info(self, model: str | None) -> dict[str, Any]:
         """Facts about a model: ``name``, ``vocab_size``, ``eos_token_ids``,
         ``bos_token_id``, ``page_size``, ``max_seq_len``,
-        ``has_chat_template``.
+        ``has_chat_template``, ``add_bos_token`` (the model expects
+        ``bos_token_id`` first in every sequence).
 
         Raises:
             ValueError: the model is not served.
@@ -105,6 +106,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             "page_size": e.pool.page_size,
             "max_seq_len": e.scheduler.max_seq_len,
             "has_chat_template": e.tokenizer.chat_template is not None,
+            "add_bos_token": e.tokenizer.add_bos_token,
         }
 
     def tokenize(self, model: str | None, text: str) -> list[int]:

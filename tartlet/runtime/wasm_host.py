@@ -214,7 +214,7 @@ def _model_info(h: InstanceHost, model: str | None) -> Record:
     return _record(
         name=i["name"], vocab_size=i["vocab_size"], eos_token_ids=list(i["eos_token_ids"]),
         bos_token_id=i["bos_token_id"], page_size=i["page_size"], max_seq_len=i["max_seq_len"],
-        has_chat_template=bool(i["has_chat_template"]),
+        has_chat_template=bool(i["has_chat_template"]), add_bos_token=bool(i["add_bos_token"]),
     )  # fmt: skip
 
 
