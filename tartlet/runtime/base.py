@@ -20,6 +20,12 @@ from .instance import Instance, Status
 from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program
 
 
+#: a child's session sends kept for its parent: at most this many messages ...
+CHILD_OUTPUT_MESSAGES = 10_000
+#: ... and this many characters in all (later ones are dropped)
+CHILD_OUTPUT_BYTES = 4 * 2**20
+
+
 class BaseRuntime:
     """Instances and limits common to every runtime.
 
@@ -121,7 +127,8 @@ class BaseRuntime:
 
     def launch_child(self, parent: HostApi, name: str, args: dict[str, Any]) -> Instance:
         """Launch ``name`` for ``parent``'s owner, in this runtime; its session
-        sends are kept in ``child.output``, and it gets no client messages.
+        sends are kept in ``child.output`` (up to ``CHILD_OUTPUT_MESSAGES``
+        messages and ``CHILD_OUTPUT_BYTES`` characters), and it gets no client messages.
         Callable from the event loop or from an instance's own thread (a
         WASM parent: the build runs on that thread, the launch on the loop).
 
@@ -134,7 +141,14 @@ class BaseRuntime:
             program = self.prepare(program)
         session = Session()
         output: list[str] = []
-        session.listen(lambda m: output.append(m) if isinstance(m, str) and len(output) < 10_000 else None)
+        kept = [0]  # bytes kept so far
+
+        def keep(m: object) -> None:
+            if isinstance(m, str) and len(output) < CHILD_OUTPUT_MESSAGES and kept[0] + len(m) <= CHILD_OUTPUT_BYTES:
+                output.append(m)
+                kept[0] += len(m)
+
+        session.listen(keep)
         session.close()
 
         def start() -> Instance:
