@@ -33,6 +33,16 @@ def write_config(path: Path, data_dir: Path, extra: str = "") -> Path:
     return path
 
 
+def add_users(config: Path, *users: str) -> dict[str, str]:
+    """``tartlet auth add`` each user; returns ``{user: key}``."""
+    keys = {}
+    for user in users:
+        r = cli("auth", "add", user, "--config", str(config))
+        assert r.returncode == 0, r.stderr
+        keys[user] = r.stdout.strip()
+    return keys
+
+
 class ServerProcess:
     """``tartlet serve --port 0`` in a subprocess; ``url`` once it listens."""
 

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import websockets
-from server_harness import ServerProcess, cli, write_config, write_inferlet
+from server_harness import ServerProcess, add_users, cli, write_config, write_inferlet
 
 from tartlet.client import Client, TartletError
 
@@ -134,11 +134,7 @@ def setup(tmp_path_factory):
         uploaded_runtime = "native"  # uploads sandboxed by default: tests/test_server_sandbox.py
         """,
     )
-    keys = {}
-    for user in ("alice", "bob"):
-        r = cli("auth", "add", user, "--config", str(cfg))
-        assert r.returncode == 0, r.stderr
-        keys[user] = r.stdout.strip()
+    keys = add_users(cfg, "alice", "bob")
     progs = d / "progs"
     for name, code in [("echo", ECHO), ("waiter", WAITER), ("consumer", CONSUMER), ("producer", PRODUCER),
                        ("subscriber", SUBSCRIBER), ("broadcaster", BROADCASTER), ("parent", PARENT),

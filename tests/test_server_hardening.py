@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from server_harness import ServerProcess, cli, write_config, write_inferlet
+from server_harness import ServerProcess, add_users, cli, write_config, write_inferlet
 
 from tartlet.client import Client, TartletError
 
@@ -116,11 +116,7 @@ def setup(tmp_path_factory):
         max_topics_per_user = {TOPICS}
         """,
     )  # fmt: skip
-    keys = {}
-    for user in ("alice", "bob"):
-        r = cli("auth", "add", user, "--config", str(cfg))
-        assert r.returncode == 0, r.stderr
-        keys[user] = r.stdout.strip()
+    keys = add_users(cfg, "alice", "bob")
     progs = d / "progs"
     for name, code in [("sender", SENDER), ("silent", SILENT), ("flooder", FLOODER), ("drainer", DRAINER),
                        ("producer", PRODUCER), ("consumer", CONSUMER), ("echo", ECHO)]:

@@ -12,7 +12,7 @@ import hashlib
 import signal
 
 import pytest
-from server_harness import ServerProcess, cli, write_config, write_inferlet
+from server_harness import ServerProcess, add_users, write_config, write_inferlet
 
 from tartlet.client import Client
 
@@ -93,11 +93,7 @@ def setup(tmp_path_factory):
         uploaded_runtime = "native"
         """,
     )  # fmt: skip
-    keys = {}
-    for user in ("alice", "bob"):
-        r = cli("auth", "add", user, "--config", str(cfg))
-        assert r.returncode == 0, r.stderr
-        keys[user] = r.stdout.strip()
+    keys = add_users(cfg, "alice", "bob")
     progs = d / "progs"
     files = {n: write_inferlet(progs, n, c) for n, c in [("forker", FORKER), ("saver", SAVER), ("snoop", SNOOP), ("cont", CONTINUE)]}
     server = ServerProcess(cfg)

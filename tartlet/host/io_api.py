@@ -14,7 +14,7 @@ import itertools
 from concurrent.futures import Future
 from typing import Any
 
-from .errors import InvalidHandleError, LimitError
+from .errors import InvalidHandleError
 from .http import HttpError
 
 
