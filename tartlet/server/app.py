@@ -1,6 +1,12 @@
 """The ASGI app (Starlette) and ``serve``: one process, one event loop,
 WebSocket ``/ws`` (:mod:`tartlet.server.protocol`), the OpenAI-compatible
-``/v1`` routes, ``/health`` and ``/metrics``, served by uvicorn."""
+``/v1`` routes, ``/health`` and ``/metrics``, served by uvicorn.
+
+Every HTTP request writes one access-log line (logger ``tartlet.access``:
+method, path, status, milliseconds, user) to stderr. Errors under ``/v1``
+are OpenAI-shaped JSON (``{"error": {"message", "type", "param",
+"code"}}``), 404 and 405 included; an unhandled exception is a 500
+logged with its traceback (logger ``tartlet.server.app``)."""
 
 from __future__ import annotations
 
@@ -8,21 +14,89 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from ..runtime.config import ServerConfig
 from . import metrics
-from .openai_api import OpenAiRoutes
+from .openai_api import ApiError, OpenAiRoutes
 from .service import Service
 from .ws import ws_endpoint
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("tartlet.access")
+
+
+class AccessLog:
+    """ASGI middleware: one ``tartlet.access`` line per HTTP request
+    (``METHOD PATH STATUS MS user=USER``); the user is what a route stored in
+    ``request.state.user`` (``-`` when none)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            user = (scope.get("state") or {}).get("user", "-")
+            ms = (time.perf_counter() - t0) * 1000
+            access_log.info("%s %s %d %.1fms user=%s", scope.get("method"), scope.get("path"), status[0], ms, user)
+
+
+_ERROR_KIND = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error", 405: "invalid_request_error"}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404/405 (and other HTTP errors): OpenAI-shaped JSON under
+    ``/v1``, plain text elsewhere."""
+    assert isinstance(exc, HTTPException)
+    if not request.url.path.startswith("/v1"):
+        return PlainTextResponse(str(exc.detail), status_code=exc.status_code, headers=exc.headers)
+    if exc.status_code == 404:
+        msg, code = f"unknown URL: {request.method} {request.url.path}", "unknown_url"
+    elif exc.status_code == 405:
+        msg, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    else:
+        msg, code = str(exc.detail), None
+    err = ApiError(exc.status_code, msg, code=code, kind=_ERROR_KIND.get(exc.status_code, "invalid_request_error"), headers=exc.headers)
+    return err.response()
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """An unhandled exception: logged with its traceback, a 500 with no
+    exception details."""
+    log.error("500 on %s %s", request.method, request.url.path, exc_info=exc)
+    return ApiError(500, "internal server error (see the server log)", code="internal_error", kind="server_error").response()
+
+
+def setup_logging() -> None:
+    """Send ``tartlet.*`` INFO and above to stderr (once)."""
+    root = logging.getLogger("tartlet")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False
 
 
 def build_app(service: Service) -> Starlette:
@@ -43,10 +117,12 @@ def build_app(service: Service) -> Starlette:
         Route("/health", health),
         Route("/metrics", metrics_route),
         Route("/v1/models", oa.models),
+        Route("/v1/models/{model:path}", oa.model),
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.add_middleware(AccessLog)
     app.state.service = service
     return app
 
@@ -84,6 +160,7 @@ def serve(cfg: ServerConfig, auth: bool = True, announce: Callable[[str], None] 
     """
     import uvicorn
 
+    setup_logging()
     state = load_state(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     service = Service(cfg, state, auth=auth)
     app = build_app(service)

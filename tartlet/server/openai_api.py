@@ -17,15 +17,39 @@ against the schema, ``{"type": "json_object"}`` a JSON object, ``{"type":
 launched, so an invalid or unsupported one is an HTTP 400 naming the problem
 (the inferlet's compile then hits the grammar cache).
 
-Parameters this server cannot honour (tools, logprobs, n > 1, penalties,
-logit_bias, ...) are refused with HTTP 400 naming the parameter, never
-silently ignored. A client that disconnects aborts its request's instance.
+``/v1/completions`` takes ``prompt`` as a string, a list of strings, a
+list of token ids or a list of token-id lists: one instance (and one choice,
+``index`` in prompt order) per prompt, batched together by the engine.
+``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` are applied
+to the logits by the inferlet (OpenAI's formulas; ``{}`` and zeros change
+nothing).
+
+Prompt length is checked before anything is launched: every prompt is
+tokenized here exactly as the inferlet fills it (the chat template with its
+assistant header, BOS where the model wants one), and a prompt that leaves
+no room in the model's context is HTTP 400 ``context_length_exceeded``
+(``param`` ``messages`` or ``prompt``; before any event when streaming);
+``max_tokens`` beyond the room left is capped, the choice then ending with
+``finish_reason`` ``length``. ``usage.prompt_tokens`` is that same count.
+
+Failures: a generation over the user's KV page quota (``KvQuotaError``) is
+HTTP 429 ``kv_quota_exceeded`` (type ``rate_limit_error``); one that finds
+the KV cache full (``KvCacheFullError``) is HTTP 503 ``kv_cache_full`` with
+``Retry-After: 1``; any other is 500 ``generation_failed``, logged with its
+traceback. In a stream that has started, the error event carries the same
+code. Error messages never name Python exception classes.
+
+Parameters this server cannot honour (tools, logprobs, n > 1, echo, suffix,
+best_of > 1, ...) are refused with HTTP 400 naming the parameter, never
+silently ignored. A client that disconnects aborts its request's instances.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import re
 import time
 import uuid
@@ -43,21 +67,24 @@ from .protocol import ProtocolError, parse_json
 from .service import Service
 from .ws import bearer
 
+log = logging.getLogger(__name__)
+
 PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-completion"
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"}
 CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
-    "response_format", "metadata", "store",
+    "response_format", "metadata", "store", "logit_bias",
 }
-COMPLETION_PARAMS = _COMMON | {"response_format", "prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_PARAMS = _COMMON | {
+    "response_format", "prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix", "logit_bias",
+}
 #: Known OpenAI parameters and why they are refused.
 UNSUPPORTED = {
     "tools": "tool calling is not supported by this server (run an agent inferlet instead)",
     "tool_choice": "tool calling is not supported by this server",
     "functions": "function calling is not supported by this server",
     "function_call": "function calling is not supported by this server",
-    "logit_bias": "logit_bias is not supported (write an inferlet with a logit mask instead)",
     "parallel_tool_calls": "tool calling is not supported by this server",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported", "reasoning_effort": "reasoning_effort is not supported",
@@ -65,16 +92,46 @@ UNSUPPORTED = {
 }
 
 
+#: ``SomeError: `` / ``pkg.SomeException: `` prefixes: never shown to users.
+_EXC_NAME = re.compile(r"\b(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:?\s*")
+
+
+def clean_message(message: str) -> str:
+    """``message`` without Python exception class names."""
+    return _EXC_NAME.sub("", message).strip() or "the request failed"
+
+
 class ApiError(Exception):
     """An OpenAI-style error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": clean_message(str(self)), "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def generation_error(inst: Any) -> ApiError:
+    """The API error for a failed instance: 429 ``kv_quota_exceeded``
+    (``KvQuotaError``), 503 ``kv_cache_full`` with ``Retry-After: 1``
+    (``KvCacheFullError``), else 500 ``generation_failed`` (logged with the
+    traceback)."""
+    err = inst.error or inst.status.value
+    if err.startswith("KvQuotaError"):
+        return ApiError(429, f"the KV cache quota of this user is exhausted: {err}", code="kv_quota_exceeded", kind="rate_limit_error")
+    if err.startswith("KvCacheFullError"):
+        return ApiError(
+            503, f"the KV cache is full, retry later: {err}", code="kv_cache_full", kind="server_error", headers={"Retry-After": "1"},
+        )
+    log.error("generation %s (instance %s) failed: %s\n%s", inst.status.value, inst.id, err, inst.traceback or "(no traceback)")
+    return ApiError(500, f"generation {inst.status.value}: {err}", code="generation_failed", kind="server_error")
 
 
 def _bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
@@ -98,9 +155,12 @@ def _text(content: Any, where: str) -> str:
     raise _bad(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
 
 
-def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
-    """Validate an OpenAI request body; returns the inferlet args plus
-    ``stream`` / ``include_usage`` / ``model``.
+def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | None = None) -> dict[str, Any]:
+    """Validate an OpenAI request body; returns ``{"args", "prompts",
+    "stream", "include_usage"}``: the inferlet args, and for completions the
+    list of per-prompt args (``{"prompt": str}`` or ``{"prompt_tokens":
+    [int]}``; None for chat). Token ids and ``logit_bias`` keys are checked
+    against ``vocab_size`` when given.
 
     Raises:
         ApiError: 400 naming the offending parameter.
@@ -117,9 +177,6 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
         raise _bad("'n' must be 1: one choice per request is supported", "n", "unsupported_parameter")
     if body.get("best_of") not in (None, 1):
         raise _bad("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise _bad(f"'{key}' is not supported (only 0)", key, "unsupported_parameter")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise _bad("'logprobs' is not supported", "logprobs", "unsupported_parameter")
     if body.get("echo") or body.get("suffix"):
@@ -141,13 +198,9 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
             role = "system" if m["role"] == "developer" else m["role"]
             out.append({"role": role, "content": _text(m.get("content"), where)})
         args["messages"] = out
+        prompts = None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
-        args["prompt"] = prompt
+        prompts = parse_prompts(body.get("prompt"), vocab_size)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
     if mt is None:
@@ -175,10 +228,125 @@ def parse_request(body: Any, chat: bool, max_seq_len: int) -> dict[str, Any]:
     args["ignore_eos"] = ignore_eos
     if rf is not None:
         args["response_format"] = rf
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, key, -2.0, 2.0, 0.0)
+        if v:
+            args[key] = v
+    bias = parse_logit_bias(body.get("logit_bias"), vocab_size)
+    if bias:
+        args["logit_bias"] = bias
     so = body.get("stream_options") or {}
     if not isinstance(so, dict) or set(so) - {"include_usage"}:
         raise _bad("'stream_options' supports only include_usage", "stream_options")
-    return {"args": args, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
+    return {"args": args, "prompts": prompts, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
+
+
+#: The most prompts one ``/v1/completions`` request may carry.
+MAX_PROMPTS = 64
+
+
+def _token_ids(ids: list, vocab_size: int | None, where: str) -> list[int]:
+    if not ids:
+        raise _bad(f"{where} must not be empty", "prompt")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise _bad(f"{where}: token id {t!r} is outside the vocabulary [0, {vocab_size})", "prompt")
+    return list(ids)
+
+
+def parse_prompts(prompt: Any, vocab_size: int | None) -> list[dict[str, Any]]:
+    """The prompts of a completions request: a string, a list of strings, a
+    list of token ids or a list of token-id lists; one args dict each
+    (``{"prompt": str}`` or ``{"prompt_tokens": [int]}``).
+
+    Raises:
+        ApiError: 400 (``param`` ``prompt``) for any other shape, an empty
+            prompt, an id outside the vocabulary or more than
+            :data:`MAX_PROMPTS` prompts.
+    """
+    shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise _bad(shape, "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise _bad(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    out = []
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            if not p:
+                raise _bad(f"prompt[{i}] must not be empty", "prompt")
+            out.append({"prompt": p})
+        elif isinstance(p, list):
+            out.append({"prompt_tokens": _token_ids(p, vocab_size, f"prompt[{i}]")})
+        else:
+            raise _bad(shape, "prompt")
+    return out
+
+
+def parse_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
+    """OpenAI's ``logit_bias``: token id (a decimal string in JSON) -> bias
+    in [-100, 100]; zero biases are dropped.
+
+    Raises:
+        ApiError: 400 (``param`` ``logit_bias``) for a bad key or value.
+    """
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isdigit()) or (vocab_size is not None and int(k) >= vocab_size):
+            raise _bad(f"logit_bias key {k!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise _bad(f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+        if v:
+            out[str(int(k))] = float(v)
+    return out
+
+
+def prompt_length(tokenizer: Any, job: dict[str, Any]) -> int:
+    """How many tokens the ``openai-completion`` inferlet fills for ``job``
+    (its ``messages``, ``prompt`` or ``prompt_tokens``), computed the way
+    the SDK's :class:`~tartlet.context.Context` fills them: the chat template
+    rendered message by message (each new part tokenized on its own), then
+    the assistant header; BOS first where the model asks for one."""
+    if "prompt_tokens" in job:
+        return len(job["prompt_tokens"])
+    bos = tokenizer.bos_token_id
+    add_bos = bool(getattr(tokenizer, "add_bos_token", False)) and bos is not None
+    n = 0
+
+    def fill(text: str) -> None:
+        nonlocal n
+        ids = tokenizer.encode(text)
+        if add_bos and n == 0 and ids[:1] != [bos]:
+            n += 1
+        n += len(ids)
+
+    if "prompt" in job:
+        fill(job["prompt"])
+        return n
+    msgs: list[dict[str, Any]] = []
+    rendered = ""
+
+    def render(gen_prompt: bool) -> None:
+        nonlocal rendered
+        r = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen_prompt)
+        fill(r[len(rendered):] if r.startswith(rendered) else r)
+        rendered = r
+
+    for m in job["messages"]:
+        msgs.append(m)
+        render(False)
+    if msgs[-1]["role"] != "assistant":
+        render(True)
+    return n
 
 
 #: OpenAI's rule for ``json_schema.name``.
@@ -300,18 +468,32 @@ class OpenAiRoutes:
 
     def _user(self, request: Request) -> str:
         try:
-            return self.service.authenticate(bearer(request.headers, request.query_params))
+            user = self.service.authenticate(bearer(request.headers, request.query_params))
         except AuthError as e:
             raise ApiError(401, str(e), code="invalid_api_key", kind="authentication_error") from None
+        request.state.user = user  # for the access log
+        return user
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(self.service.started_at), "owned_by": "tartlet"}
 
     async def models(self, request: Request) -> Response:
         try:
             self._user(request)
         except ApiError as e:
             return e.response()
-        created = int(self.service.started_at)
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "tartlet"} for n in self.service.state.models]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [self._model_object(n) for n in self.service.state.models]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: the model object, or 404."""
+        try:
+            self._user(request)
+            name = request.path_params["model"]
+            if name not in self.service.state.models:
+                raise ApiError(404, f"the model {name!r} does not exist (served: {', '.join(self.service.state.models)})", "model", "model_not_found")
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(self._model_object(name))
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -320,6 +502,7 @@ class OpenAiRoutes:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
+        insts: list[Any] = []
         try:
             user = self._user(request)
             body = await read_json_body(request, self.service.cfg.limits)
@@ -328,84 +511,125 @@ class OpenAiRoutes:
                 served = ", ".join(self.service.state.models)
                 raise ApiError(404, f"model {model!r} is not served here (served: {served})", "model", "model_not_found")
             slot = self.service.state.model(model if isinstance(model, str) else None)
-            req = parse_request(body, chat, slot.engine.scheduler.max_seq_len)
+            engine = slot.engine
+            max_seq_len = engine.scheduler.max_seq_len
+            req = parse_request(body, chat, max_seq_len, engine.config.vocab_size)
             rf = req["args"].get("response_format")
             if rf is not None:  # compile off the event loop (the first compile builds the tokenizer bridge)
-                await asyncio.to_thread(check_response_format, slot.engine, rf)
-            queue: asyncio.Queue[str | None] = asyncio.Queue()
+                await asyncio.to_thread(check_response_format, engine, rf)
+            base = req["args"]
+            jobs = [dict(base)] if chat else [dict(base, **p) for p in req["prompts"]]
+            lengths = await asyncio.to_thread(lambda: [prompt_length(engine.tokenizer, j) for j in jobs])
+            for i, (job, n) in enumerate(zip(jobs, lengths)):
+                if n >= max_seq_len:
+                    which = "your messages" if chat else (f"prompt {i}" if len(jobs) > 1 else "your prompt")
+                    raise ApiError(
+                        400, f"This model's maximum context length is {max_seq_len} tokens. However, {which} resulted in {n} tokens. "
+                        "Please reduce the length of the messages or the prompt.",
+                        "messages" if chat else "prompt", "context_length_exceeded",
+                    )
+                job["max_tokens"] = min(job["max_tokens"], max_seq_len - n)
+            queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            listener = lambda m: loop.call_soon_threadsafe(queue.put_nowait, m if isinstance(m, str) else m.decode(errors="replace"))  # noqa: E731
+
+            def listener(i: int) -> Any:
+                return lambda m: loop.call_soon_threadsafe(queue.put_nowait, (i, m if isinstance(m, str) else m.decode(errors="replace")))
+
             try:
-                inst = self.service.launch(user, self.program, req["args"], listener=listener)
+                for i, job in enumerate(jobs):
+                    insts.append(self.service.launch(user, self.program, job, listener=listener(i)))
             except ProtocolError as e:
                 status = 429 if e.code == "limit" else 400
                 raise ApiError(status, str(e), code=e.code, kind="rate_limit_error" if status == 429 else "invalid_request_error") from None
         except ApiError as e:
+            for inst in insts:
+                inst.abort("the request failed")
             return e.response()
-        assert inst.task is not None
-        inst.task.add_done_callback(lambda _t: loop.call_soon_threadsafe(queue.put_nowait, None))
+        for i, inst in enumerate(insts):
+            assert inst.task is not None
+            inst.task.add_done_callback(lambda _t, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, None)))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        model_name = req["args"]["model"]
+        model_name = base["model"]
         if req["stream"]:
-            stream = self._stream(inst, queue, rid, created, model_name, chat, req["include_usage"])
+            stream = self._stream(insts, queue, rid, created, model_name, chat, req["include_usage"])
             return StreamingResponse(stream, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        # non-streaming: wait, but abort if the client goes away
-        while not inst.done.is_set():
-            try:
-                await asyncio.wait_for(inst.done.wait(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    inst.abort("the client disconnected")
-                    await inst.wait()
-                    return Response(status_code=499)
-        if inst.status is not Status.FINISHED:
-            return ApiError(500, f"generation {inst.status.value}: {inst.error}", code="generation_failed", kind="server_error").response()
-        r = inst.result
-        usage = _usage(r)
-        finish = _FINISH.get(r["finish_reason"], "stop")
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": finish, "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": r["text"], "finish_reason": finish, "logprobs": None}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice], "usage": usage})
+        # non-streaming: wait, but abort if the client goes away (or one prompt fails)
+        try:
+            while not all(inst.done.is_set() for inst in insts):
+                if any(inst.done.is_set() and inst.status is not Status.FINISHED for inst in insts):
+                    break
+                try:
+                    await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        for inst in insts:
+                            inst.abort("the client disconnected")
+                        for inst in insts:
+                            await inst.wait()
+                        return Response(status_code=499)
+            failed = next((inst for inst in insts if inst.done.is_set() and inst.status is not Status.FINISHED), None)
+            if failed is not None:
+                return generation_error(failed).response()
+        finally:
+            for inst in insts:
+                if not inst.done.is_set():
+                    inst.abort("another prompt of the request failed")
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for i, inst in enumerate(insts):
+            r = inst.result
+            for k, v in _usage(r).items():
+                usage[k] += v
+            finish = _FINISH.get(r["finish_reason"], "stop")
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": finish, "logprobs": None})
+            else:
+                choices.append({"index": i, "text": r["text"], "finish_reason": finish, "logprobs": None})
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": usage})
 
-    async def _stream(self, inst: Any, queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, insts: list[Any], queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+    ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False) -> str:
             if chat:
                 d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": None}
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
         try:
             if chat:
-                yield chunk(None, role=True)
-            while True:
-                msg = await queue.get()
-                if msg is None:
-                    break
-                yield chunk(msg)
-            await inst.wait()
-            if inst.status is not Status.FINISHED:
-                err = {"error": {"message": f"generation {inst.status.value}: {inst.error}", "type": "server_error", "code": "generation_failed"}}
-                yield f"data: {json.dumps(err)}\n\n"
-                return
-            r = inst.result
-            yield chunk(None, _FINISH.get(r["finish_reason"], "stop"))
+                yield chunk(0, None, role=True)
+            open_ = len(insts)
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            while open_:
+                i, msg = await queue.get()
+                if msg is not None:
+                    yield chunk(i, msg)
+                    continue
+                open_ -= 1
+                inst = insts[i]
+                await inst.wait()
+                if inst.status is not Status.FINISHED:
+                    yield f"data: {json.dumps(generation_error(inst).body())}\n\n"
+                    return
+                r = inst.result
+                for k, v in _usage(r).items():
+                    usage[k] += v
+                yield chunk(i, None, _FINISH.get(r["finish_reason"], "stop"))
             if include_usage:
-                body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(r)}
+                body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (or we are done): never leave it running
-            if not inst.done.is_set():
-                inst.abort("the client disconnected")
+        finally:  # the client went away (or we are done, or one failed): never leave any running
+            for inst in insts:
+                if not inst.done.is_set():
+                    inst.abort("the client disconnected")
 
 
 def _usage(r: dict[str, Any]) -> dict[str, int]:
