@@ -90,7 +90,7 @@ async def test_unsupported_parameters_are_400(oa):
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         dict(n=2),
         dict(logprobs=True),
-        dict(frequency_penalty=0.5),
+        dict(frequency_penalty=5),
         dict(extra_body={"frobnicate": 1}),
         dict(temperature=7),
     ]

@@ -459,6 +459,27 @@ async def read_json_body(request: Request, limits: Any) -> Any:
         raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
+def fit_context(jobs: list[dict[str, Any]], lengths: list[int], max_seq_len: int, chat: bool) -> None:
+    """Check each job's prompt length (``lengths``, from
+    :func:`prompt_length`) against the model's context and cap its
+    ``max_tokens`` to the room left (the generation then ends with
+    ``length``).
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` (``param`` ``messages`` or
+            ``prompt``) for a prompt that leaves no room for one token.
+    """
+    for i, (job, n) in enumerate(zip(jobs, lengths)):
+        if n >= max_seq_len:
+            which = "your messages" if chat else (f"prompt {i}" if len(jobs) > 1 else "your prompt")
+            raise ApiError(
+                400, f"This model's maximum context length is {max_seq_len} tokens. However, {which} resulted in {n} tokens. "
+                "Please reduce the length of the messages or the prompt.",
+                "messages" if chat else "prompt", "context_length_exceeded",
+            )
+        job["max_tokens"] = min(job["max_tokens"], max_seq_len - n)
+
+
 class OpenAiRoutes:
     """Route handlers bound to a :class:`Service`."""
 
@@ -520,15 +541,7 @@ class OpenAiRoutes:
             base = req["args"]
             jobs = [dict(base)] if chat else [dict(base, **p) for p in req["prompts"]]
             lengths = await asyncio.to_thread(lambda: [prompt_length(engine.tokenizer, j) for j in jobs])
-            for i, (job, n) in enumerate(zip(jobs, lengths)):
-                if n >= max_seq_len:
-                    which = "your messages" if chat else (f"prompt {i}" if len(jobs) > 1 else "your prompt")
-                    raise ApiError(
-                        400, f"This model's maximum context length is {max_seq_len} tokens. However, {which} resulted in {n} tokens. "
-                        "Please reduce the length of the messages or the prompt.",
-                        "messages" if chat else "prompt", "context_length_exceeded",
-                    )
-                job["max_tokens"] = min(job["max_tokens"], max_seq_len - n)
+            fit_context(jobs, lengths, max_seq_len, chat)
             queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
