@@ -96,6 +96,26 @@ def test_inferlets_lists_text_completion():
     assert "text-completion" in names
 
 
+def test_inferlet_arguments_are_documented_without_loading_a_model():
+    """`tartlet run NAME -- --help` and `tartlet inferlets NAME` print the
+    inferlet's documented arguments; every bundled inferlet documents them
+    and takes its main input as `prompt`."""
+    p = tartlet("run", "text-completion", "--", "--help")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("text-completion: Answer a prompt") and "prompt (str, required)" in p.stdout
+    from tartlet.runtime.program import list_programs
+
+    for name, prog in list_programs().items():
+        doc = prog.usage()
+        assert "Args:" in doc, name
+        if name not in ("chat", "prefix-cache"):  # turns / system + questions are their inputs
+            assert "prompt (str, required)" in doc, name
+    p = tartlet("inferlets", "json-output")
+    assert p.returncode == 0 and "alias: ``question``" in p.stdout
+    p = tartlet("inferlets", "no-such-inferlet")
+    assert p.returncode == 2 and "unknown inferlet 'no-such-inferlet'" in p.stderr
+
+
 # -- argument parsing ----------------------------------------------------------------
 
 

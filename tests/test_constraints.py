@@ -56,7 +56,7 @@ SCHEMAS: list[tuple[str, dict]] = [
 
 async def test_sampled_json_validates_against_24_schemas(runtime):
     async def one(i: int, question: str, schema: dict):
-        args = {"question": question, "schema": schema, "temperature": 0.7, "seed": 100 + i, "max_tokens": 96}
+        args = {"prompt": question, "schema": schema, "temperature": 0.7, "seed": 100 + i, "max_tokens": 96}
         return await run_ok(runtime, "json-output", args)
 
     results = await asyncio.gather(*(one(i, q, s) for i, (q, s) in enumerate(SCHEMAS)))
@@ -402,7 +402,7 @@ async def test_invalid_schema_fails_the_inferlet_with_a_clear_error(runtime):
 
 
 async def test_tool_call_inferlet_calls_calculator_and_answers(runtime):
-    r = await run_ok(runtime, "tool-call", {"question": "What is 17 times 23? Use the calculator.", "max_tokens": 32})
+    r = await run_ok(runtime, "tool-call", {"prompt": "What is 17 times 23? Use the calculator.", "max_tokens": 32})
     call = r["call"]
     assert call["name"] in ("calculator", "word_count")
     if call["name"] == "calculator":

@@ -6,7 +6,7 @@ host), so the answer always parses and validates unless generation hits
 is None).
 
 Args:
-    question (str, required): what to answer.
+    prompt (str, required): what to answer (alias: ``question``).
     schema (dict or JSON text): the JSON Schema of the answer (default: any
         JSON value).
     system (str): system message (default: asks for JSON only and shows the
@@ -24,9 +24,9 @@ from tartlet import AnyJson, JsonSchema, Model, Sampler, session
 
 
 async def main(args: dict) -> dict:
-    question = args.get("question")
+    question = args.get("prompt", args.get("question"))
     if not isinstance(question, str) or not question:
-        raise ValueError("json-output needs a non-empty string argument `question`")
+        raise ValueError("json-output needs a non-empty string argument `prompt` (or its alias `question`)")
     schema = args.get("schema")
     if isinstance(schema, str):
         try:

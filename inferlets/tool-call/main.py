@@ -14,7 +14,7 @@ run by the client: the inferlet sends ``{"tool_call": {"name", "arguments"}}``
 as JSON on the session and waits for the result message.
 
 Args:
-    question (str, required): the user's question.
+    prompt (str, required): the user's question (alias: ``question``).
     tools (list): OpenAI-style function specs ``{"name", "description",
         "parameters"}`` (default: the built-ins). A spec with only a
         ``name`` of a built-in tool uses the built-in.
@@ -122,9 +122,9 @@ async def run_tool(name: str, arguments: dict) -> str:
 
 
 async def main(args: dict) -> dict:
-    question = args.get("question")
+    question = args.get("prompt", args.get("question"))
     if not isinstance(question, str) or not question:
-        raise ValueError("tool-call needs a non-empty string argument `question`")
+        raise ValueError("tool-call needs a non-empty string argument `prompt` (or its alias `question`)")
     tools = _tools(args.get("tools"))
     model = Model.load(args.get("model"))
     sampler = Sampler(temperature=float(args.get("temperature", 0.0)), seed=args.get("seed"))

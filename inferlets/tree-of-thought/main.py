@@ -11,7 +11,7 @@ of their common prefix, so a node's steps are prefilled once for all its
 descendants and judges.
 
 Args:
-    problem (str, required): the question to reason about.
+    prompt (str, required): the question to reason about (alias: ``problem``).
     depth (int, default 2): reasoning steps per path (1..6).
     breadth (int, default 2): children per node (1..8).
     keep (int, default 2): nodes kept per level (1..8).
@@ -38,9 +38,9 @@ def _logsumexp(xs: list[float]) -> float:
 
 
 async def main(args: dict) -> dict:
-    problem = args.get("problem")
+    problem = args.get("prompt", args.get("problem"))
     if not isinstance(problem, str) or not problem:
-        raise ValueError("tree-of-thought needs a non-empty string argument `problem`")
+        raise ValueError("tree-of-thought needs a non-empty string argument `prompt` (or its alias `problem`)")
     depth = int(args.get("depth", 2))
     breadth = int(args.get("breadth", 2))
     keep = int(args.get("keep", 2))

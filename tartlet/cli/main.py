@@ -52,6 +52,12 @@ def run(
     words = list(ctx.args)
     if words and words[0] == "--":
         words = words[1:]
+    if words in (["--help"], ["-h"]):  # the inferlet's own arguments, not tartlet run's
+        try:
+            print(find_program(inferlet).usage())
+        except ProgramError as e:
+            _fail(str(e))
+        return
     try:
         args = parse_inferlet_args(words)
         wasm = None
@@ -189,12 +195,18 @@ def model_remove(name: str) -> None:
 
 
 @app.command("inferlets")
-def inferlets() -> None:
-    """List the bundled inferlets."""
-    from ..runtime.program import list_programs
+def inferlets(name: Optional[str] = typer.Argument(None, help="Show this inferlet's arguments.")) -> None:
+    """List the bundled inferlets, or document one (its arguments and result)."""
+    from ..runtime.program import ProgramError, find_program, list_programs
 
-    for name, prog in sorted(list_programs().items()):
-        print(f"{name:24s} {prog.description}")
+    if name is not None:
+        try:
+            print(find_program(name).usage())
+        except ProgramError as e:
+            _fail(str(e))
+        return
+    for n, prog in sorted(list_programs().items()):
+        print(f"{n:24s} {prog.description}")
 
 
 @app.command()

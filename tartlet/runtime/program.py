@@ -55,6 +55,23 @@ class Program:
     def description(self) -> str:
         return self.manifest.get("description", "")
 
+    def usage(self) -> str:
+        """The inferlet's documentation: its description and the entry
+        file's module docstring (which documents its arguments), read
+        without importing it; empty when it has neither.
+
+        Raises:
+            ProgramError: the entry file cannot be read or parsed.
+        """
+        import ast
+
+        try:
+            doc = ast.get_docstring(ast.parse(self.entry.read_text(encoding="utf-8"))) or ""
+        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+            raise ProgramError(f"cannot read inferlet {self.name!r}: {type(e).__name__}: {e}") from None
+        head = f"{self.name}: {self.description}" if self.description else self.name
+        return head + ("\n\n" + doc if doc else "\n\n(no documentation: the entry file has no module docstring)")
+
     def load_main(self) -> Callable[[dict], Any]:
         """Import the entry file (fresh each call) and return its ``main``.
 
