@@ -88,8 +88,8 @@ async def test_unsupported_parameters_are_400(oa):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        dict(n=2),
-        dict(logprobs=True),
+        dict(n=17),
+        dict(logprobs=True, top_logprobs=21),
         dict(frequency_penalty=5),
         dict(extra_body={"frobnicate": 1}),
         dict(temperature=7),
@@ -98,7 +98,7 @@ async def test_unsupported_parameters_are_400(oa):
         with pytest.raises(openai.BadRequestError) as e:
             oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
         assert e.value.status_code == 400
-        param = next(iter(kw.get("extra_body", kw)))
+        param = next(reversed(kw.get("extra_body", kw)))
         assert param in str(e.value), (kw, str(e.value))
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-4", messages=msgs, max_tokens=4)

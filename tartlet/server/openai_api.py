@@ -173,12 +173,12 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
             raise _bad(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
         if key not in allowed:
             raise _bad(f"unsupported parameter '{key}'", key, "unsupported_parameter")
-    if body.get("n") not in (None, 1):
-        raise _bad("'n' must be 1: one choice per request is supported", "n", "unsupported_parameter")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        raise _bad(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
     if body.get("best_of") not in (None, 1):
         raise _bad("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise _bad("'logprobs' is not supported", "logprobs", "unsupported_parameter")
+    top_n = parse_logprobs(body, chat)
     if body.get("echo") or body.get("suffix"):
         raise _bad("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
     rf = parse_response_format(body.get("response_format"))
@@ -235,6 +235,10 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
     bias = parse_logit_bias(body.get("logit_bias"), vocab_size)
     if bias:
         args["logit_bias"] = bias
+    if n is not None and n > 1:
+        args["n"] = n
+    if top_n is not None:
+        args["logprobs"] = top_n
     so = body.get("stream_options") or {}
     if not isinstance(so, dict) or set(so) - {"include_usage"}:
         raise _bad("'stream_options' supports only include_usage", "stream_options")
@@ -243,6 +247,62 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
 
 #: The most prompts one ``/v1/completions`` request may carry.
 MAX_PROMPTS = 64
+#: The most choices (``n``) one request may ask for.
+MAX_N = 16
+#: The most alternatives per token: ``top_logprobs`` (chat) and ``logprobs`` (completions).
+MAX_TOP_LOGPROBS = {True: 20, False: 5}
+
+
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token to report, or None for no logprobs:
+    chat's ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs
+    ``logprobs``), completions' ``logprobs`` (0..5).
+
+    Raises:
+        ApiError: 400 naming the bad parameter.
+    """
+    cap = MAX_TOP_LOGPROBS[chat]
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise _bad(f"'logprobs' must be a boolean, got {lp!r}", "logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= cap:
+                raise _bad(f"'top_logprobs' must be an integer in [0, {cap}], got {top!r}", "top_logprobs")
+            if not lp:
+                raise _bad("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        return (top or 0) if lp else None
+    if lp is None:
+        return None
+    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= cap:
+        raise _bad(f"'logprobs' must be an integer in [0, {cap}], got {lp!r}", "logprobs")
+    return lp
+
+
+def format_logprobs(entries: list[dict[str, Any]] | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+    """The OpenAI ``logprobs`` object of a choice (or of a stream chunk) from
+    the inferlet's entries (``{"token", "logprob", "top": [[str, float]]}``):
+    chat's ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}``
+    or completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``
+    (``offset``: where the first token starts in the choice's text)."""
+    if entries is None:
+        return None
+    if chat:
+        def item(t: str, v: float) -> dict[str, Any]:
+            return {"token": t, "logprob": v, "bytes": list(t.encode())}
+
+        content = [dict(item(e["token"], e["logprob"]), top_logprobs=[item(t, v) for t, v in e["top"]]) for e in entries]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [dict((t, v) for t, v in e["top"]) for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _token_ids(ids: list, vocab_size: int | None, where: str) -> list[int]:
@@ -564,8 +624,9 @@ class OpenAiRoutes:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model_name = base["model"]
+        n = int(base.get("n", 1))
         if req["stream"]:
-            stream = self._stream(insts, queue, rid, created, model_name, chat, req["include_usage"])
+            stream = self._stream(insts, queue, rid, created, model_name, chat, req["include_usage"], n)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         # non-streaming: wait, but abort if the client goes away (or one prompt fails)
         try:
@@ -593,37 +654,53 @@ class OpenAiRoutes:
             r = inst.result
             for k, v in _usage(r).items():
                 usage[k] += v
-            finish = _FINISH.get(r["finish_reason"], "stop")
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": finish, "logprobs": None})
-            else:
-                choices.append({"index": i, "text": r["text"], "finish_reason": finish, "logprobs": None})
+            for k, c in enumerate(r["choices"]):
+                finish = _FINISH.get(c["finish_reason"], "stop")
+                lp = format_logprobs(c.get("logprobs"), chat)
+                if chat:
+                    message = {"role": "assistant", "content": c["text"]}
+                    choices.append({"index": i * n + k, "message": message, "finish_reason": finish, "logprobs": lp})
+                else:
+                    choices.append({"index": i * n + k, "text": c["text"], "finish_reason": finish, "logprobs": lp})
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": usage})
 
     async def _stream(
-        self, insts: list[Any], queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+        self, insts: list[Any], queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool, n: int,
     ) -> AsyncIterator[str]:
+        """SSE frames of a streamed request: the inferlet's JSON messages
+        (``{"i", "text", "logprobs"}`` and ``{"i", "finish_reason"}``, ``i``
+        the fork) become chunks of choice ``instance * n + i``."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        offsets: dict[int, int] = {}
 
-        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False, logprobs: Any = None) -> str:
             if chat:
                 d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
         try:
             if chat:
-                yield chunk(0, None, role=True)
+                for i in range(len(insts) * n):
+                    yield chunk(i, None, role=True)
             open_ = len(insts)
             usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
             while open_:
                 i, msg = await queue.get()
                 if msg is not None:
-                    yield chunk(i, msg)
+                    m = json.loads(msg)
+                    idx = i * n + int(m.get("i", 0))
+                    if "finish_reason" in m:
+                        yield chunk(idx, None, _FINISH.get(m["finish_reason"], "stop"))
+                        continue
+                    entries = m.get("logprobs")
+                    lp = format_logprobs(entries, chat, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + sum(len(e["token"]) for e in entries or ())
+                    yield chunk(idx, m.get("text") or "", logprobs=lp)
                     continue
                 open_ -= 1
                 inst = insts[i]
@@ -631,10 +708,8 @@ class OpenAiRoutes:
                 if inst.status is not Status.FINISHED:
                     yield f"data: {json.dumps(generation_error(inst).body())}\n\n"
                     return
-                r = inst.result
-                for k, v in _usage(r).items():
+                for k, v in _usage(inst.result).items():
                     usage[k] += v
-                yield chunk(i, None, _FINISH.get(r["finish_reason"], "stop"))
             if include_usage:
                 body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
                 yield f"data: {json.dumps(body)}\n\n"

@@ -26,24 +26,45 @@ Args:
         Applied with :mod:`tartlet.constraint` (``ctx.generate(...,
         constraint=...)``); compact JSON, generation ends when the value is
         complete (finish_reason ``"constraint"``).
+    n (int, default 1): choices. With n > 1 the prompt is prefilled once
+        (``flush``) and forked n times (KV pages shared); the forks generate
+        concurrently, so the engine batches their steps. Fork ``k`` samples
+        with seed ``seed + k`` (reproducible with a seed; with temperature 0
+        all choices are equal).
+    logprobs (int, optional): when present, each generated token's log
+        probability and the ``logprobs`` most likely alternatives (0..20)
+        are reported, under the distribution sampled from: the logits after
+        ``logit_bias`` and penalties, divided by ``temperature`` (1 when
+        greedy), before ``top_p``.
 
 Without ``logit_bias`` and penalties the engine samples next to the logits
 (greedy output is the ``text-completion`` inferlet's). With them each step
 reads the raw logits (a ``logits`` output slot, the constraint's mask
 applied by the host), adjusts them here and picks the token: argmax when
 ``temperature`` is 0, else a draw from ``softmax(logits / temperature)``
-within ``top_p``.
+within ``top_p``. ``logprobs`` takes the same path (greedy output is then
+still the argmax of the same logits; seeded draws use this module's RNG).
 
-Streams the text with ``session.send``; returns ``{"text", "finish_reason",
-"prompt_tokens", "completion_tokens"}`` (``prompt_tokens``: every token the
+Streams with ``session.send``, one JSON object per message: ``{"i": k,
+"text": str, "logprobs": [entry]}`` as fork ``k`` produces text (``logprobs``
+only when asked; an entry is ``{"token": str, "logprob": float, "top":
+[[str, float], ...]}``, the tokens' strings concatenating to the text), and
+``{"i": k, "finish_reason": str, "completion_tokens": int}`` when fork ``k``
+ends. Returns ``{"choices": [{"text", "finish_reason", "completion_tokens",
+"logprobs"}], "prompt_tokens", "text", "finish_reason",
+"completion_tokens"}`` (the last three: choice 0's text and finish reason,
+the completion tokens of all choices; ``prompt_tokens``: every token the
 model reads before the first generated one, the chat template's assistant
-header included).
+header included, counted once).
 
 Raises:
     ValueError: an unknown response_format type, or an invalid schema (the
         grammar engine's message), before anything is generated.
 """
 
+import asyncio
+import heapq
+import json
 import math
 import random
 
@@ -54,13 +75,19 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 class BiasedSampler(Sampler):
     """A sampler that reads the raw logits and applies ``logit_bias`` and
-    the presence/frequency penalties before picking (see the module doc)."""
+    the presence/frequency penalties before picking (see the module doc);
+    with ``top_n`` (not None) it also records, per picked token, ``(logprob,
+    [(id, logprob)] * top_n)`` in :attr:`record`."""
 
-    def __init__(self, temperature: float, top_p: float, seed, bias: dict, presence: float, frequency: float) -> None:
+    def __init__(
+        self, temperature: float, top_p: float, seed, bias: dict, presence: float, frequency: float, top_n: int | None = None,
+    ) -> None:
         super().__init__(temperature=temperature, top_p=top_p, seed=seed)
         self.bias = bias
         self.presence = presence
         self.frequency = frequency
+        self.top_n = top_n
+        self.record: list[tuple[float, list[tuple[int, float]]]] = []
         self.counts: dict[int, int] = {}
         self.step = 0
         self._rng = random.Random(seed)
@@ -82,9 +109,18 @@ class BiasedSampler(Sampler):
             tok = max(range(len(logits)), key=logits.__getitem__)
         else:
             tok = self._draw(logits)
+        if self.top_n is not None:
+            self.record.append(self._logprobs(logits, tok))
         self.counts[tok] = self.counts.get(tok, 0) + 1
         self.step += 1
         return tok
+
+    def _logprobs(self, logits: list, tok: int) -> tuple[float, list[tuple[int, float]]]:
+        t = self.temperature or 1.0
+        m = max(logits)
+        lse = math.log(math.fsum(math.exp((x - m) / t) for x in logits if x != -math.inf))
+        top = heapq.nlargest(self.top_n, range(len(logits)), key=logits.__getitem__) if self.top_n else []
+        return (logits[tok] - m) / t - lse, [(i, (logits[i] - m) / t - lse) for i in top if logits[i] != -math.inf]
 
     def _draw(self, logits: list) -> int:
         t = self.temperature
@@ -107,16 +143,16 @@ class BiasedSampler(Sampler):
         return kept[-1][1]
 
 
-def make_sampler(args: dict) -> Sampler:
+def make_sampler(args: dict, seed=None) -> Sampler:
     temperature = float(args.get("temperature", 0.0))
     top_p = float(args.get("top_p", 1.0))
-    seed = args.get("seed")
     bias = {int(k): float(v) for k, v in (args.get("logit_bias") or {}).items() if float(v) != 0}
     presence = float(args.get("presence_penalty") or 0.0)
     frequency = float(args.get("frequency_penalty") or 0.0)
-    if not bias and presence == 0 and frequency == 0:
+    top_n = args.get("logprobs")
+    if top_n is None and not bias and presence == 0 and frequency == 0:
         return Sampler(temperature=temperature, top_p=top_p, seed=seed)
-    return BiasedSampler(temperature, top_p, seed, bias, presence, frequency)
+    return BiasedSampler(temperature, top_p, seed, bias, presence, frequency, None if top_n is None else int(top_n))
 
 
 def make_constraint(rf, model: str):
@@ -131,10 +167,55 @@ def make_constraint(rf, model: str):
     raise ValueError(f"response_format type {rf.get('type')!r} is not supported (text, json_object, json_schema)")
 
 
+async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
+    """Generate choice ``k`` on ``ctx``, streaming its messages."""
+    seed = args.get("seed")
+    sampler = make_sampler(args, None if seed is None else seed + k)
+    want_lp = args.get("logprobs") is not None
+    gen = ctx.generate(
+        sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
+        eos=not args.get("ignore_eos", False),
+    )
+    names: dict[int, str] = {}
+
+    def name(t: int) -> str:
+        if t not in names:
+            names[t] = model.detokenize([t])
+        return names[t]
+
+    entries: list[tuple[int, dict]] = []  # (start offset in the decoded text, entry)
+    sent = emitted = raw_len = 0
+    async for step in gen:
+        if want_lp:  # one token per step (no drafter): its text is what it added to the decoded text
+            raw = gen._raw
+            for j, (lp, top) in enumerate(sampler.record[len(entries):]):
+                text = raw[raw_len:] if j == 0 else ""
+                entries.append((raw_len, {"token": text, "logprob": lp, "top": [[name(i), v] for i, v in top]}))
+            raw_len = len(raw)
+        emitted += len(step.text)
+        ready = []
+        while sent + len(ready) < len(entries) and entries[sent + len(ready)][0] < emitted:
+            ready.append(entries[sent + len(ready)][1])
+        if step.text or ready:
+            msg: dict = {"i": k, "text": step.text}
+            if want_lp:
+                msg["logprobs"] = ready
+                sent += len(ready)
+            session.send(json.dumps(msg))
+    choice = {"text": gen.text, "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens), "logprobs": None}
+    if want_lp:
+        choice["logprobs"] = [e for off, e in entries if off < len(gen.text)]
+    session.send(json.dumps({"i": k, "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens)}))
+    return choice
+
+
 async def main(args: dict) -> dict:
     model = Model.load(args.get("model"))
-    sampler = make_sampler(args)
+    n = int(args.get("n", 1))
+    if not 1 <= n <= 64:
+        raise ValueError(f"n must be in 1..64, got {n}")
     constraint = make_constraint(args.get("response_format"), model.name)
+    forks: list = []
     try:
         with model.new_context() as ctx:
             if "messages" in args:
@@ -146,19 +227,27 @@ async def main(args: dict) -> dict:
             else:
                 ctx.fill(args["prompt"])
             prompt_tokens = ctx.seq_len
-            gen = ctx.generate(
-                sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
-                eos=not args.get("ignore_eos", False),
-            )
-            async for step in gen:
-                if step.text:
-                    session.send(step.text)
+            if n == 1:
+                choices = [await run_choice(0, ctx, args, model, constraint)]
+            else:
+                await ctx.flush()  # the prompt is computed once, then shared by the forks
+                forks = [ctx.fork() for _ in range(n)]
+                cons = [constraint] + [constraint.fork() for _ in range(n - 1)] if constraint is not None else [None] * n
+                try:
+                    choices = list(await asyncio.gather(*(run_choice(k, f, args, model, c) for k, (f, c) in enumerate(zip(forks, cons)))))
+                finally:
+                    for c in cons[1:]:
+                        if c is not None:
+                            c.close()
             return {
-                "text": gen.text,
-                "finish_reason": gen.finish_reason,
+                "choices": choices,
+                "text": choices[0]["text"],
+                "finish_reason": choices[0]["finish_reason"],
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(gen.tokens),
+                "completion_tokens": sum(c["completion_tokens"] for c in choices),
             }
     finally:
+        for f in forks:
+            f.close()
         if constraint is not None:
             constraint.close()
