@@ -39,9 +39,19 @@ the KV cache full (``KvCacheFullError``) is HTTP 503 ``kv_cache_full`` with
 traceback. In a stream that has started, the error event carries the same
 code. Error messages never name Python exception classes.
 
-Parameters this server cannot honour (tools, logprobs, n > 1, echo, suffix,
-best_of > 1, ...) are refused with HTTP 400 naming the parameter, never
-silently ignored. A client that disconnects aborts its request's instances.
+``n`` (1..16) gives n choices that are forks of one prefilled context: the
+inferlet computes the prompt once and forks it (fork ``k`` samples with seed
+``seed + k``); choice ``index`` is ``prompt * n + k``, each with its own
+``finish_reason``; ``usage`` counts each prompt once and sums the completion
+tokens. ``logprobs`` (chat: ``logprobs: true`` with ``top_logprobs`` 0..20;
+completions: ``logprobs`` 0..5) reports each token's log probability under
+the distribution sampled from (after bias, penalties, mask and temperature;
+temperature 1 when greedy) in OpenAI's shapes, in stream chunks too (see
+:func:`format_logprobs`).
+
+Parameters this server cannot honour (tools, n > 16, top_logprobs > 20,
+echo, suffix, best_of > 1, ...) are refused with HTTP 400 naming the
+parameter, never silently ignored. A client that disconnects aborts its request's instances.
 """
 
 from __future__ import annotations
