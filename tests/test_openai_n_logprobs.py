@@ -143,3 +143,17 @@ def test_completions_logprobs(oa):
     assert toks == lp.tokens and offs == lp.text_offset
     with pytest.raises(openai.BadRequestError):
         oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=6)
+
+
+def test_n_with_response_format_and_logprobs(oa):
+    import json
+
+    r = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name."}], max_tokens=40, n=2,
+        temperature=1.0, seed=11, logprobs=True, top_logprobs=2, response_format={"type": "json_object"},
+    )
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        assert "".join(e.token for e in c.logprobs.content) == c.message.content
+        assert all(len(e.top_logprobs) <= 2 for e in c.logprobs.content)
