@@ -114,3 +114,23 @@ def quant_host_state(quant_engine):
 def quant_runtime(quant_host_state):
     """A native runtime on the quantized engine; checks for page leaks after the test."""
     yield from _runtime(quant_host_state)
+
+
+@pytest.fixture(scope="session")
+def noauth_server(tmp_path_factory):
+    """One `tartlet serve --no-auth` (default model, 64 MiB pool) shared by
+    the OpenAI API test modules, so the suite starts it once."""
+    from server_harness import ServerProcess, write_config
+
+    d = tmp_path_factory.mktemp("noauth-server")
+    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    """The official OpenAI client on the module's ``server``."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

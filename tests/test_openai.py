@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_harness import ServerProcess, write_config
 
 from tartlet.client import Client
 
@@ -16,17 +15,11 @@ PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("openai")
-    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
-    yield srv
-    srv.wait_pages_free()
-    srv.stop()
+def server(noauth_server):
+    """The session's no-auth server (conftest), left with no page in use."""
+    yield noauth_server
+    noauth_server.wait_pages_free()
 
-
-@pytest.fixture(scope="module")
-def oa(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 async def inferlet_text(server, args: dict) -> str:

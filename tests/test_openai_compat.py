@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import ServerProcess, write_config
+from server_harness import ServerProcess
 
 from tartlet.engine.tokenizer import Tokenizer
 
@@ -22,17 +22,11 @@ MSGS = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("openai-compat")
-    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
-    yield srv
-    srv.wait_pages_free()
-    srv.stop()
+def server(noauth_server):
+    """The session's no-auth server (conftest), left with no page in use."""
+    yield noauth_server
+    noauth_server.wait_pages_free()
 
-
-@pytest.fixture(scope="module")
-def oa(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -10,24 +10,17 @@ import uuid
 
 import openai
 import pytest
-from server_harness import ServerProcess, write_config
 
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("openai-n")
-    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
-    yield srv
-    srv.wait_pages_free()
-    srv.stop()
+def server(noauth_server):
+    """The session's no-auth server (conftest), left with no page in use."""
+    yield noauth_server
+    noauth_server.wait_pages_free()
 
-
-@pytest.fixture(scope="module")
-def oa(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def computed(server) -> float:

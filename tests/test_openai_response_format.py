@@ -13,7 +13,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import ServerProcess, write_config
 
 MODEL = "smollm2-135m-instruct"
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
@@ -40,17 +39,11 @@ def rf_schema(name: str, schema: dict, strict: bool = True) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("openai_rf")
-    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
-    yield srv
-    srv.wait_pages_free()
-    srv.stop()
+def server(noauth_server):
+    """The session's no-auth server (conftest), left with no page in use."""
+    yield noauth_server
+    noauth_server.wait_pages_free()
 
-
-@pytest.fixture(scope="module")
-def oa(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def aoa(server) -> openai.AsyncOpenAI:
