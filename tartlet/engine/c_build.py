@@ -11,12 +11,17 @@ one thread pool.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 def cpu_flags() -> set[str]:
@@ -74,3 +79,22 @@ def compile_library(name: str, source: Path, flags: list[str], headers: tuple[Pa
             raise RuntimeError(f"{cc} failed to compile {source.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders race harmlessly
     return out
+
+
+def open_library(build: Callable[[], Path], env_var: str, what: str, fallback: str) -> ctypes.CDLL | None:
+    """Build (or find in the cache) and open one kernel library, or return
+    ``None`` with the reason logged: when ``env_var`` is ``0`` (``what``
+    disabled), or the compiler or the loader failed (then ``fallback`` says
+    what runs instead). Loads torch's OpenMP runtime first, so the kernels
+    share its thread pool."""
+    if os.environ.get(env_var, "1") == "0":
+        log.info("%s disabled by %s=0", what, env_var)
+        return None
+    import torch
+
+    torch.zeros(2).sum()  # make sure torch's OpenMP runtime is loaded first
+    try:
+        return ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        log.warning("%s unavailable, %s: %s", what, fallback, e)
+        return None

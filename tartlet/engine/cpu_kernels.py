@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from .c_build import compile_library, cpu_flags, find_compiler  # noqa: F401 (find_compiler: re-exported)
+from .c_build import compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +54,8 @@ def load() -> "CpuKernels | None":
     global _loaded
     with _lock:
         if _loaded is False:
-            _loaded = None
-            if os.environ.get("TARTLET_CPU_KERNELS", "1") == "0":
-                log.info("fused CPU kernels disabled by TARTLET_CPU_KERNELS=0")
-            else:
-                torch.zeros(2).sum()  # make sure torch's OpenMP runtime is loaded first
-                try:
-                    _loaded = CpuKernels(ctypes.CDLL(str(_build())))
-                except (RuntimeError, OSError) as e:
-                    log.warning("fused CPU kernels unavailable, using the PyTorch path: %s", e)
+            lib = open_library(_build, "TARTLET_CPU_KERNELS", "fused CPU kernels", "using the PyTorch path")
+            _loaded = None if lib is None else CpuKernels(lib)
         return _loaded
 
 

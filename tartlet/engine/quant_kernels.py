@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from .c_build import compile_library
+from .c_build import compile_library, open_library
 from .quant_formats import BF16, F16, QuantWeight
 
 log = logging.getLogger(__name__)
@@ -59,16 +58,12 @@ def load() -> "QuantKernels | None":
     global _loaded
     with _lock:
         if _loaded is False:
-            _loaded = None
-            if os.environ.get("TARTLET_QUANT_KERNELS", "1") == "0":
-                log.info("quantized CPU kernels disabled by TARTLET_QUANT_KERNELS=0")
-            else:
-                torch.zeros(2).sum()  # make sure torch's OpenMP runtime is loaded first
-                try:
-                    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
-                    _loaded = QuantKernels(ctypes.CDLL(str(compile_library("quant_kernels", _SOURCE, flags, _HEADERS))))
-                except (RuntimeError, OSError) as e:
-                    log.warning("quantized CPU kernels unavailable, GGUF weights will be dequantized: %s", e)
+            flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+            lib = open_library(
+                lambda: compile_library("quant_kernels", _SOURCE, flags, _HEADERS), "TARTLET_QUANT_KERNELS",
+                "quantized CPU kernels", "GGUF weights will be dequantized",
+            )  # fmt: skip
+            _loaded = None if lib is None else QuantKernels(lib)
         return _loaded
 
 
