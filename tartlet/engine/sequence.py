@@ -115,7 +115,7 @@ class Sequence:
         need = -(-n1 // ps) - len(self.pages)
         tail_copy = n0 % ps != 0 and not self._tail_private()
         acc = self.account
-        if acc is not None:
+        if acc is not None and (need > 0 or tail_copy):  # most decode steps take no page
             acc.check(fresh=max(0, need) + int(tail_copy))
         with self.pool.lock:
             self.pool.ensure_available(need + int(tail_copy))

@@ -171,7 +171,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         """This instance's page account on ``slot``'s model (made on first use)."""
         acc = self._accounts.get(id(slot))
         if acc is None:
-            acc = slot.accounts.instance(getattr(self, "owner", ""), self.instance_id, getattr(self, "max_pages", None))
+            acc = slot.accounts.instance(self.owner, self.instance_id, self.max_pages)
             self._accounts[id(slot)] = acc
         return acc
 
@@ -310,7 +310,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             KvQuotaError: the snapshot's pages would pass a page quota.
         """
         ctx = self._ctx(handle)
-        ctx.slot.snapshots.save(getattr(self, "owner", ""), ctx.seq, list(ctx.tokens), name)
+        ctx.slot.snapshots.save(self.owner, ctx.seq, list(ctx.tokens), name)
 
     def snapshot_open(self, model: str | None, name: str) -> int:
         """A new context forked from snapshot ``name`` (which stays); a
@@ -323,7 +323,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             LimitError: too many open contexts.
         """
         slot = self.state.model(model)
-        snap, src = slot.snapshots.fork_source(getattr(self, "owner", ""), name)
+        snap, src = slot.snapshots.fork_source(self.owner, name)
         seq = self._new_seq(slot)
         fresh = 1 if len(snap.tokens) % slot.engine.pool.page_size else 0
         child = HostContext(slot, seq, list(snap.tokens))
@@ -341,7 +341,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         """
         slot = self.state.model(model)
         seq = self._new_seq(slot)
-        tokens = slot.snapshots.take(getattr(self, "owner", ""), name, seq)
+        tokens = slot.snapshots.take(self.owner, name, seq)
         return self._add(HostContext(slot, seq, list(tokens)))
 
     def snapshot_delete(self, model: str | None, name: str) -> None:
@@ -350,12 +350,12 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         Raises:
             SnapshotError: absent, or a public snapshot of another user.
         """
-        self.state.model(model).snapshots.delete(getattr(self, "owner", ""), name)
+        self.state.model(model).snapshots.delete(self.owner, name)
 
     def snapshot_names(self, model: str | None) -> list[str]:
         """Snapshot names this instance's user can open (its own and the
         ``public/`` ones), sorted."""
-        return self.state.model(model).snapshots.names(getattr(self, "owner", ""))
+        return self.state.model(model).snapshots.names(self.owner)
 
     # -- forward pass ----------------------------------------------------------
     def forward(
@@ -421,7 +421,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                     raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
             slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
-            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=getattr(self, "owner", ""))
+            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner)
             fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
