@@ -174,10 +174,11 @@ class SnapshotRegistry:
             return [s for s in self._by_key.values() if s.owner == owner]
 
     def count(self, owner: str, locked: bool = False) -> int:
-        if locked:
-            return sum(1 for s in self._by_key.values() if s.owner == owner)
-        with self._lock:
-            return sum(1 for s in self._by_key.values() if s.owner == owner)
+        """Snapshots ``owner`` holds (``locked``: the caller holds the lock)."""
+        if not locked:
+            with self._lock:
+                return self.count(owner, locked=True)
+        return sum(1 for s in self._by_key.values() if s.owner == owner)
 
     def __len__(self) -> int:
         with self._lock:
