@@ -59,29 +59,35 @@ def serve(
     max_instances: Optional[int] = typer.Option(None, help="Running instances per user."),
 ) -> None:
     """Serve inferlets over WebSocket (/ws) and HTTP (/v1 OpenAI-compatible, /health, /metrics)."""
+    from pydantic import ValidationError
+
     from ..engine.loader import ModelLoadError
+    from ..runtime.config import format_errors
     from ..server.app import serve as run_server
 
     cfg = _load(config)
-    if host is not None:
-        cfg.host = host
-    if port is not None:
-        cfg.port = port
-    if data_dir is not None:
-        cfg.data_dir, cfg.program_dir, cfg.store_path, cfg.auth.keys_file = data_dir, "", "", ""
-        cfg.resolve_paths()
-    if model is not None:
-        cfg.models = [type(cfg.models[0])(model=model)]
-    if kv_cache_mb is not None:
-        for m in cfg.models:
-            m.kv_cache_mb = kv_cache_mb
-    cfg.http.allow_hosts += allow_host
-    if max_pages is not None:
-        cfg.limits.max_pages_per_instance = max_pages
-    if max_wall_time is not None:
-        cfg.limits.max_wall_time_s = max_wall_time
-    if max_instances is not None:
-        cfg.limits.max_instances_per_user = max_instances
+    try:  # each assignment is validated like the file's keys
+        if host is not None:
+            cfg.host = host
+        if port is not None:
+            cfg.port = port
+        if data_dir is not None:
+            cfg.data_dir, cfg.program_dir, cfg.store_path, cfg.auth.keys_file = data_dir, "", "", ""
+            cfg.resolve_paths()
+        if model is not None:
+            cfg.models = [type(cfg.models[0])(model=model)]
+        if kv_cache_mb is not None:
+            for m in cfg.models:
+                m.kv_cache_mb = kv_cache_mb
+        cfg.http.allow_hosts = cfg.http.allow_hosts + allow_host
+        if max_pages is not None:
+            cfg.limits.max_pages_per_instance = max_pages
+        if max_wall_time is not None:
+            cfg.limits.max_wall_time_s = max_wall_time
+        if max_instances is not None:
+            cfg.limits.max_instances_per_user = max_instances
+    except ValidationError as e:
+        _fail(format_errors(e, "command line"))
     try:
         run_server(cfg, auth=not no_auth)
     except (ModelLoadError, ValueError, OSError) as e:

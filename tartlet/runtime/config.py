@@ -1,4 +1,4 @@
-"""Server configuration (TOML).
+"""Server configuration (TOML), as pydantic models.
 
 ``tartlet config init`` writes a commented default file; ``tartlet serve``
 reads it with :func:`load_config`. Layout::
@@ -24,12 +24,20 @@ reads it with :func:`load_config`. Layout::
                max_builds_per_user
     [auth]     enabled, keys_file
     [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
+    [mcp.servers.NAME]  url, description: MCP servers inferlets open by name
+               (tartlet.mcp); each url is allowed to every inferlet
     [programs] allow_uploads, uploaded_runtime ("wasm": sandboxed, the default;
                or "native"), installed_runtime ("native", the default, or
                "wasm"), sandbox_memory_mb, sandbox_cpu_time_s
+    [mcp.servers.NAME]  url, headers: an MCP server inferlets may call
 
-Missing keys take the defaults below; unknown keys are an error (a typo
-must not silently change a limit).
+Missing keys take the defaults below. Every table is validated strictly:
+unknown keys are an error (a typo must not silently change a limit) and
+values must have the TOML type of their key (``kv_cache_mb = "1024"`` is
+refused, not converted); the error names the file and the key path
+(``[[models]] #1 kv_cache_mb``). The models are mutable and validate
+assignments too, so the ``tartlet serve`` flags that override the file are
+checked the same way.
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..engine.engine import EngineConfig
+from ..engine.quant_formats import QUANTIZE_TYPES
 from ..host.kv_quotas import KvLimits
 
 
@@ -68,8 +79,17 @@ def default_config_path() -> Path:
     return Path(platformdirs.user_config_dir("tartlet")) / "config.toml"
 
 
-@dataclass
-class LimitsConfig:
+class _Table(BaseModel):
+    """A TOML table: strict types, no unknown keys, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class LimitsConfig(_Table):
     """Per-instance and per-user limits (None: unlimited).
 
     Attributes:
@@ -124,23 +144,23 @@ class LimitsConfig:
             ``max_instances_per_user``. Over it: launch error ``limit``.
     """
 
-    max_pages_per_instance: int | None = None
-    max_pages_per_user: int | None = None
-    pool_fraction_per_user: float | None = 0.5
-    max_snapshot_pages_per_user: int | None = None
-    max_snapshots_per_user: int | None = 1024
-    max_contexts_per_instance: int | None = 4096
-    max_snapshot_disk_mb_per_user: float | None = 4096.0
-    max_wall_time_s: float | None = 600.0
-    max_instances_per_user: int | None = 64
-    max_message_bytes: int = 8 * 2**20
-    max_upload_bytes: int = 8 * 2**20
-    max_json_depth: int = 64
-    max_session_message_bytes: int = 4 * 2**20
-    max_backlog_bytes: int = 16 * 2**20
-    max_messaging_bytes_per_user: int = 64 * 2**20
-    max_topics_per_user: int = 1024
-    max_builds_per_user: int = 1
+    max_pages_per_instance: PositiveInt | None = None
+    max_pages_per_user: PositiveInt | None = None
+    pool_fraction_per_user: Annotated[float, Field(gt=0, le=1)] | None = 0.5
+    max_snapshot_pages_per_user: PositiveInt | None = None
+    max_snapshots_per_user: PositiveInt | None = 1024
+    max_contexts_per_instance: PositiveInt | None = 4096
+    max_snapshot_disk_mb_per_user: Annotated[float, Field(gt=0)] | None = 4096.0
+    max_wall_time_s: Seconds | None = 600.0
+    max_instances_per_user: PositiveInt | None = 64
+    max_message_bytes: PositiveInt = 8 * 2**20
+    max_upload_bytes: PositiveInt = 8 * 2**20
+    max_json_depth: PositiveInt = 64
+    max_session_message_bytes: PositiveInt = 4 * 2**20
+    max_backlog_bytes: PositiveInt = 16 * 2**20
+    max_messaging_bytes_per_user: PositiveInt = 64 * 2**20
+    max_topics_per_user: PositiveInt = 1024
+    max_builds_per_user: PositiveInt = 1
 
     def kv_limits(self, auth: bool) -> KvLimits:
         """The KV and snapshot limits for the host (``auth``: whether users
@@ -155,8 +175,7 @@ class LimitsConfig:
         )
 
 
-@dataclass
-class AuthConfig:
+class AuthConfig(_Table):
     """``enabled``: refuse clients without a valid key. ``keys_file``: the
     JSON file of ``tartlet auth`` (default ``<data_dir>/keys.json``)."""
 
@@ -164,19 +183,20 @@ class AuthConfig:
     keys_file: str = ""
 
 
-@dataclass
-class HttpConfig:
+class HttpConfig(_Table):
     """HTTP from inferlets: only hosts in ``allow_hosts`` (``"example.com"``,
     ``"*.example.com"``, ``"127.0.0.1:8000"``); bodies and time bounded."""
 
-    allow_hosts: list[str] = field(default_factory=list)
-    max_response_bytes: int = 4 * 2**20
-    max_request_bytes: int = 2**20
-    timeout_s: float = 30.0
+    allow_hosts: list[str] = Field(default_factory=list)
+    max_response_bytes: PositiveInt = 4 * 2**20
+    max_request_bytes: PositiveInt = 2**20
+    timeout_s: Seconds = 30.0
 
 
-@dataclass
-class ProgramsConfig:
+Runtime = Literal["native", "wasm"]
+
+
+class ProgramsConfig(_Table):
     """Which runtime runs which programs.
 
     Attributes:
@@ -187,38 +207,131 @@ class ProgramsConfig:
         installed_runtime: the same choice for inferlet folders installed
             in ``program_dir`` and the bundled ones (default ``"native"``).
             ``.wasm`` components always run sandboxed.
-        sandbox_memory_mb: linear-memory cap of a sandboxed instance, MiB.
+        sandbox_memory_mb: linear-memory cap of a sandboxed instance, MiB
+            (at least 32).
         sandbox_cpu_time_s: CPU-time limit of a sandboxed instance, seconds
             (time blocked on the model does not count).
     """
 
     allow_uploads: bool = True
-    uploaded_runtime: str = "wasm"
-    installed_runtime: str = "native"
-    sandbox_memory_mb: int = 512
-    sandbox_cpu_time_s: float = 60.0
+    uploaded_runtime: Runtime = "wasm"
+    installed_runtime: Runtime = "native"
+    sandbox_memory_mb: Annotated[int, Field(ge=32)] = 512
+    sandbox_cpu_time_s: Seconds = 60.0
 
 
-@dataclass
-class ServerConfig:
-    """Everything ``tartlet serve`` needs."""
+class McpServerConfig(_Table):
+    """One ``[mcp.servers.NAME]`` table: an MCP server inferlets may call.
+
+    Attributes:
+        url: the server's endpoint, ``http://`` or ``https://``.
+        headers: HTTP headers sent with every request (an ``Authorization``
+            token, for instance).
+    """
+
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+
+class McpConfig(_Table):
+    """``[mcp]``: ``servers`` maps a name to its :class:`McpServerConfig`."""
+
+    servers: dict[str, McpServerConfig] = Field(default_factory=dict)
+
+
+_DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
+
+#: The [[models]] keys whose values are narrower than EngineConfig's types say.
+_MODEL_KEY_TYPES: dict[str, Any] = {
+    "dtype": _DTYPE,
+    "kv_dtype": _DTYPE,
+    "quantize": Literal[tuple(QUANTIZE_TYPES)] | None,  # type: ignore[valid-type]
+    "page_size": PositiveInt,
+    "kv_cache_mb": PositiveInt,
+    "max_batch_tokens": PositiveInt,
+    "batch_wait_ms": Annotated[float, Field(ge=0)],
+    "threads": PositiveInt | None,
+    "act_bits": Literal[8, 16],
+}
+
+
+def _model_table() -> type[_Table]:
+    """The ``[[models]]`` table, generated from :class:`EngineConfig` so its
+    keys and defaults are defined once (there)."""
+    hints = typing.get_type_hints(EngineConfig)
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert set(_MODEL_KEY_TYPES) <= set(names), set(_MODEL_KEY_TYPES) - set(names)
+    fields: dict[str, Any] = {
+        f.name: (_MODEL_KEY_TYPES.get(f.name, hints[f.name]), f.default) for f in dataclasses.fields(EngineConfig)
+    }
+    return create_model("ServedModel", __base__=_Table, __doc__=EngineConfig.__doc__, **fields)
+
+
+class ServedModel(_model_table()):  # type: ignore[misc]
+    """One ``[[models]]`` table: the fields of :class:`EngineConfig` (see
+    there for each key), validated."""
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings of this model."""
+        return EngineConfig(**self.model_dump())
+
+
+class ServerConfig(_Table):
+    """Everything ``tartlet serve`` needs.
+
+    Empty paths are filled from ``data_dir`` (itself defaulting to
+    ``$TARTLET_DATA_DIR`` or the user data dir) when the config is built;
+    after changing ``data_dir``, clear them and call :meth:`resolve_paths`.
+
+    Raises (when built or assigned):
+        pydantic.ValidationError: unknown keys, wrong types, values out of
+            range (:func:`config_from_dict` turns it into :class:`ConfigError`).
+    """
 
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
     data_dir: str = ""
     program_dir: str = ""
     store_path: str = ""
-    models: list[EngineConfig] = field(default_factory=lambda: [EngineConfig()])
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    http: HttpConfig = field(default_factory=HttpConfig)
-    programs: ProgramsConfig = field(default_factory=ProgramsConfig)
+    models: list[ServedModel] = Field(default_factory=lambda: [ServedModel()], min_length=1)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    programs: ProgramsConfig = Field(default_factory=ProgramsConfig)
+    mcp: McpConfig = Field(default_factory=McpConfig)
 
-    def __post_init__(self) -> None:
-        self.resolve_paths()
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_paths(cls, data: Any) -> Any:
+        """Empty or missing paths of the raw table, filled from ``data_dir``
+        (a table that is not a dict is left for validation to refuse)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        dd = data.get("data_dir") or ""
+        if not isinstance(dd, str):
+            return data
+        base = Path(dd).expanduser() if dd else _data_home()
+        data["data_dir"] = str(base)
+        data["program_dir"] = data.get("program_dir") or str(base / "programs")
+        data["store_path"] = data.get("store_path") or str(base / "store.sqlite")
+        auth = data.get("auth", {})
+        if isinstance(auth, dict) and not auth.get("keys_file"):
+            data["auth"] = {**auth, "keys_file": str(base / "keys.json")}
+        elif isinstance(auth, AuthConfig) and not auth.keys_file:
+            data["auth"] = auth.model_copy(update={"keys_file": str(base / "keys.json")})
+        return data
 
     def resolve_paths(self) -> None:
-        """Fill empty paths from ``data_dir`` (default: the user data dir)."""
+        """Fill empty paths from ``data_dir`` (default: the user data dir),
+        after a change of ``data_dir`` that cleared them."""
         data = Path(self.data_dir).expanduser() if self.data_dir else _data_home()
         self.data_dir = str(data)
         self.program_dir = self.program_dir or str(data / "programs")
@@ -230,64 +343,69 @@ class ServerConfig:
         return Path(self.data_dir) / "uploads"
 
 
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a table, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    try:
-        return cls(**raw)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
+def _where(loc: tuple[int | str, ...], table: bool = False) -> str:
+    """A pydantic error location as the TOML reader sees it:
+    ``('models', 0, 'kv_cache_mb')`` -> ``[[models]] #1 kv_cache_mb``;
+    ``table``: the location is a table (``('limits',)`` -> ``[limits]``)."""
+    parts = [str(p) for p in loc]
+    if parts[:1] == ["models"] and (len(loc) == 1 or isinstance(loc[1], int)):
+        head = "[[models]]" + (f" #{int(loc[1]) + 1}" if len(loc) > 1 else "")
+        parts = parts[2:]
+    elif table or len(parts) > 1:
+        n = len(parts) if table else 3 if parts[0] == "mcp" and len(parts) > 3 else 1  # [mcp.servers.NAME] key
+        head, parts = f"[{'.'.join(parts[:n])}]", parts[n:]
+    else:
+        head = ""
+    return " ".join(p for p in (head, ".".join(parts)) if p)
+
+
+def _table_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config model of the table at ``loc`` (None: not a table)."""
+    t: Any = ServerConfig
+    for part in loc:
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            if not isinstance(part, str) or part not in t.model_fields:
+                return None
+            t = t.model_fields[part].annotation
+        elif typing.get_origin(t) in (list, dict):
+            t = typing.get_args(t)[-1]
+        else:
+            return None
+    return t if isinstance(t, type) and issubclass(t, BaseModel) else None
+
+
+def _error_line(err: Any) -> str:
+    loc, kind = tuple(err["loc"]), err["type"]
+    if kind == "extra_forbidden":
+        table = _table_at(loc[:-1])
+        known = f" (known: {', '.join(table.model_fields)})" if table else ""
+        return f"{_where(loc)}: unknown key{known}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{_where(loc, table=True)}: must be a table, got {type(err['input']).__name__}"
+    if kind == "missing":
+        return f"{_where(loc)}: missing (required)"
+    if loc == ("models",) and kind == "too_short":
+        return "[[models]]: must list at least one model"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{_where(loc)}: {msg[:1].lower()}{msg[1:]}, got {err['input']!r}"
+
+
+def format_errors(e: ValidationError, where: str = "config") -> str:
+    """One line per error of ``e``: ``WHERE: [table] key: what is wrong, got VALUE``."""
+    return "\n".join(f"{where}: {_error_line(err)}" for err in e.errors())
 
 
 def config_from_dict(raw: dict[str, Any], where: str = "config") -> ServerConfig:
-    """A :class:`ServerConfig` from parsed TOML.
+    """A :class:`ServerConfig` from parsed TOML (``where``: the file, for messages).
 
     Raises:
-        ConfigError: unknown keys, wrong types, no models.
+        ConfigError: unknown keys, wrong types, values out of range, no
+            models; the message names ``where`` and each key path.
     """
-    raw = dict(raw)
-    sub = {
-        "limits": LimitsConfig, "auth": AuthConfig, "http": HttpConfig, "programs": ProgramsConfig,
-    }
-    built: dict[str, Any] = {}
-    for key, cls in sub.items():
-        if key in raw:
-            built[key] = _build(cls, raw.pop(key), f"{where} [{key}]")
-    if "models" in raw:
-        models = raw.pop("models")
-        if not isinstance(models, list) or not models:
-            raise ConfigError(f"{where}: [[models]] must list at least one model")
-        built["models"] = [_build(EngineConfig, m, f"{where} [[models]] #{i + 1}") for i, m in enumerate(models)]
-    cfg = _build(ServerConfig, {**raw, **built}, where)
-    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
-        raise ConfigError(f"{where}: port must be an int in [0, 65535], got {cfg.port!r}")
-    for key in ("uploaded_runtime", "installed_runtime"):
-        if getattr(cfg.programs, key) not in ("native", "wasm"):
-            raise ConfigError(f"{where} [programs]: {key} must be 'native' or 'wasm', got {getattr(cfg.programs, key)!r}")
-    for key in ("max_message_bytes", "max_upload_bytes", "max_json_depth", "max_session_message_bytes",
-                "max_backlog_bytes", "max_messaging_bytes_per_user", "max_topics_per_user", "max_builds_per_user"):
-        v = getattr(cfg.limits, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{where} [limits]: {key} must be a positive int, got {v!r}")
-    for key in ("max_pages_per_instance", "max_pages_per_user", "max_snapshot_pages_per_user",
-                "max_snapshots_per_user", "max_contexts_per_instance"):
-        v = getattr(cfg.limits, key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"{where} [limits]: {key} must be a positive int (or absent: unlimited), got {v!r}")
-    for key, top in (("pool_fraction_per_user", 1.0), ("max_snapshot_disk_mb_per_user", float("inf"))):
-        v = getattr(cfg.limits, key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top):
-            raise ConfigError(f"{where} [limits]: {key} must be a number in (0, {top}], got {v!r}")
-    mem, cpu = cfg.programs.sandbox_memory_mb, cfg.programs.sandbox_cpu_time_s
-    if isinstance(mem, bool) or not isinstance(mem, int) or mem < 32:
-        raise ConfigError(f"{where} [programs]: sandbox_memory_mb must be an int >= 32 (MiB), got {mem!r}")
-    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
-        raise ConfigError(f"{where} [programs]: sandbox_cpu_time_s must be a positive number, got {cpu!r}")
-    return cfg
+    try:
+        return ServerConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, where)) from None
 
 
 def load_config(path: Path | str | None = None) -> ServerConfig:
@@ -318,8 +436,10 @@ def render_config(cfg: ServerConfig) -> str:
     """``cfg`` as TOML text (round-trips through :func:`config_from_dict`)."""
     import tomli_w
 
-    d = dataclasses.asdict(cfg)
+    d = cfg.model_dump()
     d["models"] = [_clean(m) for m in d["models"]]
+    if not d["mcp"]["servers"]:
+        del d["mcp"]
     header = (
         "# Tartlet server configuration (`tartlet serve --config THIS_FILE`).\n"
         "# Limits left out are unlimited. [programs] uploaded_runtime = \"wasm\" runs\n"

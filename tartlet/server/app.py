@@ -142,7 +142,7 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
 
     state = HostState()
     for m in cfg.models:
-        state.add_engine(Engine.load(m, progress=progress), name=m.model)
+        state.add_engine(Engine.load(m.engine_config(), progress=progress), name=m.model)
     lim = cfg.limits
     state.bus = MessageBus(lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
     Path(cfg.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a new data dir is the server user's only
