@@ -116,7 +116,7 @@ async def main(args):
 
 
 def kv_pages(metrics: str) -> dict[str, int]:
-    return {s: int(n) for s, n in re.findall(rf'tartlet_kv_pages\{{model="{MODEL}",state="(\w+)"\}} (\d+)', metrics)}
+    return {s: int(float(n)) for s, n in re.findall(rf'tartlet_kv_pages\{{model="{MODEL}",state="(\w+)"\}} (\S+)', metrics)}
 
 
 # -- the server -------------------------------------------------------------------------

@@ -71,10 +71,13 @@ class ServerProcess:
 
     def pages(self, state: str = "used") -> int:
         """KV pages in ``state`` (used, cached, free), read from /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = self.get("/metrics").text
-        m = re.search(rf'tartlet_kv_pages\{{model="[^"]+",state="{state}"\}} (\d+)', text)
-        assert m, text
-        return int(m.group(1))
+        values = [s.value for fam in text_string_to_metric_families(text) if fam.name == "tartlet_kv_pages"
+                  for s in fam.samples if s.labels.get("state") == state]
+        assert values, text
+        return int(values[0])
 
     def wait_pages_free(self, timeout: float = 30) -> None:
         """Wait until no KV page is in use (every instance ended and freed)."""

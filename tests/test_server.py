@@ -365,7 +365,7 @@ async def test_health_and_metrics(setup, server):
     for name in ("tartlet_tokens_generated_total", "tartlet_batch_size_bucket", "tartlet_kv_pages",
                  "tartlet_running_instances", "tartlet_queue_wait_seconds_total"):
         assert name in text
-    generated = int(next(ln for ln in text.splitlines() if ln.startswith("tartlet_tokens_generated_total")).split()[-1])
+    generated = float(next(ln for ln in text.splitlines() if ln.startswith("tartlet_tokens_generated_total")).split()[-1])
     assert generated > 0
 
 

@@ -51,7 +51,7 @@ from .batch import BatchItem, build_batch
 from .kv_accounting import KvQuotaError
 from .kv_cache import KvCacheFullError, PagePool
 from .llama import LlamaModel
-from .sampler import OutputSlot, SlotSampler
+from .sampler import OutputSlot, SamplerSpec, SlotSampler
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -108,13 +108,21 @@ class Command:
 
 @dataclass
 class SchedulerStats:
-    """Counters since start (monotonic; read without locking)."""
+    """Counters since start (monotonic; read without locking).
+
+    ``tokens_generated`` counts the tokens sampled: output slots with a
+    sampler that yielded a token (probes excluded; with speculative decoding
+    every verified position counts, accepted or not). ``decode_steps``
+    counts single-token request chunks, which differs from it whenever a
+    pass samples several positions or none.
+    """
 
     model_calls: int = 0
     batched_requests: int = 0
     tokens_computed: int = 0
     prefix_tokens_reused: int = 0
     decode_steps: int = 0
+    tokens_generated: int = 0
     forward_seconds: float = 0.0
     queue_wait_seconds: float = 0.0
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
@@ -393,6 +401,9 @@ class Scheduler:
         st.batch_sizes[len(items)] += 1
         st.tokens_computed += sum(it.n for it in items)
         st.decode_steps += sum(1 for it in items if it.n == 1)
+        st.tokens_generated += sum(
+            1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
+        )
         k = 0
         finished: list[ForwardRequest] = []
         for it in items:

@@ -109,8 +109,11 @@ def build_app(service: Service) -> Starlette:
             "auth": service.auth,
         })
 
+    registry = metrics.make_registry(service)
+
     async def metrics_route(request: Request) -> Response:
-        return PlainTextResponse(metrics.render(service), media_type="text/plain; version=0.0.4")
+        body, content_type = metrics.render(registry, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     routes = [
         WebSocketRoute("/ws", ws_endpoint),

@@ -1,67 +1,102 @@
-"""``/metrics`` in the Prometheus text exposition format (version 0.0.4).
+"""``/metrics``: Prometheus metrics of one server, via ``prometheus_client``.
 
-Counters come from each engine's ``scheduler.stats`` and gauges from
-``pool.stats()`` and the runtime; read without locks (monotonic counters,
-a scrape may be one batch stale).
+Each server has its own :class:`prometheus_client.CollectorRegistry` (from
+:func:`make_registry`), never the process-wide default one, so several apps
+in one process (tests) do not collide. Its one collector reads the values at
+scrape time: counters from each engine's ``scheduler.stats``
+(:class:`tartlet.engine.scheduler.SchedulerStats`), gauges from
+``pool.stats()`` and the service; read without locks (monotonic counters, a
+scrape may be one batch stale).
+
+Names follow the Prometheus conventions: counters end in ``_total``, units
+are spelled in the name (``_seconds``, ``_bytes``), labels ``model`` (the
+served model's name) and ``state`` (KV pages).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from .service import Service
 
 #: Upper bounds of the batch-size histogram buckets (requests per model call).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+#: (metric name without ``_total``, SchedulerStats field, help) of the per-model counters.
+_SCHEDULER_COUNTERS = (
+    ("tartlet_tokens_generated", "tokens_generated",
+     "Tokens sampled by the engine (probes excluded; speculative drafts count when verified)."),
+    ("tartlet_decode_steps", "decode_steps", "Single-token forward request chunks run (decode steps)."),
+    ("tartlet_tokens_computed", "tokens_computed", "Tokens run through the model (prefill and decode)."),
+    ("tartlet_prefix_tokens_reused", "prefix_tokens_reused",
+     "Prompt tokens served from the prefix cache instead of computed."),
+    ("tartlet_model_calls", "model_calls", "Batched model calls."),
+    ("tartlet_forward_seconds", "forward_seconds", "Time spent in model calls, seconds."),
+    ("tartlet_queue_wait_seconds", "queue_wait_seconds",
+     "Summed wait of forward requests between submission and their batch, seconds."),
+    ("tartlet_forward_requests", "batched_requests",
+     "Forward requests batched (divide queue wait by this for the mean)."),
+)
 
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+class ServerCollector(Collector):
+    """Yields the metrics of ``service`` at each scrape."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        service = self.service
+        models = [(name, served.engine) for name, served in service.state.models.items()]
+        for name, field, help_ in _SCHEDULER_COUNTERS:
+            c = CounterMetricFamily(name, help_, labels=["model"])
+            for model, engine in models:
+                c.add_metric([model], getattr(engine.scheduler.stats, field))
+            yield c
+        h = HistogramMetricFamily("tartlet_batch_size", "Requests per model call.", labels=["model"])
+        for model, engine in models:
+            sizes = dict(engine.scheduler.stats.batch_sizes)
+            buckets = [(str(b), sum(c for k, c in sizes.items() if k <= b)) for b in BATCH_BUCKETS]
+            h.add_metric([model], buckets + [("+Inf", sum(sizes.values()))], sum(k * c for k, c in sizes.items()))
+        yield h
+        pages = GaugeMetricFamily(
+            "tartlet_kv_pages", "KV pages by state: used (referenced), cached (reusable), free.", labels=["model", "state"]
+        )
+        pool_pages = GaugeMetricFamily("tartlet_kv_pool_pages", "KV pages in the pool.", labels=["model"])
+        pool_bytes = GaugeMetricFamily("tartlet_kv_pool_bytes", "Memory of the KV page pool (keys and values), bytes.",
+                                       labels=["model"])
+        for model, engine in models:
+            st = engine.pool.stats()
+            for state in ("used", "cached", "free"):
+                pages.add_metric([model, state], getattr(st, state))
+            pool_pages.add_metric([model], st.total)
+            pool_bytes.add_metric([model], engine.pool.k.nbytes + engine.pool.v.nbytes)
+        yield from (pages, pool_pages, pool_bytes)
+        yield GaugeMetricFamily("tartlet_running_instances", "Inferlet instances running now.", value=service.running())
+        yield CounterMetricFamily("tartlet_instances_launched", "Instances launched by clients and API requests.",
+                                  value=service.launched)
+        yield CounterMetricFamily("tartlet_limit_refusals", "Launches refused by the per-user instance limit.",
+                                  value=service.limit_refusals)
 
 
-def render(service: Service) -> str:
-    """All metrics as Prometheus text."""
-    lines: list[str] = []
+def make_registry(service: Service) -> CollectorRegistry:
+    """A new registry holding the metrics of ``service`` (one per server)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(service))
+    return registry
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{name}{labels} {value:g}" if isinstance(value, float) else f"{name}{labels} {value}")
 
-    models = list(service.state.models.items())
+def render(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
+    """The exposition of ``registry`` in the format the ``Accept`` header
+    asks for (Prometheus text by default, OpenMetrics on request).
 
-    def per_model(fn) -> list[tuple[str, float]]:  # type: ignore[no-untyped-def]
-        return [(f'{{model="{_esc(n)}"}}', fn(s.engine)) for n, s in models]
-
-    metric("tartlet_tokens_generated_total", "counter",
-           "Tokens generated: single-token (decode) forward passes run.", per_model(lambda e: e.scheduler.stats.decode_steps))
-    metric("tartlet_tokens_computed_total", "counter",
-           "Tokens run through the model (prefill and decode).", per_model(lambda e: e.scheduler.stats.tokens_computed))
-    metric("tartlet_prefix_tokens_reused_total", "counter",
-           "Prompt tokens served from the prefix cache instead of computed.", per_model(lambda e: e.scheduler.stats.prefix_tokens_reused))
-    metric("tartlet_model_calls_total", "counter", "Batched model calls.", per_model(lambda e: e.scheduler.stats.model_calls))
-    metric("tartlet_forward_seconds_total", "counter", "Time spent in model calls, seconds.",
-           per_model(lambda e: float(e.scheduler.stats.forward_seconds)))
-    metric("tartlet_queue_wait_seconds_total", "counter",
-           "Summed wait of forward requests between submission and their batch, seconds.",
-           per_model(lambda e: float(e.scheduler.stats.queue_wait_seconds)))
-    metric("tartlet_forward_requests_total", "counter", "Forward requests batched (divide queue wait by this for the mean).",
-           per_model(lambda e: e.scheduler.stats.batched_requests))
-    # batch-size histogram
-    lines.append("# HELP tartlet_batch_size Requests per model call.")
-    lines.append("# TYPE tartlet_batch_size histogram")
-    for n, s in models:
-        sizes = dict(s.engine.scheduler.stats.batch_sizes)
-        label = _esc(n)
-        for b in BATCH_BUCKETS:
-            lines.append(f'tartlet_batch_size_bucket{{model="{label}",le="{b}"}} {sum(c for k, c in sizes.items() if k <= b)}')
-        lines.append(f'tartlet_batch_size_bucket{{model="{label}",le="+Inf"}} {sum(sizes.values())}')
-        lines.append(f'tartlet_batch_size_sum{{model="{label}"}} {sum(k * c for k, c in sizes.items())}')
-        lines.append(f'tartlet_batch_size_count{{model="{label}"}} {sum(sizes.values())}')
-    kv = [(n, s.engine.pool.stats()) for n, s in models]
-    metric("tartlet_kv_pages", "gauge", "KV pages by state: used (referenced), cached (reusable), free.",
-           [(f'{{model="{_esc(n)}",state="{k}"}}', getattr(st, k)) for n, st in kv for k in ("used", "cached", "free")])
-    metric("tartlet_kv_pages_total", "gauge", "KV pages in the pool.", [(f'{{model="{_esc(n)}"}}', st.total) for n, st in kv])
-    metric("tartlet_running_instances", "gauge", "Inferlet instances running now.", [("", service.running())])
-    metric("tartlet_instances_launched_total", "counter", "Instances launched by clients and API requests.", [("", service.launched)])
-    metric("tartlet_limit_refusals_total", "counter", "Launches refused by the per-user instance limit.", [("", service.limit_refusals)])
-    return "\n".join(lines) + "\n"
+    Returns:
+        (body, content type).
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
