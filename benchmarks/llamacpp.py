@@ -67,13 +67,10 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 
 
 def cache_root() -> Path:
-    """``llama.cpp/`` under Tartlet's cache folder (``$TARTLET_CACHE_DIR``, else the user cache dir)."""
-    env = os.environ.get("TARTLET_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "llama.cpp"
-    import platformdirs
+    """``llama.cpp/`` under Tartlet's cache folder (:func:`tartlet.paths.cache_dir`)."""
+    from tartlet.paths import cache_dir
 
-    return Path(platformdirs.user_cache_dir("tartlet")) / "llama.cpp"
+    return cache_dir() / "llama.cpp"
 
 
 def bin_dir(version: str = VERSION) -> Path:

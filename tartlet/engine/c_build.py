@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ..paths import kernels_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -34,13 +36,6 @@ def cpu_flags() -> set[str]:
         pass
     return set()
 
-
-def kernel_cache_dir() -> Path:
-    """``kernels/`` under Tartlet's cache folder: ``$TARTLET_CACHE_DIR``, else
-    the user cache dir (the convention of :func:`tartlet.runtime.builder.cache_dir`)."""
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("TARTLET_CACHE_DIR") or user_cache_dir("tartlet")).expanduser() / "kernels"
 
 
 def find_compiler() -> str | None:
@@ -68,7 +63,7 @@ def compile_library(name: str, source: Path, flags: list[str], headers: tuple[Pa
         raise RuntimeError("no C compiler found (set CC)")
     text = b"".join(p.read_bytes() for p in (source, *headers))
     key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = kernel_cache_dir() / f"{name}-{key}.so"
+    out = kernels_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from tartlet.engine.loader import ModelLoadError
+from tartlet.paths import models_dir
 
 Progress = Callable[[str], None]
 
@@ -144,16 +145,6 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 _MARKER = ".verified.json"
-
-
-def models_dir() -> Path:
-    """Root of the model cache: ``$TARTLET_MODELS_DIR``, else ``<user cache>/tartlet/models``."""
-    env = os.environ.get("TARTLET_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("tartlet")) / "models"
 
 
 def _spec(name: str) -> ModelSpec:

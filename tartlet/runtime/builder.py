@@ -21,7 +21,8 @@ inferlet's top-level code run once at build time, not per launch.
 
 Builds are cached by content hash (inferlet files + SDK + WIT + deps +
 componentize-py version) under ``<cache>/builds/<hash>.wasm``; the cache is
-``$TARTLET_CACHE_DIR`` or the platform's user cache folder.
+``$TARTLET_CACHE_DIR`` or the platform's user cache folder
+(:func:`tartlet.paths.cache_dir`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..paths import cache_dir
 from .program import Program, ProgramError, load_program
 
 #: The WIT contract (package tartlet:inferlet@0.1.0), world ``inferlet``.
@@ -66,22 +68,17 @@ class BuildError(RuntimeError):
     """A build that failed; the message carries componentize-py's output."""
 
 
-def cache_dir() -> Path:
-    """Tartlet's cache folder (``$TARTLET_CACHE_DIR`` or the user cache dir)."""
-    env = os.environ.get("TARTLET_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("tartlet"))
+#: Top-level modules of the ``tartlet`` package that are not SDK: never bundled.
+HOST_ONLY = frozenset({"paths.py"})
 
 
 def sdk_files() -> dict[str, bytes]:
     """The SDK as bundled: ``{file name: content}`` of the top-level package,
-    with the WASM binding in place of the native one."""
+    with the WASM binding in place of the native one (host-only modules,
+    :data:`HOST_ONLY`, left out)."""
     out = {}
     for f in sorted(SDK_DIR.glob("*.py")):
-        if f.name in ("_binding.py", "_wasm_binding.py"):
+        if f.name in ("_binding.py", "_wasm_binding.py") or f.name in HOST_ONLY:
             continue
         out[f.name] = f.read_bytes()
     out["_binding.py"] = (SDK_DIR / "_wasm_binding.py").read_bytes()

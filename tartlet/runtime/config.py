@@ -43,7 +43,6 @@ checked the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 import typing
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from .. import paths
 from ..engine.engine import EngineConfig
 from ..engine.quant_formats import QUANTIZE_TYPES
 from ..host.kv_quotas import KvLimits
@@ -60,23 +60,9 @@ class ConfigError(ValueError):
     """An invalid configuration file (the message names the file and key)."""
 
 
-def _data_home() -> Path:
-    env = os.environ.get("TARTLET_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("tartlet"))
-
-
 def default_config_path() -> Path:
-    """``$TARTLET_CONFIG``, else ``<user config dir>/tartlet/config.toml``."""
-    env = os.environ.get("TARTLET_CONFIG")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir("tartlet")) / "config.toml"
+    """``$TARTLET_CONFIG``, else ``<user config dir>/config.toml`` (:func:`tartlet.paths.config_path`)."""
+    return paths.config_path()
 
 
 class _Table(BaseModel):
@@ -318,7 +304,7 @@ class ServerConfig(_Table):
         dd = data.get("data_dir") or ""
         if not isinstance(dd, str):
             return data
-        base = Path(dd).expanduser() if dd else _data_home()
+        base = Path(dd).expanduser() if dd else paths.data_dir()
         data["data_dir"] = str(base)
         data["program_dir"] = data.get("program_dir") or str(base / "programs")
         data["store_path"] = data.get("store_path") or str(base / "store.sqlite")
@@ -332,7 +318,7 @@ class ServerConfig(_Table):
     def resolve_paths(self) -> None:
         """Fill empty paths from ``data_dir`` (default: the user data dir),
         after a change of ``data_dir`` that cleared them."""
-        data = Path(self.data_dir).expanduser() if self.data_dir else _data_home()
+        data = Path(self.data_dir).expanduser() if self.data_dir else paths.data_dir()
         self.data_dir = str(data)
         self.program_dir = self.program_dir or str(data / "programs")
         self.store_path = self.store_path or str(data / "store.sqlite")

@@ -24,8 +24,8 @@ from pathlib import Path
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
 
+from ..paths import cache_dir
 from . import wasm_fastcall, wasm_fastlist
-from .builder import cache_dir
 from .program import ProgramError
 
 #: Seconds per epoch tick (the resolution of the CPU-time limit).

@@ -298,11 +298,11 @@ class Service:
         """``text`` with server paths (data dir, caches, temp dir, the Python
         installation) replaced by placeholders such as ``<data>``, so an
         error sent to a client names the problem, not the server's layout."""
-        from ..runtime import builder
+        from .. import paths
 
         places = {
             str(self.cfg.upload_dir): "<upload>", str(self.cfg.data_dir): "<data>", str(self.cfg.program_dir): "<programs>",
-            str(builder.cache_dir()): "<cache>", tempfile.gettempdir(): "<tmp>", sys.prefix: "<python>",
+            str(paths.cache_dir()): "<cache>", tempfile.gettempdir(): "<tmp>", sys.prefix: "<python>",
             sys.base_prefix: "<python>", str(Path(__file__).resolve().parents[2]): "<tartlet>",
         }  # fmt: skip
         for path in sorted(places, key=len, reverse=True):
