@@ -162,8 +162,8 @@ def test_family_matches_transformers(family, kernels, tokenizer, tmp_path):
 def test_unsupported_architecture_names_it(tokenizer, tmp_path):
     path, _ = make_folder("qwen3", tokenizer, tmp_path)
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral"}))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'mixtral' \\(supported: llama, mistral, qwen2, qwen3"):
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'deepseek_v3' \\(supported: llama, mistral, qwen2, qwen3"):
         load_model(path)
 
 

@@ -18,10 +18,11 @@ class ModelConfig:
     Attributes:
         architecture: a key of :data:`tartlet.engine.loader.FAMILIES`
             (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"``,
-            ``"gemma2"``, ``"gemma3"``); the fields below say what differs.
+            ``"gemma2"``, ``"gemma3"``, ``"mixtral"``, ``"qwen2_moe"``,
+            ``"qwen3_moe"``); the fields below say what differs.
         vocab_size: number of rows of the embedding matrix.
         hidden_size: model width ``H``.
-        intermediate_size: SwiGLU inner width.
+        intermediate_size: SwiGLU inner width of the dense MLP layers.
         num_hidden_layers: decoder layers.
         num_attention_heads: query heads.
         num_key_value_heads: key/value heads (grouped-query attention when
@@ -54,6 +55,18 @@ class ModelConfig:
             on attention scores / output logits (Gemma 2), or ``None``.
         rope_local_theta: RoPE base of the sliding layers when it differs
             from ``rope_theta`` (Gemma 3; those layers use no scaling), or ``None``.
+        num_experts: experts ``E`` of each sparse MoE layer (HF ``num_local_experts``
+            / ``num_experts``); 0 for dense models.
+        num_experts_per_tok: experts ``k`` each token is routed to.
+        moe_intermediate_size: SwiGLU inner width of one expert (Mixtral:
+            its ``intermediate_size``).
+        shared_expert_intermediate_size: inner width of the always-on shared
+            expert (Qwen2-MoE), 0 when there is none.
+        norm_topk_prob: the ``k`` routing weights are renormalised to sum to 1
+            (Mixtral always; Qwen-MoE per config); see :mod:`tartlet.engine.moe`.
+        sparse_layers: indexes of the layers whose MLP is the sparse MoE block
+            (HF: ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``);
+            the others have the dense MLP.
         bos_token_id / eos_token_ids / pad_token_id: special token ids.
         name: human-readable model name (from metadata or the folder name).
     """
@@ -81,6 +94,12 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
@@ -93,3 +112,7 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is the sparse MoE block (:mod:`tartlet.engine.moe`)."""
+        return self.num_experts > 0 and i in self.sparse_layers

@@ -30,6 +30,17 @@ Per family (``convert_hf_to_gguf.py`` and ``src/llama-model.cpp`` of llama.cpp):
   ``key_length ** -0.5`` (llama.cpp's choice except for the 27B models).
 * Llama 3.1+: ``rope_freqs`` divides the RoPE frequencies (llama.cpp's
   encoding of ``rope_type = llama3``).
+* MoE (Mixtral, written as ``llama`` with ``llama.expert_count``; ``qwen2moe``;
+  ``qwen3moe``): a layer with ``ffn_gate_inp`` (the router, ``[E, H]``) is
+  sparse; ``ffn_{gate,up,down}_exps`` are 3-D ``[E, out, in]`` tensors (expert
+  ``j``'s matrix is rows ``j * out ... (j + 1) * out - 1`` of the flattened
+  ``[E * out, in]`` matrix, so a quantized expert is a row range of the
+  file's blocks); ``ffn_{gate,up,down}_shexp`` and ``ffn_gate_inp_shexp``
+  (``[H]``) are Qwen2-MoE's shared expert and its sigmoid gate. Metadata:
+  ``expert_count``, ``expert_used_count``; expert widths come from the
+  tensors' shapes. Routing weights are renormalised as llama.cpp's graphs do
+  (``build_moe_ffn``'s ``norm_w``: true for ``llama`` and ``qwen3moe``, false for
+  ``qwen2moe``) unless ``expert_weights_norm`` says otherwise.
 
 Mistral files say ``llama``; llama.cpp's converter does not keep Mistral's
 sliding window, so neither can we (it matters only past 4096 tokens).
@@ -69,6 +80,15 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # 3-D [E, out, in]: one matrix per expert j ({} in the name)
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -84,7 +104,8 @@ _PHI3_NAMES = {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"}
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Hugging Face name of a GGUF tensor of architecture ``arch`` (ours,
-    e.g. ``"gemma3"``), or None for tensors we do not use."""
+    e.g. ``"gemma3"``), or None for tensors we do not use. The 3-D expert
+    tensors (``ffn_*_exps``) get a name with ``{}`` where the expert's index goes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _PHI3_NAMES if arch == "phi3" else _BLOCK_NAMES
@@ -187,6 +208,10 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
             rope_scaling["original_max_position_embeddings"] = int(orig)
     n_layer = int(need("block_count"))
     family: dict[str, Any] = dict(qk_norm="blk.0.attn_q_norm.weight" in tensors)
+    if ours == "llama" and int(_meta(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        ours = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+    if ours in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        family.update(_moe_config(path, reader, arch, ours, tensors, n_layer))
     window = _meta(reader, f"{arch}.attention.sliding_window")
     if ours in ("gemma2", "gemma3"):
         pattern = _meta(reader, f"{arch}.attention.sliding_window_pattern", 2 if ours == "gemma2" else 6)
@@ -211,7 +236,8 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
         architecture=ours,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(need("feed_forward_length") if not family.get("num_experts")
+                              else _meta(reader, f"{arch}.feed_forward_length", 0)),
         num_hidden_layers=n_layer,
         num_attention_heads=n_head,
         num_key_value_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", n_head)),
@@ -233,6 +259,41 @@ def config_from_gguf(path: Path, reader: Any, tokenizer: Tokenizer) -> ModelConf
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     return config
+
+
+def _moe_config(path: Path, reader: Any, arch: str, ours: str, tensors: dict[str, Any], n_layer: int) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelConfig` from ``{arch}.expert_*`` metadata and the tensor list.
+
+    Raises:
+        ModelLoadError: no expert count, a gating function or weight scale
+            other than llama.cpp's softmax / 1, or an expert tensor missing.
+    """
+    experts = int(_meta(reader, f"{arch}.expert_count", 0) or 0)
+    used = int(_meta(reader, f"{arch}.expert_used_count", 0) or 0)
+    if experts <= 0 or not 1 <= used <= experts:
+        raise ModelLoadError(f"{path}: MoE architecture {arch!r} needs {arch}.expert_count and "
+                             f"{arch}.expert_used_count (got {experts} and {used})")
+    gating = _meta(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (only softmax)")
+    scale = _meta(reader, f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ModelLoadError(f"{path}: expert_weights_scale {scale} is not supported")
+    sparse = tuple(i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
+    if not sparse:
+        raise ModelLoadError(f"{path}: {arch}.expert_count is {experts} but no layer has ffn_gate_inp")
+    first = tensors.get(f"blk.{sparse[0]}.ffn_gate_exps.weight")
+    if first is None:
+        raise ModelLoadError(f"{path}: layer {sparse[0]} has a router but no ffn_gate_exps tensor")
+    norm = _meta(reader, f"{arch}.expert_weights_norm")
+    shexp = tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
+    return dict(
+        num_experts=experts, num_experts_per_tok=used,
+        moe_intermediate_size=int(first.shape[1]),  # GGUF shape [H, I, E]
+        shared_expert_intermediate_size=0 if shexp is None else int(shexp.shape[1]),
+        norm_topk_prob=bool(norm) if norm is not None else ours != "qwen2_moe",
+        sparse_layers=sparse,
+    )
 
 
 def read_tensor(tensor: Any) -> np.ndarray:
@@ -284,6 +345,15 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
             continue
         kind = t.tensor_type.name
         shape = [int(d) for d in reversed(t.shape)]
+        if "{}" in name:  # 3-D expert tensor [E, out, in]: one matrix per expert, no copy
+            if len(shape) != 3 or shape[0] != config.num_experts:
+                raise ModelLoadError(f"{path}: expert tensor {t.name} has shape {shape}, "
+                                     f"expected [{config.num_experts}, out, in]")
+            try:
+                weights.update(_split_experts(name, t, kind, shape, quantized, dtype))
+            except (NotImplementedError, ValueError) as e:
+                raise ModelLoadError(f"{path}: cannot load tensor {t.name} of type {kind}: {e}") from e
+            continue
         try:
             if quantized and len(shape) == 2 and kind in GGUF_TYPES:
                 w: Any = from_gguf(t.data, kind, shape[0], shape[1])
@@ -291,7 +361,9 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
                 w = torch.from_numpy(read_tensor(t))
         except (NotImplementedError, ValueError) as e:
             raise ModelLoadError(f"{path}: cannot load tensor {t.name} of type {kind}: {e}") from e
-        if config.architecture == "llama":
+        if name.endswith("shared_expert_gate.weight") and isinstance(w, torch.Tensor):
+            w = w.reshape(1, -1)  # llama.cpp stores it as [H]; HF as [1, H]
+        if config.architecture in ("llama", "mixtral"):
             for part, n_head in permuted.items():
                 if f".{part}." in name:
                     perm = unpermute_qk(torch.arange(shape[0]), n_head)
@@ -302,3 +374,24 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
     del reader  # unmaps the file: only the converted tensors stay resident
     weights = check_weights(path, config, weights)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _split_experts(name: str, t: Any, kind: str, shape: list[int], quantized: bool, dtype: torch.dtype) -> dict[str, Any]:
+    """One GGUF 3-D expert tensor ``[E, out, in]`` as ``E`` matrices named ``name.format(j) + ".weight"``.
+
+    Quantized (``quantized`` and ``kind`` in ``GGUF_TYPES``): the tensor is
+    repacked once as an ``[E * out, in]`` :class:`QuantWeight` and each expert
+    is a view of its ``out`` rows; otherwise dequantized to float and split
+    into views. Raises ``ValueError``/``NotImplementedError`` from the repacker.
+    """
+    from tartlet.engine.quant_formats import GGUF_TYPES, QuantWeight, from_gguf
+
+    E, n, k = shape
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    if quantized and kind in GGUF_TYPES:
+        q = from_gguf(t.data, kind, E * n, k)
+        rows = lambda x, j: None if x is None else x[j * n : (j + 1) * n]  # noqa: E731  (views, contiguous)
+        return {f"{base.format(j)}.weight": QuantWeight(q.kind, (n, k), rows(q.q, j), rows(q.d, j), rows(q.m, j), q.source)
+                for j in range(E)}
+    full = torch.from_numpy(read_tensor(t)).to(dtype)
+    return {f"{base.format(j)}.weight": full[j] for j in range(E)}

@@ -26,6 +26,9 @@ tied embeddings. Family options, each as in its HF modeling file:
   ``query_pre_attn_scalar ** -0.5``, soft-capping ``c * tanh(x / c)`` of
   attention scores and final logits (Gemma 2), and a RoPE base of its own for
   sliding layers (Gemma 3's ``rope_local_base_freq``).
+* sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE with its shared expert,
+  Qwen3-MoE) on the layers ``ModelConfig.is_sparse_layer`` names: the block
+  of :mod:`tartlet.engine.moe` (routing, batched expert dispatch).
 
 It differs in execution only: one call runs a ragged batch of many sequences,
 reads and writes K/V in the page pool, and computes logits just for the rows
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
 from .linear import Linear, onednn_packing_available
+from .moe import SparseMoe, build_sparse_moe
 from .quant_formats import F16, KIND_NAMES, QuantWeight
 from .quant_linear import QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
@@ -150,9 +154,12 @@ class LlamaModel:
                 qkv=fused(p, "self_attn.qkv_proj.weight", *[f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
                 o=linear(p + "self_attn.o_proj.weight"),
                 ln2=norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms else "post_attention_layernorm.weight")),
-                gate_up=fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
             )
+            if c.is_sparse_layer(i):
+                layer["moe"] = build_sparse_moe(c, p, weights, linear, w, lambda g: self.act(g))
+            else:
+                layer.update(gate_up=fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                             down=linear(p + "mlp.down_proj.weight"))
             if c.qk_norm:
                 layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
             if c.gemma_norms:
@@ -203,6 +210,9 @@ class LlamaModel:
             elif isinstance(obj, Linear):
                 for t in (obj.weight, obj.packed, obj.weight_t, obj.bias):
                     add(t)
+            elif isinstance(obj, SparseMoe):
+                for part in obj.parts():
+                    add_any(part)
 
         add_any(self.embed)
         add_any(self.lm_head)
@@ -220,7 +230,9 @@ class LlamaModel:
         from collections import Counter
 
         kinds: Counter[str] = Counter()
-        for lin in [self.lm_head] + [v for layer in self.layers for v in layer.values()]:
+        held = [v for layer in self.layers for v in layer.values()]
+        held += [p for v in held if isinstance(v, SparseMoe) for p in v.parts()]
+        for lin in [self.lm_head] + held:
             if isinstance(lin, QuantLinear):
                 kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
         if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, QuantLinear) or self.lm_head.parts[0].q is not self.embed.q):
@@ -368,6 +380,9 @@ class LlamaModel:
                 x = x + self._rms_norm(layer["o"](attn_out), layer["post_attn"])
                 gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
                 x = x + self._rms_norm(layer["down"](self.act(gate).mul_(up)), layer["post_ff"])
+            elif "moe" in layer:  # sparse MoE layer (moe.py)
+                x = layer["o"](attn_out, residual=x)
+                x = layer["moe"](self._rms_norm(x, layer["ln2"]), residual=x)
             else:
                 x = layer["o"](attn_out, residual=x)
                 gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)

@@ -10,13 +10,19 @@ PyTorch orientation (``[out_features, in_features]``)::
     model.layers.{i}.self_attn.{q,k}_norm.weight      [head_dim] (QK-norm: Qwen3, Gemma 3)
     model.layers.{i}.post_attention_layernorm.weight  [H]
     model.layers.{i}.{pre,post}_feedforward_layernorm.weight [H] (Gemma)
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]  (dense layers)
+    model.layers.{i}.mlp.gate.weight                  [E, H]     (sparse MoE layers: router)
+    model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight [out, in]  (expert j < E)
+    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight [out, in] (Qwen2-MoE)
+    model.layers.{i}.mlp.shared_expert_gate.weight    [1, H]     (Qwen2-MoE)
     model.norm.weight                                 [H]
     lm_head.weight                                    [vocab, H] (only when not tied)
 
 Phi-3 keeps its fused ``self_attn.qkv_proj.weight`` ``[(nh + 2 nkv) hd, H]``
 (rows Q, K, V) and ``mlp.gate_up_proj.weight`` ``[2 I, H]`` (rows gate, up)
-instead of the separate matrices. Gemma norm weights are HF's (the model
+instead of the separate matrices. Mixtral's ``block_sparse_moe.*`` names
+(``w1``/``w3``/``w2`` = gate/up/down) and GGUF's 3-D expert tensors are
+mapped onto the per-expert names above by the loaders. Gemma norm weights are HF's (the model
 scales by ``1 + w``).
 
 Q and K rows are in Hugging Face's ``rotate_half`` RoPE order.
@@ -40,15 +46,22 @@ if TYPE_CHECKING:
     from tartlet.engine.tokenizer import Tokenizer
 
 #: Our architecture names, one per model family the decoder (:mod:`tartlet.engine.llama`) runs.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                           "mixtral", "qwen2_moe", "qwen3_moe")
 
 #: Hugging Face ``model_type`` -> architecture.
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma2": "gemma2", "gemma3_text": "gemma3",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
-#: GGUF ``general.architecture`` -> architecture (llama.cpp writes Mistral models as ``llama``).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+#: GGUF ``general.architecture`` -> architecture (llama.cpp writes Mistral models as ``llama``,
+#: and Mixtral as ``llama`` with ``llama.expert_count``: read as ``mixtral``).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                      "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+#: Weight-name endings of the MoE routers, kept in float by ``quantize`` (as llama.cpp keeps ``ffn_gate_inp``).
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
 
 
 class ModelLoadError(ValueError):
@@ -93,10 +106,22 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        if fused:
+        if config.is_sparse_layer(i):
+            names += moe_weight_names(config, p)
+        elif fused:
             names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
         else:
             names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def moe_weight_names(config: ModelConfig, prefix: str) -> list[str]:
+    """The weight names of one sparse MoE layer (``prefix`` = ``"model.layers.{i}."``)."""
+    p = prefix + "mlp."
+    names = [p + "gate.weight"]
+    names += [f"{p}experts.{j}.{x}_proj.weight" for j in range(config.num_experts) for x in ("gate", "up", "down")]
+    if config.shared_expert_intermediate_size:
+        names += [f"{p}shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")] + [p + "shared_expert_gate.weight"]
     return names
 
 
@@ -134,7 +159,8 @@ def load_model(
             dequantizing them.
         quantize: quantize float matrices at load to this format (a key of
             :data:`~tartlet.engine.quant_formats.QUANTIZE_TYPES`); matrices
-            already quantized are kept as they are.
+            already quantized, and MoE routers (:data:`ROUTER_WEIGHTS`), are
+            kept as they are.
 
     Raises:
         ModelLoadError: missing path, not a GGUF file, truncated or corrupt
@@ -160,7 +186,7 @@ def load_model(
         from tartlet.engine.quant_formats import quantize as quantize_matrix
 
         for name, w in loaded.weights.items():
-            if isinstance(w, torch.Tensor) and w.dim() == 2:
+            if isinstance(w, torch.Tensor) and w.dim() == 2 and not name.endswith(ROUTER_WEIGHTS):
                 try:
                     loaded.weights[name] = quantize_matrix(w, quantize)
                 except ValueError as e:
