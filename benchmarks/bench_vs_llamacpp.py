@@ -275,7 +275,7 @@ def print_table(a: argparse.Namespace, res: dict[str, Any], meta: dict[str, Any]
              f"{a.tokens} tokens per request, median of {a.rounds} round(s); ratio >1: Tartlet better")
     report(title, ["load", "metric", "Tartlet", "llama-server", "ratio"], rows, None)
     if res["flagged"]:
-        print(f"flagged (a request did not get exactly the completion tokens asked for):")
+        print("flagged (a request did not get exactly the completion tokens asked for):")
         for f in res["flagged"]:
             print("  " + f)
     else:

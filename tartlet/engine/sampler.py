@@ -17,7 +17,6 @@ proportionally to ``p`` with a per-slot seeded generator.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 

@@ -26,13 +26,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream as _HFDecodeStream
 
 from tartlet.engine.chat_template import render_chat_template
-
-try:  # tokenizers >= 0.21
-    from tokenizers.decoders import DecodeStream as _HFDecodeStream
-except ImportError:  # pragma: no cover - older tokenizers
-    _HFDecodeStream = None
 
 if TYPE_CHECKING:
     import gguf
@@ -445,8 +441,8 @@ class DecodeStream:
     A delta never ends in a broken UTF-8 sequence: bytes of a character split
     over several tokens are held back until the character is complete. The
     deltas of :meth:`step` followed by :meth:`flush` concatenate to exactly
-    ``tokenizer.decode(all_ids)``. Uses ``tokenizers.decoders.DecodeStream``
-    when available, else the prefix-offset technique (as in HF TGI / vLLM).
+    ``tokenizer.decode(all_ids)``. Built on ``tokenizers.decoders.DecodeStream``
+    (tokenizers >= 0.21).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -454,9 +450,7 @@ class DecodeStream:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._emitted = 0  # characters returned so far
-        self._stream = _HFDecodeStream(skip_special_tokens=skip_special_tokens) if _HFDecodeStream else None
-        self._prefix = 0  # prefix-offset fallback state
-        self._read = 0
+        self._stream = _HFDecodeStream(skip_special_tokens=skip_special_tokens)
 
     @property
     def ids(self) -> list[int]:
@@ -466,21 +460,9 @@ class DecodeStream:
     def step(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly ``""``)."""
         self._ids.append(token_id)
-        if self._stream is not None:
-            delta = self._stream.step(self._tokenizer.backend, token_id) or ""
-        else:
-            delta = self._prefix_offset_step()
+        delta = self._stream.step(self._tokenizer.backend, token_id) or ""
         self._emitted += len(delta)
         return delta
-
-    def _prefix_offset_step(self) -> str:
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix:self._read], self._skip)
-        after = decode(self._ids[self._prefix:], self._skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return after[len(before):]
-        return ""
 
     def flush(self) -> str:
         """End the stream: return text still held back (``""`` unless the last

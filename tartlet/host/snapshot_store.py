@@ -218,10 +218,6 @@ class SnapshotStore:
                 log.warning("skipping snapshot file %s: %s", path, e)
         return found
 
-    def user_files(self, owner: str) -> list[Path]:
-        d = self.path_for(owner, "x").parent
-        return sorted(d.glob("*.safetensors")) if d.is_dir() else []
-
 
 def _diff(saved: str, here: str) -> str:
     a, b = json.loads(saved), json.loads(here)

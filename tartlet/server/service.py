@@ -29,10 +29,10 @@ from ..host.errors import LimitError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from ..runtime.config import ServerConfig
-from ..runtime.instance import Instance, Status
+from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
 from ..runtime.program import Program, ProgramError
-from .auth import AuthError, KeyStore
+from .auth import KeyStore
 from .programs import ProgramCache
 from .protocol import BACKLOG, ProtocolError
 
