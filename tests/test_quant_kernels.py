@@ -137,6 +137,23 @@ def test_matmul_matches_dequantized_product(kern, isa, type_name):
     kern.set_isa(-1)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_quantization_same_on_every_isa(kern, bits):
+    """The SIMD quantizers round exactly as the portable C one (half to even,
+    same scales), including rows with a zero block and exact halves."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(bits)) * 3
+    x[1, 32:64] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # many values land on .5 after scaling
+    got = []
+    for isa in isa_levels():
+        kern.set_isa(isa)
+        got.append(kern.quantize(x, bits))
+    kern.set_isa(-1)
+    for qa, fa in got[1:]:
+        assert torch.equal(qa, got[0][0])
+        torch.testing.assert_close(fa, got[0][1], rtol=1e-6, atol=1e-6)
+
+
 def test_isa_levels_agree(kern):
     """The SIMD paths compute what the portable C path computes (up to float summation order)."""
     raw = random_gguf("Q4_K", 50, 768)

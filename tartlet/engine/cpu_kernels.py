@@ -45,7 +45,7 @@ def _build() -> Path:
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
-    return compile_library("cpu_kernels", _SOURCE, flags)
+    return compile_library("cpu_kernels", _SOURCE, flags, (_SOURCE.parent / "float_kernels.h",))
 
 
 def load() -> "CpuKernels | None":

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
+from .fused_decode import FusedDecoder
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_formats import F16, KIND_NAMES, QuantWeight
@@ -183,6 +184,8 @@ class LlamaModel:
             self.kernels = ck.load()
         self.scale = 1.0 / math.sqrt(self.hd) if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+        #: the layer stack of decode batches in one C call, when this model's shape allows it
+        self.fused = FusedDecoder.build(self) if self.kernels is not None else None
 
     def weight_bytes(self) -> int:
         """Bytes of weight memory the model holds (each storage counted once:
@@ -354,7 +357,12 @@ class LlamaModel:
         for win in set(self.windows) - {None}:
             plans[win] = [prepared(g, m) if (m := self._window_mask(g, win)) is not None else plain
                           for g, plain in zip(batch.groups, plans[None])]
-        for i, (layer, kc, vc) in enumerate(zip(self.layers, k_cache.unbind(0), v_cache.unbind(0))):
+        if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
+            self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
+            layers = []  # done
+        else:
+            layers = self.layers
+        for i, (layer, kc, vc) in enumerate(zip(layers, k_cache.unbind(0), v_cache.unbind(0))):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
             if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
                 eps = c.rms_norm_eps

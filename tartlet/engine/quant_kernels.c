@@ -40,6 +40,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "float_kernels.h"
+
 #define QK 32
 enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3 };
 static const int QBYTES[4] = {32, 16, 20, 24};
@@ -232,8 +234,8 @@ static inline int cur_isa(void) {
  * qa [M, K] (int8 for bits 8, int16 for bits 16) and fa [M, 4 K/32] (see FA). */
 void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
 #ifdef TQ_X86
-    if (bits == 8 && cur_isa() >= 1) {
-        quantize_avx2(x, ldx, M, K, (int8_t *)qa, fa);
+    if (cur_isa() >= 1) {
+        quantize_avx2(bits, x, ldx, M, K, qa, fa);
         return;
     }
 #endif
@@ -376,3 +378,5 @@ void tq_matmul_half(int bf16, const uint16_t *w, int64_t N, int64_t K, const flo
             y[r * ldy + n] = finish(sum, r, n, bias, res, ldr);
         }
 }
+
+#include "decode_step.h"

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .c_build import compile_library, open_library
+from .c_build import compile_library, cpu_flags, open_library
 from .quant_formats import BF16, F16, QuantWeight
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
-_HEADERS = (_DIR / "quant_kernels_isa.h", _DIR / "quant_kernels_avx512.h")
+_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "float_kernels.h", "decode_step.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | bool" = False  # False: not tried yet
 
@@ -52,6 +52,27 @@ class LinearDesc(ctypes.Structure):
     _fields_ = [("nparts", _I), ("bits", _I), ("k", _I), ("n_total", _I), ("bias", _P), ("parts", _Part * MAX_PARTS)]
 
 
+class LayerDesc(ctypes.Structure):
+    """One decoder layer as ``tq_decode_layers`` reads it (``tq_layer_desc``)."""
+
+    _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", ctypes.POINTER(LinearDesc)), ("o", ctypes.POINTER(LinearDesc)),
+                ("gate_up", ctypes.POINTER(LinearDesc)), ("down", ctypes.POINTER(LinearDesc)),
+                ("k_pool", _P), ("v_pool", _P)]
+
+
+class AttnGroupDesc(ctypes.Structure):
+    """A decode attention group (``tq_attn_group``)."""
+
+    _fields_ = [("rows", _P), ("row_start", _I), ("B", _I), ("L", _I), ("kv_slots", _P), ("bias", _P)]
+
+
+class DecoderDesc(ctypes.Structure):
+    """The layer stack (``tq_decoder_desc``)."""
+
+    _fields_ = [("n_layers", _I), ("hidden", _I), ("nh", _I), ("nkv", _I), ("hd", _I), ("ffn", _I),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc))]
+
+
 def load() -> "QuantKernels | None":
     """The compiled kernels, or ``None`` when they cannot be had (the reason
     is logged once). Thread-safe; builds at most once per process."""
@@ -59,6 +80,8 @@ def load() -> "QuantKernels | None":
     with _lock:
         if _loaded is False:
             flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+            if {"avx2", "fma"} <= cpu_flags():  # float_kernels.h's intrinsics (the quantized ones pick at run time)
+                flags += ["-mavx2", "-mfma"]
             lib = open_library(
                 lambda: compile_library("quant_kernels", _SOURCE, flags, _HEADERS), "TARTLET_QUANT_KERNELS",
                 "quantized CPU kernels", "GGUF weights will be dequantized",
@@ -87,6 +110,11 @@ class QuantKernels:
         lib.tq_linear.argtypes = [ctypes.POINTER(LinearDesc), _P, _I, _I, _P, _P, _I]
         lib.tq_linear.restype = ctypes.c_int
         self._linear = lib.tq_linear
+        lib.tq_decode_layers.argtypes = [ctypes.POINTER(DecoderDesc), _P, _I, _P, _P, _P, ctypes.POINTER(AttnGroupDesc),
+                                         _I, ctypes.c_int]
+        lib.tq_decode_layers.restype = ctypes.c_int
+        lib.tq_decode_profile.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+        lib.tq_decode_profile.restype = ctypes.c_int
         lib.tq_set_par_min.argtypes = [_I]
         lib.tq_set_par_min.restype = _I
         lib.tq_set_isa.argtypes = [ctypes.c_int]
@@ -185,3 +213,50 @@ class QuantKernels:
         out = torch.empty(R, K, dtype=torch.float32)
         self._lib.tq_dequantize(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), K, _ptr(rows), R, out.data_ptr())
         return out
+
+    def decode_layers(
+        self, desc: DecoderDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
+        groups: list[tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None]], threads: int,
+    ) -> None:
+        """Every layer of a decoder (``decode_step.h``) over ``T`` decode rows,
+        in one OpenMP region on ``threads`` threads.
+
+        Args:
+            desc: from :func:`decoder_desc` (its tensors kept alive by the caller).
+            x: float32 ``[T, H]`` contiguous, the residual stream; updated in place.
+            cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles of each row.
+            write_slots: int64 ``[T]`` pool slot of each row's key/value.
+            groups: per attention group ``(rows, row_start, kv_slots, bias)``:
+                int64 ``[B]`` rows or ``None`` (rows ``row_start + b``),
+                int64 ``[B, L]`` pool slots, float32 ``[B, L]`` additive mask
+                or ``None``; every row in exactly one group.
+
+        Raises:
+            MemoryError: the scratch buffers could not be allocated.
+        """
+        arr = (AttnGroupDesc * len(groups))()
+        for i, (rows, row_start, kv, bias) in enumerate(groups):
+            arr[i] = AttnGroupDesc(_ptr(rows), row_start, kv.shape[0], kv.shape[1], kv.data_ptr(), _ptr(bias))
+        if self._lib.tq_decode_layers(ctypes.byref(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                                      write_slots.data_ptr(), arr, len(groups), threads):
+            raise MemoryError(f"cannot allocate the scratch buffers of a {x.shape[0]}-row decode step")
+
+
+    #: Phases of :meth:`decode_profile`, in its order.
+    DECODE_PHASES = ("norm + quantize", "QKV projection", "RoPE + KV write", "attention", "output projection",
+                     "gate/up projection", "SiLU * up", "down projection")
+
+    def decode_profile(self, enable: bool) -> dict[str, float]:
+        """Seconds the fused decode step spent per phase (thread 0's clock,
+        each phase up to the barrier that ends it) since the last call, and
+        whether to keep the clock running (it costs two clock reads per phase)."""
+        out = (ctypes.c_double * len(self.DECODE_PHASES))()
+        self._lib.tq_decode_profile(int(enable), out)
+        return dict(zip(self.DECODE_PHASES, out))
+
+
+def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
+                 scale: float) -> tuple[DecoderDesc, ctypes.Array]:
+    """A :class:`DecoderDesc` over ``layers`` and the array holding them (keep both alive)."""
+    arr = (LayerDesc * len(layers))(*layers)
+    return DecoderDesc(len(layers), hidden, nh, nkv, hd, ffn, eps, scale, arr), arr

@@ -206,10 +206,12 @@ static void FN(dequantize)(int kind, const uint8_t *wq, const uint16_t *wd, cons
 #endif
 
 #if !VNNI
-/* Activation quantization (same results as quantize_c: scale 127 / max|x|,
- * round half to even), and the float16/bfloat16 weight kernel. */
-static void FN(quantize)(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qa, float *fa) {
-    const int64_t nb = K / QK;  /* int8 blocks, same results as quantize_c(8, ...) */
+/* Activation quantization, same results as quantize_c: int8 (bits 8, scale
+ * max|x| / 127) or int16 (bits 16, max|x| / 32767), round half to even;
+ * and the float16/bfloat16 weight kernel. */
+static void FN(quantize)(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
+    const int64_t nb = K / QK;
+    const float qmax = bits == 8 ? 127.0f : 32767.0f;
     const __m256 signbit = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
     for (int64_t r = 0; r < M; r++)
@@ -224,15 +226,21 @@ static void FN(quantize)(const float *x, int64_t ldx, int64_t M, int64_t K, int8
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
             const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
             const __m256 idv = _mm256_set1_ps(id);
             __m256i q[4];
             for (int i = 0; i < 4; i++)
                 q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(qa + (r * nb + b) * QK), p);
+            if (bits == 8) {
+                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i *)((int8_t *)qa + (r * nb + b) * QK), p);
+            } else { /* packs interleaves 128-bit lanes: restore the order with a 64-bit permute */
+                int16_t *o = (int16_t *)qa + (r * nb + b) * QK;
+                _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
+                _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
+            }
             __m256i h = _mm256_hadd_epi32(s0, s1);  /* [s0 s0 s1 s1 | s0 s0 s1 s1] pair sums */
             h = _mm256_hadd_epi32(h, h);
             const int t0 = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);

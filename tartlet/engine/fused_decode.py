@@ -1,0 +1,106 @@
+"""The whole layer stack of a decode step in one C call (``decode_step.h``).
+
+At batch 1 a decoder layer is about eleven small operations; called one by
+one from Python each pays the interpreter and ctypes, and using both cores
+means waking an OpenMP team per operation, which costs more than a small
+projection takes. :class:`FusedDecoder` hands the layer stack of a batch of
+single-token rows to ``tq_decode_layers``, which runs it in one OpenMP
+parallel region with every projection split across the threads (the
+threads meet at barriers instead of being woken per operation).
+
+It serves the common shape only, and :meth:`FusedDecoder.build` returns
+``None`` for anything else (the op-by-op path in :mod:`llama` runs then):
+quantized weights (:class:`QuantLinear`) in all four projections of every
+layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
+no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
+Qwen2). A batch runs fused when every row is a single-token query
+(decode), fewer than :data:`~tartlet.engine.quant_linear.DEQUANT_ROWS` rows,
+and the KV pool is float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from .quant_kernels import LayerDesc, decoder_desc
+from .quant_linear import DEQUANT_ROWS, QuantLinear
+
+if TYPE_CHECKING:
+    from .batch import BatchInputs
+    from .llama import LlamaModel
+
+_LAYER_KEYS = {"ln1", "qkv", "o", "ln2", "gate_up", "down"}
+
+
+class FusedDecoder:
+    """The fused layer stack of one model (see the module docstring). Holds
+    ctypes descriptors pointing into the model's weight tensors, so it must
+    not outlive the model."""
+
+    def __init__(self, model: "LlamaModel") -> None:
+        self.model = model
+        self.kernels = model.quant
+        c = model.config
+        self._ffn = model.layers[0]["down"].in_features
+        self._dims = (c.hidden_size, model.nh, model.nkv, model.hd, self._ffn, c.rms_norm_eps, model.scale)
+        self._pool: tuple[int, int] | None = None  # data pointers the layer descriptors were built for
+        self._desc = None
+        self._keep: list[object] = []
+        #: False turns the fused path off (tests and benchmarks compare both)
+        self.enabled = os.environ.get("TARTLET_FUSED_DECODE", "1") != "0"
+
+    @classmethod
+    def build(cls, model: "LlamaModel") -> "FusedDecoder | None":
+        """A fused decoder for ``model``, or ``None`` when its shape is not
+        the one the C step implements (see the module docstring)."""
+        c = model.config
+        if model.quant is None or model.dtype != torch.float32 or model.device.type != "cpu":
+            return None
+        if c.qk_norm or c.gemma_norms or c.attn_logit_softcapping is not None or c.hidden_act != "silu":
+            return None
+        if any(w is not None for w in model.windows) or c.rope_local_theta is not None:
+            return None
+        for layer in model.layers:
+            if set(layer) != _LAYER_KEYS or not all(isinstance(layer[k], QuantLinear) for k in ("qkv", "o", "gate_up", "down")):
+                return None
+        return cls(model)
+
+    def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
+        """Whether ``batch`` can run fused: decode rows only, few enough
+        for the integer kernels, float32 pool."""
+        T = batch.input_ids.shape[0]
+        if not self.enabled or T >= DEQUANT_ROWS or k_cache.dtype != torch.float32:
+            return False
+        return sum(g.kv_slots.shape[0] for g in batch.groups) == T and all(g.num_queries == 1 for g in batch.groups)
+
+    def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        key = (k_cache.data_ptr(), v_cache.data_ptr())
+        if self._pool != key:
+            layers = []
+            for layer, kc, vc in zip(self.model.layers, k_cache.unbind(0), v_cache.unbind(0)):
+                descs = [ctypes.pointer(layer[k]._desc) for k in ("qkv", "o", "gate_up", "down")]
+                layers.append(LayerDesc(layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *descs, kc.data_ptr(), vc.data_ptr()))
+            self._desc, arr = decoder_desc(layers, *self._dims)
+            self._keep = [arr]
+            self._pool = key
+        return self._desc
+
+    def run(
+        self, x: torch.Tensor, batch: "BatchInputs", cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[tuple],
+    ) -> None:
+        """Every layer over ``x`` float32 ``[T, H]`` (updated in place).
+
+        Args:
+            cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
+            k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32.
+            groups: the model's per-group plans ``(group, bias, by_kernel,
+                rows_bias)``, ``rows_bias`` the additive mask ``[B, L]`` or None.
+        """
+        args = [(g.rows, g.row_start, g.kv_slots, rows_bias) for g, _, _, rows_bias in groups]
+        self.kernels.decode_layers(self._descriptor(k_cache, v_cache), x, cos, sin, batch.write_slots, args,
+                                   torch.get_num_threads())
