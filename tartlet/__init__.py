@@ -10,7 +10,7 @@ builds. It reaches the host only through :mod:`tartlet._binding`.
 """
 
 from . import brle, forward, session
-from . import children, http, messaging, store  # I/O: child inferlets, host HTTP, messaging, key-value store
+from . import children, http, mcp, messaging, store  # I/O: child inferlets, host HTTP, MCP, messaging, key-value store
 from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
 from .context import Context, ContextClosedError
 from .drafter import NgramDrafter
@@ -40,6 +40,7 @@ __all__ = [
     "brle",
     "children",
     "http",
+    "mcp",
     "messaging",
     "store",
     "forward",

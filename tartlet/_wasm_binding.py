@@ -52,6 +52,11 @@ class LimitError(HostError):
     """An instance went past one of its limits."""
 
 
+class HttpError(HostError):
+    """An HTTP fetch refused (not allowed, bad request) or failed (as
+    tartlet.host.http.HttpError)."""
+
+
 class SamplingError(ValueError):
     """Bad sampler or probe parameters."""
 
@@ -79,7 +84,7 @@ class KvQuotaError(KvCacheFullError):
 _ERRORS: dict[str, type[BaseException]] = {
     c.__name__: c
     for c in (
-        HostError, InvalidHandleError, SnapshotError, LimitError, SamplingError, ContextLengthError,
+        HostError, InvalidHandleError, SnapshotError, LimitError, HttpError, SamplingError, ContextLengthError,
         ChatTemplateError, KvCacheFullError, KvQuotaError, SequenceFreedError,
     )
 }  # fmt: skip
@@ -463,6 +468,9 @@ class WasmHost:
         hs = [(_str(k, "header name"), _str(v, "header value")) for k, v in dict(headers or {}).items()]
         data = body.encode() if isinstance(body, str) else (None if body is None else bytes(body))
         return HostFuture(_call(_wit.http_fetch, _str(url, "url"), _str(method, "method"), hs, data))
+
+    def mcp_servers(self) -> dict[str, str]:
+        return dict(_wit.mcp_servers())
 
     # child inferlets
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:

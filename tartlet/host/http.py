@@ -2,10 +2,14 @@
 
 The inferlet never opens a socket: it asks the host (:meth:`HttpFetcher.fetch`)
 and gets a future of the response, so the same call works inside the WASM
-sandbox. A request must name an allowed host (``[http] allow_hosts``), its
-body and the response body are size-limited, the whole exchange is
-time-limited, and redirects are not followed (a redirect could leave the
-allowlist; the 3xx response is returned as is).
+sandbox. A request must name an allowed host (``[http] allow_hosts``) or
+be exactly an allowed endpoint URL (the configured MCP servers'
+``[mcp.servers.NAME] url``: allowed to every inferlet, and nothing else on
+their hosts is; their configured ``headers``, such as an ``Authorization``
+token, are added by the host and never shown to inferlets). Request and
+response bodies are size-limited, the whole exchange is time-limited, and
+redirects are not followed (a redirect could leave the allowlist; the 3xx
+response is returned as is).
 """
 
 from __future__ import annotations
@@ -33,16 +37,33 @@ class HttpPolicy:
 
     Attributes:
         allow_hosts: patterns ``host``, ``host:port`` or ``*.domain``
-            (fnmatch); empty = no HTTP at all.
+            (fnmatch); empty (and no ``endpoints``) = no HTTP at all.
         max_response_bytes: largest response body, bytes.
         max_request_bytes: largest request body, bytes.
         timeout_s: limit of the whole request, seconds.
+        endpoints: endpoint URLs allowed exactly (scheme, host, port and
+            path equal; any query), each with headers the host adds to
+            every request to it (replacing the inferlet's of the same
+            name): the configured MCP servers.
     """
 
     allow_hosts: list[str] = field(default_factory=list)
     max_response_bytes: int = 4 * 2**20
     max_request_bytes: int = 2**20
     timeout_s: float = 30.0
+    endpoints: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def endpoint(self, url: str) -> dict[str, str] | None:
+        """The added headers of the endpoint ``url`` is (default ports
+        filled in, host case and a trailing ``/`` of the path ignored), or
+        None when it is none of ``endpoints``."""
+        key = endpoint_key(url)
+        if key is None:
+            return None
+        for u, headers in self.endpoints.items():
+            if endpoint_key(u) == key:
+                return headers
+        return None
 
     def allowed(self, host: str, port: int | None) -> bool:
         host = host.lower()
@@ -52,6 +73,19 @@ class HttpPolicy:
             if fnmatch.fnmatchcase(target, pat):
                 return True
         return False
+
+
+def endpoint_key(url: str) -> tuple[str, str, int, str] | None:
+    """``(scheme, host, port, path)`` of an http(s) URL, for comparing
+    endpoints; None when it is not one."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/") or "/"
 
 
 class HttpFetcher:
@@ -79,15 +113,21 @@ class HttpFetcher:
             port = parts.port
         except ValueError:
             raise HttpError(f"bad port in {url!r:.200}") from None
-        if not self.policy.allowed(parts.hostname, port):
-            allowed = ", ".join(self.policy.allow_hosts) or "none (HTTP is disabled)"
-            raise HttpError(f"host {parts.hostname!r} is not in the HTTP allowlist (allowed: {allowed})")
+        added = self.policy.endpoint(url)
+        if added is None and not self.policy.allowed(parts.hostname, port):
+            pol = self.policy
+            allowed = ", ".join(pol.allow_hosts) or ("no hosts" if pol.endpoints else "none (HTTP is disabled)")
+            urls = f"; endpoints: {', '.join(pol.endpoints)}" if pol.endpoints else ""
+            raise HttpError(f"host {parts.hostname!r} is not in the HTTP allowlist (allowed: {allowed}{urls})")
         method = str(method).upper()
         if method not in METHODS:
             raise HttpError(f"unsupported HTTP method {method!r} (use one of {', '.join(METHODS)})")
         headers = dict(headers or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
             raise HttpError("headers must map str to str")
+        if added:
+            names = {k.lower() for k in added}
+            headers = {k: v for k, v in headers.items() if k.lower() not in names} | dict(added)
         data = body.encode() if isinstance(body, str) else (bytes(body) if body is not None else None)
         if data is not None and len(data) > self.policy.max_request_bytes:
             raise HttpError(f"request body of {len(data)} bytes is larger than {self.policy.max_request_bytes}")

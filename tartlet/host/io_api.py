@@ -125,6 +125,13 @@ class IoHostMixin:
             raise HttpError("HTTP from inferlets is disabled on this host (configure [http] allow_hosts)")
         return fetcher.fetch(url, method, headers, body)
 
+    def mcp_servers(self) -> dict[str, str]:
+        """The MCP servers configured on this host, ``{name: endpoint URL}``
+        (``[mcp.servers.NAME] url``; each URL is on every instance's HTTP
+        allowlist). The SDK's :mod:`tartlet.mcp` speaks to them over
+        :meth:`http_fetch`."""
+        return dict(self.state.mcp_servers)  # type: ignore[attr-defined]
+
     # -- child inferlets -------------------------------------------------------------
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:
         """Launch inferlet ``name`` (bundled or installed) as a child of this

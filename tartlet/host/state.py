@@ -34,6 +34,7 @@ class HostState:
         self.bus = MessageBus()  # inferlet messaging (tartlet.host.messaging)
         self.store = None  # tartlet.host.store.Store; None: an in-memory one on first use
         self.http = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
+        self.mcp_servers: dict[str, str] = {}  # configured MCP servers: name -> endpoint URL
         self.kv_limits = KvLimits()
 
     def add_engine(self, engine: Engine, name: str | None = None) -> None:

@@ -270,6 +270,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "store-delete": (lambda h, k: bool(h.api.store_delete(k)), "untagged"),
     "store-keys": (lambda h, p: list(h.api.store_keys(p)), "untagged"),
     "http-fetch": (lambda h, url, method, headers, body: h.add_future("http", h.api.http_fetch(url, method, dict(headers), body)), "untagged"),
+    "mcp-servers": (lambda h: sorted(h.api.mcp_servers().items()), "plain"),
     "child-launch": (lambda h, name, args: h.api.child_launch(name, json.loads(args)), "untagged"),
     "child-wait": (lambda h, c: h.add_future("child", h.api.child_wait(c)), "untagged"),
     "child-abort": (lambda h, c: h.api.child_abort(c), "unit"),
@@ -304,7 +305,7 @@ def _wrap(name: str, fn: Any, mode: str) -> Any:
                 return None
             msg = f"{type(e).__name__}: {e}"
             return Variant("err", msg) if mode == "tagged" else msg
-        if mode == "unit" or (mode == "plain" and name != "model-names"):
+        if mode == "unit" or (mode == "plain" and name not in ("model-names", "mcp-servers")):
             return None
         return Variant("ok", value) if mode == "tagged" else value
 
