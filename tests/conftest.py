@@ -12,6 +12,18 @@ from pathlib import Path
 
 import pytest
 
+#: Fixtures that start a `tartlet serve` subprocess (~10-20 s each): every
+#: test using one, directly or through another fixture, is marked ``slow``
+#: (the everyday loop, ``pytest -m "not slow"``, skips them; CI runs all).
+#: Modules built around their own server or WASM builds mark themselves.
+SLOW_FIXTURES = frozenset({"noauth_server", "small_server"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:

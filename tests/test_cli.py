@@ -34,12 +34,14 @@ def test_console_script_is_installed():
     assert TARTLET.is_file() and os.access(TARTLET, os.X_OK)
 
 
+@pytest.mark.slow
 def test_run_text_completion():
     p = tartlet("run", "text-completion", "--", "--prompt", QUESTION, "--max-tokens", "16")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "The capital of France is Paris."
 
 
+@pytest.mark.slow
 def test_run_json_output():
     p = tartlet("run", "text-completion", "--json", "--", "--prompt", QUESTION, "--max-tokens", "16")
     assert p.returncode == 0, p.stderr
@@ -51,6 +53,7 @@ def test_run_json_output():
     assert res["tokens"] and all(isinstance(t, int) for t in res["tokens"])
 
 
+@pytest.mark.slow
 def test_run_failing_inferlet_exits_1():
     p = tartlet("run", "text-completion", "--", "--prompt", QUESTION, "--temperature", "-1")
     assert p.returncode == 1, (p.stdout, p.stderr)
@@ -58,6 +61,7 @@ def test_run_failing_inferlet_exits_1():
     assert "inferlet text-completion failed" in err and "temperature must be >= 0" in err
 
 
+@pytest.mark.slow
 def test_unknown_inferlet_exits_2():
     p = tartlet("run", "no-such-inferlet", "--", "--prompt", "hi")
     assert p.returncode == 2
@@ -65,6 +69,7 @@ def test_unknown_inferlet_exits_2():
     assert "unknown inferlet 'no-such-inferlet'" in err and "text-completion" in err
 
 
+@pytest.mark.slow
 def test_bad_inferlet_args_exit_2():
     p = tartlet("run", "text-completion", "--", "prompt", "hi")
     assert p.returncode == 2
@@ -74,6 +79,7 @@ def test_bad_inferlet_args_exit_2():
     assert "looks like JSON but does not parse" in flat(p.stderr)
 
 
+@pytest.mark.slow
 def test_unknown_model_exits_2():
     p = tartlet("run", "text-completion", "--model", "no-such-model", "--", "--prompt", "hi")
     assert p.returncode == 2
@@ -81,6 +87,7 @@ def test_unknown_model_exits_2():
     assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
 
 
+@pytest.mark.slow
 def test_model_list_shows_default_model_downloaded():
     p = tartlet("model", "list")
     assert p.returncode == 0, p.stderr
@@ -89,6 +96,7 @@ def test_model_list_shows_default_model_downloaded():
     assert "yes" in row.split() or "│ yes" in row
 
 
+@pytest.mark.slow
 def test_inferlets_lists_text_completion():
     p = tartlet("inferlets")
     assert p.returncode == 0, p.stderr
@@ -96,6 +104,7 @@ def test_inferlets_lists_text_completion():
     assert "text-completion" in names
 
 
+@pytest.mark.slow
 def test_inferlet_arguments_are_documented_without_loading_a_model():
     """`tartlet run NAME -- --help` and `tartlet inferlets NAME` print the
     inferlet's documented arguments; every bundled inferlet documents them

@@ -18,6 +18,8 @@ from server_harness import ServerProcess, add_users, cli, write_config, write_in
 
 from tartlet.client import Client, TartletError
 
+pytestmark = pytest.mark.slow  # the module's tests share a `tartlet serve` subprocess
+
 MAX_PAGES = 24  # 16-token pages: 384 tokens per instance
 MAX_INSTANCES = 3
 

@@ -149,6 +149,7 @@ def no_server_path(setup, message: str) -> None:
         assert path not in message, message
 
 
+@pytest.mark.slow
 async def test_huge_session_sends_are_refused_to_the_sender(setup):
     async with await connect(setup, "alice") as a:
         # ten 100 MB sends: each refused at once, the inferlet sees LimitError naming the key
@@ -175,6 +176,7 @@ async def test_huge_session_sends_are_refused_to_the_sender(setup):
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_client_sends_are_bounded(setup):
     url = setup["server"].url.replace("http", "ws") + "/ws"
     async with await connect(setup, "alice") as a:
@@ -211,6 +213,7 @@ async def test_client_sends_are_bounded(setup):
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_messaging_flood_is_bounded_per_user(setup):
     size = 256 * 1024
     async with await connect(setup, "alice") as a:
@@ -233,6 +236,7 @@ async def test_messaging_flood_is_bounded_per_user(setup):
         assert drained.ok
 
 
+@pytest.mark.slow
 async def test_manifest_dependencies_never_import_in_the_server(setup, tmp_path):
     main = "async def main(args):\n    return 1\n"
     async with await connect(setup, "alice") as a:
@@ -258,6 +262,7 @@ async def test_manifest_dependencies_never_import_in_the_server(setup, tmp_path)
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_nested_and_oversized_json_get_clean_errors(setup):
     srv, key = setup["server"], setup["keys"]["alice"]
     async with await connect(setup, "alice") as a:
@@ -281,6 +286,7 @@ async def test_nested_and_oversized_json_get_clean_errors(setup):
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_unsafe_upload_paths_are_refused_before_writing(setup):
     uploads = setup["data"] / "uploads"
     before = sorted(p.name for p in uploads.iterdir()) if uploads.exists() else []
@@ -315,6 +321,7 @@ async def test_unsafe_upload_paths_are_refused_before_writing(setup):
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_wrong_field_types_are_bad_requests_naming_the_field(setup):
     async with await connect(setup, "alice") as a:
         live = await a.launch("silent", time_limit_s=60)
@@ -346,6 +353,7 @@ async def test_wrong_field_types_are_bad_requests_naming_the_field(setup):
     await victim_is_served(setup)
 
 
+@pytest.mark.slow
 async def test_data_dir_files_are_private(setup):
     data: Path = setup["data"]
     async with await connect(setup, "alice") as a:

@@ -16,6 +16,8 @@ from server_harness import ServerProcess, add_users, write_config, write_inferle
 
 from tartlet.client import Client
 
+pytestmark = pytest.mark.slow  # the module's tests share a `tartlet serve` subprocess
+
 MAX_PAGES = 12  # per instance, 16-token pages
 MAX_SNAPSHOTS = 6
 

@@ -17,6 +17,8 @@ pytest.importorskip("componentize_py")
 
 from tartlet.client import Client, TartletError  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.wasm]  # a `tartlet serve` subprocess and component builds
+
 MAX_PAGES = 24
 MAX_INSTANCES = 2
 

@@ -41,6 +41,7 @@ def test_store_semantics(tmp_path):
     s2.close()
 
 
+@pytest.mark.slow
 async def test_store_survives_server_restart_and_is_per_user(tmp_path):
     cfg = write_config(tmp_path / "config.toml", tmp_path / "data")
     keys = {u: cli("auth", "add", u, "--config", str(cfg)).stdout.strip() for u in ("alice", "bob")}

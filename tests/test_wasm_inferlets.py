@@ -16,6 +16,8 @@ from tartlet.runtime.instance import Status  # noqa: E402
 from tartlet.runtime.program import list_programs  # noqa: E402
 from tartlet.runtime.wasm import WasmRuntime  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.wasm]  # every bundled inferlet built into a component
+
 CASES = {
     "parallel-generation": {"prompt": "Name a fruit.", "n": 3, "max_tokens": 8, "seed": 7},
     "beam-search": {"prompt": "The capital of France is", "k": 2, "max_tokens": 6},
