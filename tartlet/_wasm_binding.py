@@ -328,14 +328,20 @@ class WasmHost:
     def detokenize(self, model: str | None, ids: list[int]) -> str:
         return _call(_wit.detokenize, _model(model), _u32s(ids, "token ids"))
 
-    def apply_chat_template(self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         msgs = []
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"a chat message is a dict with `role` and `content`, got {m!r}")
-            content = m.get("content")
-            msgs.append(_wit.ChatMessage(_str(m["role"], "role"), None if content is None else _str(content, "content")))
-        return _call(_wit.apply_chat_template, _model(model), msgs, bool(add_generation_prompt))
+            content, calls, call_id, name = m.get("content"), m.get("tool_calls"), m.get("tool_call_id"), m.get("name")
+            msgs.append(_wit.ChatMessage(
+                _str(m["role"], "role"), None if content is None else _str(content, "content"),
+                None if calls is None else json.dumps(calls), None if call_id is None else _str(call_id, "tool_call_id"),
+                None if name is None else _str(name, "name"),
+            ))
+        return _call(_wit.apply_chat_template, _model(model), msgs, bool(add_generation_prompt), None if tools is None else json.dumps(tools))
 
     def decoder_new(self, model: str | None) -> int:
         return _call(_wit.decoder_new, _model(model))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from . import _binding, brle
+from . import _binding, brle, tools as _tools
 from .generator import Generator
 from .sampler import Sampler
 from .stop import StopCondition
@@ -40,6 +40,11 @@ class Context:
         self._pending: list[int] = []
         self._messages: list[dict[str, Any]] = []
         self._rendered = ""
+        self._tools: list[dict[str, Any]] | None = None
+        # (length of self._rendered, seq_len) after each chat fill: where to
+        # cut back to when the template rewrites an earlier part
+        self._marks: list[tuple[int, int]] = []
+        self._turn_start = 0
         self._closed = False
 
     def _check_open(self, what: str) -> None:
@@ -109,33 +114,107 @@ class Context:
                 raise ValueError(f"token id {t!r} outside the vocabulary [0, {self.model.vocab_size})")
         self._pending += ids
 
-    def system(self, text: str) -> None:
-        """Append a system message, rendered with the model's chat template."""
+    def system(self, text: str, *, tools: list[dict[str, Any]] | None = None) -> None:
+        """Append a system message, rendered with the model's chat template
+        (``tools``: see :meth:`set_tools`)."""
+        if tools is not None:
+            self.set_tools(tools)
         self._chat("system", text)
 
-    def user(self, text: str) -> None:
-        """Append a user message, rendered with the model's chat template."""
+    def user(self, text: str, *, tools: list[dict[str, Any]] | None = None) -> None:
+        """Append a user message, rendered with the model's chat template
+        (``tools``: see :meth:`set_tools`)."""
+        if tools is not None:
+            self.set_tools(tools)
         self._chat("user", text)
 
-    def assistant(self, text: str) -> None:
-        """Append an assistant message, rendered with the model's chat template."""
-        self._chat("assistant", text)
+    def assistant(self, text: str | None, *, tool_calls: list[Any] | None = None) -> None:
+        """Append an assistant message, rendered with the model's chat
+        template; ``tool_calls``: :class:`tartlet.tools.ToolCall` objects or
+        OpenAI ``{"id", "type", "function": {"name", "arguments"}}`` dicts."""
+        if tool_calls is None:
+            self._chat("assistant", text)
+            return
+        calls = [c.to_openai() if isinstance(c, _tools.ToolCall) else dict(c) for c in tool_calls]
+        self.add_message({"role": "assistant", "content": text, "tool_calls": calls})
 
-    def adopt_chat(self, messages: list[dict[str, Any]]) -> None:
+    def tool(self, content: str, *, tool_call_id: str | None = None, name: str | None = None) -> None:
+        """Append a tool result (OpenAI ``role: "tool"``) for the call
+        ``tool_call_id``, rendered with the model's template (or as a
+        ``<tool_response>`` user turn, see :func:`tartlet.tools.template_messages`)."""
+        msg: dict[str, Any] = {"role": "tool", "content": content}
+        if tool_call_id is not None:
+            msg["tool_call_id"] = tool_call_id
+        if name is not None:
+            msg["name"] = name
+        self.add_message(msg)
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (OpenAI shape), or None."""
+        return self._tools
+
+    def set_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        """Tools for the chat template (OpenAI shape, checked by
+        :func:`tartlet.tools.normalize_tools`); None removes them. Set them
+        before the first message: set later, the template usually renders
+        them at the start and the chat is filled again from there.
+
+        Raises:
+            ToolSpecError: a malformed tool list.
+        """
+        self._tools = None if tools is None else _tools.normalize_tools(tools)
+
+    def add_message(self, message: dict[str, Any]) -> None:
+        """Append one chat message in the OpenAI shape: ``role`` (system,
+        user, assistant or tool), ``content`` (str; None for an assistant
+        message with ``tool_calls``), ``tool_calls`` (assistant),
+        ``tool_call_id`` and ``name`` (tool).
+
+        Raises:
+            ValueError: an unknown role, a content of the wrong type, or an
+                unknown key.
+        """
+        if not isinstance(message, dict):
+            raise TypeError(f"a chat message is a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message role must be system, user, assistant or tool, got {role!r}")
+        extra = set(message) - {"role", "content", "tool_calls", "tool_call_id", "name"}
+        if extra:
+            raise ValueError(f"unknown chat message key(s): {', '.join(sorted(extra))}")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise TypeError(f"message content must be a str, got {type(content).__name__}")
+        self._messages.append({k: v for k, v in message.items() if v is not None or k == "content"})
+        self._fill_rendered(self._render(False))
+
+    def adopt_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
         """Declare that this context's tokens already hold ``messages``
-        rendered with the chat template (typically after :meth:`open` of a
-        snapshot saved from a chat: snapshots keep tokens, not messages), so
-        later :meth:`user`/:meth:`assistant` calls append only the new turns.
+        rendered with the chat template (with ``tools``; typically after
+        :meth:`open` of a snapshot saved from a chat: snapshots keep tokens,
+        not messages), so later :meth:`user`/:meth:`assistant` calls append
+        only the new turns.
 
         Raises:
             ValueError: the context's text is not exactly the rendering of
                 ``messages``.
         """
-        rendered = self.model.apply_chat_template(list(messages), add_generation_prompt=False)
+        tools = None if tools is None else _tools.normalize_tools(tools)
+        rendered = _tools.render_chat(self.model, list(messages), False, tools)
         if self.text != rendered:
             raise ValueError("adopt_chat: the context's tokens are not the chat template rendering of these messages")
         self._messages = [dict(m) for m in messages]
+        self._tools = tools
         self._rendered = rendered
+        self._marks = [(len(rendered), self.seq_len)]
+
+    @property
+    def chat_text(self) -> str:
+        """The chat template's text of the conversation so far (what the
+        chat helpers filled, in the template's own spelling), ``""`` outside
+        a chat; e.g. to see whether the prompt opens ``<think>``."""
+        return self._rendered
 
     def begin_assistant(self) -> None:
         """Append the chat template's generation prompt (the assistant
@@ -145,24 +224,44 @@ class Context:
         no-op outside a chat or when the assistant turn is already open."""
         self._begin_assistant_turn()
 
+    def _render(self, add_generation_prompt: bool) -> str:
+        return _tools.render_chat(self.model, self._messages, add_generation_prompt, self._tools)
+
     def _chat(self, role: str, content: str) -> None:
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
         self._messages.append({"role": role, "content": content})
-        self._fill_rendered(self.model.apply_chat_template(self._messages, add_generation_prompt=False))
+        self._fill_rendered(self._render(False))
 
     def _fill_rendered(self, rendered: str) -> None:
-        """Fill what the template adds beyond what is already rendered."""
+        """Fill what the template adds beyond what is already rendered. When
+        the template rewrote part of what is already filled (a tool call
+        rendered with other spacing than generated, consecutive tool results
+        merged into one turn), cut the context back to the last chat fill
+        before the first difference and fill the rendering from there."""
+        if not self._marks:
+            self._marks = [(0, self.seq_len)]
         if rendered.startswith(self._rendered):
             self.fill(rendered[len(self._rendered) :])
-        else:  # the template rewrote earlier turns; keep the context as is
-            self.fill(rendered)
+        else:
+            same = 0
+            for a, b in zip(rendered, self._rendered):
+                if a != b:
+                    break
+                same += 1
+            while len(self._marks) > 1 and self._marks[-1][0] > same:
+                self._marks.pop()
+            at, n = self._marks[-1]
+            self._truncate(n)
+            self.fill(rendered[at:])
         self._rendered = rendered
+        self._marks.append((len(rendered), self.seq_len))
 
     def _begin_assistant_turn(self) -> None:
         if self._messages and self._messages[-1]["role"] != "assistant":
-            self._fill_rendered(self.model.apply_chat_template(self._messages, add_generation_prompt=True))
+            self._fill_rendered(self._render(True))
             self._messages.append({"role": "assistant", "content": None})
+            self._turn_start = len(self._rendered)
 
     def _end_assistant_turn(self, text: str, stopped_on_eos: bool) -> None:
         """Record the reply. What the template adds after it (the rest of
@@ -173,6 +272,18 @@ class Context:
             return
         self._messages[-1] = {"role": "assistant", "content": text}
         self._rendered += text + (self.model.detokenize(self._pending[-1:]) if stopped_on_eos else "")
+        self._marks.append((len(self._rendered), self.seq_len))
+
+    def _replace_assistant_turn(self, message: dict[str, Any], text: str) -> None:
+        """Record the open (or just ended) assistant turn as ``message``,
+        its filled text being ``text`` (after the assistant header)."""
+        if not self._messages or self._messages[-1]["role"] != "assistant":
+            raise ValueError("no assistant turn to record")
+        self._messages[-1] = message
+        self._rendered = self._rendered[: self._turn_start] + text
+        while self._marks and self._marks[-1][0] > self._turn_start:
+            self._marks.pop()
+        self._marks.append((len(self._rendered), self.seq_len))
 
     # -- forward passes -------------------------------------------------------------
     async def flush(self) -> None:
@@ -299,6 +410,9 @@ class Context:
         child._pending = list(self._pending)
         child._messages = [dict(m) for m in self._messages]
         child._rendered = self._rendered
+        child._tools = self._tools
+        child._marks = list(self._marks)
+        child._turn_start = self._turn_start
         return child
 
     def truncate(self, n: int) -> None:
@@ -309,7 +423,7 @@ class Context:
             ValueError: ``n`` outside ``[0, seq_len]``.
         """
         self._truncate(n)
-        self._messages, self._rendered = [], ""
+        self._messages, self._rendered, self._marks = [], "", []
 
     def _truncate(self, n: int) -> None:
         kv = self.kv_len

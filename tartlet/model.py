@@ -58,9 +58,23 @@ class Model:
         """Text of ``ids``. Raises ValueError for ids outside the vocabulary."""
         return _binding.host().detokenize(self.name, list(ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's chat template."""
-        return _binding.host().apply_chat_template(self.name, messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render messages with the model's own chat template, as is (no
+        tool-call fallback: :func:`tartlet.tools.render_chat` adds that).
+
+        Args:
+            messages: ``{"role", "content"}`` dicts; assistant messages may
+                carry ``tool_calls``, tool messages ``tool_call_id``/``name``.
+            add_generation_prompt: append the assistant header.
+            tools: the template's ``tools`` variable (OpenAI shape).
+
+        Raises:
+            ValueError: no chat template, a malformed message, or the
+                template rejects the conversation.
+        """
+        return _binding.host().apply_chat_template(self.name, messages, add_generation_prompt, tools)
 
     def new_context(self) -> "Context":
         """An empty context on this model."""

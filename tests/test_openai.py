@@ -80,7 +80,7 @@ async def test_ignore_eos_generates_exactly_max_tokens(server, oa):
 async def test_unsupported_parameters_are_400(oa):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
-        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        dict(functions=[{"name": "f", "parameters": {}}]),  # the deprecated form of tools (test_tool_calling has tools)
         dict(n=17),
         dict(logprobs=True, top_logprobs=21),
         dict(frequency_penalty=5),

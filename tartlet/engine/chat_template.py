@@ -97,8 +97,9 @@ def render_chat_template(
         The rendered prompt, e.g. ``"<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"``.
 
     Raises:
-        ChatTemplateError: the template does not compile or calls
-            ``raise_exception`` (e.g. on an unsupported role).
+        ChatTemplateError: the template does not compile, calls
+            ``raise_exception`` (e.g. on an unsupported role), or its code
+            fails on the data (e.g. iterating ``tools`` when it is None).
     """
     template = compile_template(source)
     variables: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
@@ -109,3 +110,5 @@ def render_chat_template(
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # the template's own code on unexpected data
+        raise ChatTemplateError(f"chat template failed on these messages: {e}") from e

@@ -125,18 +125,32 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._check_ids(e, ids)
         return e.tokenizer.decode(ids)
 
-    def apply_chat_template(self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """Render ``messages`` (``role``/``content`` dicts) with the model's
-        own chat template (jinja2).
+    def apply_chat_template(
+        self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render ``messages`` with the model's own chat template (jinja2).
+
+        Args:
+            messages: dicts with ``role`` (str) and ``content`` (str or
+                None); an assistant message may carry ``tool_calls`` (a list
+                of ``{"id", "type": "function", "function": {"name",
+                "arguments": dict}}``, the Hugging Face convention), a tool
+                message ``tool_call_id`` and ``name`` (str).
+            add_generation_prompt: append the assistant header.
+            tools: the template's ``tools`` variable (OpenAI shape, see
+                :mod:`tartlet.tools`), or None.
 
         Raises:
-            ValueError: the model has no chat template, or the template
-                rejects the messages.
+            ValueError: the model has no chat template, a message or the
+                tool list has the wrong shape, or the template rejects them.
         """
         tok = self.state.model(model).engine.tokenizer
         if tok.chat_template is None:
             raise ValueError(f"model {model or self.state.default_model!r} has no chat template")
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        msgs = [_chat_message(i, m) for i, m in enumerate(messages)]
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of dicts (OpenAI shape: {'type': 'function', 'function': {...}})")
+        return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def decoder_new(self, model: str | None) -> int:
         """A streaming detokenizer handle (UTF-8 safe, see ``decoder_push``)."""
@@ -540,3 +554,33 @@ def _brle_tensor(runs: Any, size: int, what: str) -> torch.Tensor:
     if total < size:
         bits = torch.cat([bits, torch.zeros(size - total, dtype=torch.bool)])
     return bits
+
+
+#: Chat message keys besides role and content, with their types.
+_MESSAGE_EXTRAS = {"tool_calls": list, "tool_call_id": str, "name": str}
+
+
+def _chat_message(i: int, m: Any) -> dict[str, Any]:
+    """A checked copy of chat message ``i`` (see :meth:`HostApi.apply_chat_template`).
+
+    Raises:
+        ValueError: not a dict, no str ``role``, ``content`` neither str nor
+            None, an extra key of the wrong type, or an unknown key.
+    """
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"messages[{i}]: a chat message is a dict with a str `role` and `content`, got {m!r}")
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a str or None, got {type(content).__name__}")
+    out: dict[str, Any] = {"role": m["role"], "content": content}
+    for key, value in m.items():
+        if key in ("role", "content"):
+            continue
+        kind = _MESSAGE_EXTRAS.get(key)
+        if kind is None:
+            raise ValueError(f"messages[{i}]: unknown key {key!r} (known: role, content, {', '.join(_MESSAGE_EXTRAS)})")
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"messages[{i}].{key} must be a {kind.__name__}, got {type(value).__name__}")
+        if value is not None:
+            out[key] = value
+    return out

@@ -223,9 +223,26 @@ def _kv_stats(h: InstanceHost, model: str | None) -> Record:
     return _record(**{k: int(s[k]) for k in ("total", "free", "cached", "used", "page_size")})
 
 
-def _chat(h: InstanceHost, model: str | None, messages: list, agp: bool) -> str:
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
-    return h.api.apply_chat_template(model, msgs, agp)
+def _chat(h: InstanceHost, model: str | None, messages: list, agp: bool, tools: str | None) -> str:
+    msgs = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        calls, call_id = getattr(m, "tool-calls"), getattr(m, "tool-call-id")
+        if calls is not None:
+            msg["tool_calls"] = _json_arg(calls, "tool-calls")
+        if call_id is not None:
+            msg["tool_call_id"] = call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        msgs.append(msg)
+    return h.api.apply_chat_template(model, msgs, agp, None if tools is None else _json_arg(tools, "tools"))
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{what} is not valid JSON text: {e}") from None
 
 
 # name -> (implementation, how the result is returned):

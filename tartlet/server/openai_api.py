@@ -49,7 +49,25 @@ the distribution sampled from (after bias, penalties, mask and temperature;
 temperature 1 when greedy) in OpenAI's shapes, in stream chunks too (see
 :func:`format_logprobs`).
 
-Parameters this server cannot honour (tools, n > 16, top_logprobs > 20,
+Tool calling (chat): ``tools`` (OpenAI function tools) are rendered with
+the model's own chat template, or in the Hermes format for templates that
+ignore them (:mod:`tartlet.tools`); ``tool_choice`` ``auto`` (the default
+with tools) parses calls out of the generated text in the model's format,
+``none`` renders no tools and returns text, ``required`` and ``{"type":
+"function", "function": {"name"}}`` force one call whose arguments are
+generated under the tool's ``parameters`` schema (constrained decoding), so
+they are always valid. Calls come back as ``message.tool_calls`` (content
+null when there is none) or, streamed, as ``delta.tool_calls`` (id and name
+first, then ``function.arguments`` pieces), with ``finish_reason``
+``tool_calls``. Input messages may be ``role: "tool"`` (with
+``tool_call_id``) and assistant messages with ``tool_calls``. Reasoning of
+``<think>`` models is returned apart as ``reasoning_content`` (vLLM's and
+DeepSeek's field), streamed as ``delta.reasoning_content``. Bad tools,
+tool choices or tool messages are HTTP 400 naming the ``param``; forced
+calls cannot be combined with ``logprobs``, nor tools with
+``response_format``.
+
+Parameters this server cannot honour (n > 16, top_logprobs > 20,
 echo, suffix, best_of > 1, ...) are refused with HTTP 400 naming the
 parameter, never silently ignored. A client that disconnects aborts its request's instances.
 """
@@ -70,6 +88,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..host.grammar import GrammarError, Matcher
+from ..tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
 from ..runtime.instance import Status
 from ..runtime.program import load_program
 from .auth import AuthError
@@ -84,18 +103,20 @@ PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-completion"
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"}
 CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
-    "response_format", "metadata", "store", "logit_bias",
+    "response_format", "metadata", "store", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
 }
 COMPLETION_PARAMS = _COMMON | {
     "response_format", "prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix", "logit_bias",
 }
+#: Tool-calling parameters (chat only).
+TOOL_PARAMS = {"tools", "tool_choice", "parallel_tool_calls"}
 #: Known OpenAI parameters and why they are refused.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported by this server (run an agent inferlet instead)",
-    "tool_choice": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
-    "parallel_tool_calls": "tool calling is not supported by this server",
+    "tools": "tool calling is available on /v1/chat/completions only",
+    "tool_choice": "tool calling is available on /v1/chat/completions only",
+    "parallel_tool_calls": "tool calling is available on /v1/chat/completions only",
+    "functions": "the deprecated 'functions' parameter is not supported: use 'tools'",
+    "function_call": "the deprecated 'function_call' parameter is not supported: use 'tool_choice'",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported", "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported", "service_tier": "service tiers are not supported",
@@ -179,7 +200,7 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
         raise _bad("the request body must be a JSON object")
     allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
     for key in body:
-        if key in UNSUPPORTED:
+        if key in UNSUPPORTED and not (chat and key in TOOL_PARAMS):
             raise _bad(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
         if key not in allowed:
             raise _bad(f"unsupported parameter '{key}'", key, "unsupported_parameter")
@@ -200,15 +221,14 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty list", "messages")
-        out = []
-        for i, m in enumerate(msgs):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-                raise _bad(f"{where}.role must be system, developer, user or assistant", where)
-            role = "system" if m["role"] == "developer" else m["role"]
-            out.append({"role": role, "content": _text(m.get("content"), where)})
-        args["messages"] = out
+        args["messages"] = parse_messages(msgs)
         prompts = None
+        parse_tools(body, args)
+        forced = isinstance(args.get("tool_choice"), dict) or args.get("tool_choice") == "required"
+        if forced and top_n is not None:
+            raise _bad("'logprobs' cannot be combined with a forced tool call (tool_choice required or named)", "logprobs", "unsupported_parameter")
+        if rf is not None and args.get("tools") and args.get("tool_choice") != "none":
+            raise _bad("'response_format' cannot be combined with 'tools' unless tool_choice is 'none'", "response_format", "unsupported_parameter")
     else:
         prompts = parse_prompts(body.get("prompt"), vocab_size)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -253,6 +273,132 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
     if not isinstance(so, dict) or set(so) - {"include_usage"}:
         raise _bad("'stream_options' supports only include_usage", "stream_options")
     return {"args": args, "prompts": prompts, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
+
+
+def parse_messages(msgs: list) -> list[dict[str, Any]]:
+    """Chat messages in the inferlet's shape: ``developer`` becomes
+    ``system``; an assistant message may carry ``tool_calls`` (then its
+    content may be null), a ``tool`` message needs ``tool_call_id``.
+
+    Raises:
+        ApiError: 400 naming the message (``messages[i]...``).
+    """
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"{where}.role must be system, developer, user, assistant or tool", f"{where}.role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            msg: dict[str, Any] = {"role": role, "content": None if m.get("content") is None else _text(m["content"], where)}
+            if calls:
+                msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+            elif msg["content"] is None:
+                msg["content"] = ""
+        else:
+            msg = {"role": role, "content": _text(m.get("content"), where)}
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise _bad(f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)", f"{where}.tool_call_id")
+            msg["tool_call_id"] = cid
+        out.append(msg)
+    return out
+
+
+def _tool_call(c: Any, where: str) -> dict[str, Any]:
+    if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+        raise _bad(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+    fn = c["function"]
+    cid = c.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise _bad(f"{where}.id must be a non-empty string", f"{where}.id")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise _bad(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+    args = fn.get("arguments", "{}")
+    try:
+        ok = isinstance(args, str) and isinstance(json.loads(args), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise _bad(f"{where}.function.arguments must be a JSON object as a string, got {args!r:.80}", f"{where}.function.arguments")
+    return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def parse_tools(body: dict[str, Any], args: dict[str, Any]) -> None:
+    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into
+    ``args`` (``tools``: normalized list; ``tool_choice``: ``auto``,
+    ``none``, ``required`` or ``{"name": str}``).
+
+    Raises:
+        ApiError: 400 naming the parameter (``tools[0].function.name``, ``tool_choice``, ...).
+    """
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise _bad("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
+        return
+    try:
+        args["tools"] = normalize_tools(tools)
+    except ToolSpecError as e:
+        raise _bad(str(e), e.param) from None
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or set(choice) - {"type", "function"}:
+            raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if fn["name"] not in tool_names(args["tools"]):
+            raise _bad(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({', '.join(tool_names(args['tools']))})", "tool_choice")
+        choice = {"name": fn["name"]}
+    elif choice not in ("none", "auto", "required"):
+        raise _bad(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
+    args["tool_choice"] = choice
+
+
+_tool_formats: dict[str, ToolFormat] = {}
+
+
+def chat_tool_format(tokenizer: Any) -> ToolFormat:
+    """The tool format of ``tokenizer``'s chat template (probed once per
+    template text; see :func:`tartlet.tools.detect_format`)."""
+    src = tokenizer.chat_template or ""
+    fmt = _tool_formats.get(src)
+    if fmt is None:
+        fmt = _tool_formats[src] = detect_format(lambda m, agp, t: tokenizer.apply_chat_template(m, add_generation_prompt=agp, tools=t))
+    return fmt
+
+
+def check_tools(engine: Any, args: dict[str, Any]) -> None:
+    """Compile each tool's ``parameters`` schema for ``engine``'s tokenizer
+    and, for a forced call, the call grammar the inferlet will use (cached,
+    so the inferlet's own compile is a copy).
+
+    Raises:
+        ApiError: 400 ``invalid_json_schema`` naming ``tools[i].function.parameters``.
+    """
+    tools = args.get("tools")
+    if not tools:
+        return
+    for i, t in enumerate(tools):
+        try:
+            Matcher.compile(engine, "json_schema", t["function"]["parameters"]).close()
+        except GrammarError as e:
+            raise _bad(f"invalid tools[{i}].function.parameters: {e}", f"tools[{i}].function.parameters", "invalid_json_schema") from None
+    choice = args.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        fmt = chat_tool_format(engine.tokenizer)
+        text = fmt.grammar(tools, choice["name"] if isinstance(choice, dict) else None)
+        try:
+            Matcher.compile(engine, "grammar", text).close()
+        except GrammarError as e:
+            raise _bad(f"the tools' schemas cannot be combined into a call grammar: {e}", "tools", "invalid_json_schema") from None
 
 
 #: The most prompts one ``/v1/completions`` request may carry.
@@ -402,14 +548,28 @@ def prompt_length(tokenizer: Any, job: dict[str, Any]) -> int:
     if "prompt" in job:
         fill(job["prompt"])
         return n
+    tools = job.get("tools") if job.get("tool_choice", "auto") != "none" else None
+    fmt = chat_tool_format(tokenizer) if uses_tools(job["messages"], tools) else None
     msgs: list[dict[str, Any]] = []
     rendered = ""
+    marks = [(0, 0)]  # (rendered length, tokens) after each fill, as Context keeps them
+
+    def tok_render(m: list, agp: bool, t: list | None) -> str:
+        return tokenizer.apply_chat_template(m, add_generation_prompt=agp, tools=t)
 
     def render(gen_prompt: bool) -> None:
-        nonlocal rendered
-        r = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen_prompt)
-        fill(r[len(rendered):] if r.startswith(rendered) else r)
+        nonlocal rendered, n
+        r = render_with(tok_render, fmt, msgs, gen_prompt, tools)
+        if r.startswith(rendered):
+            fill(r[len(rendered):])
+        else:  # the template rewrote filled text: cut back to the last fill before the difference
+            same = next((i for i, (a, b) in enumerate(zip(r, rendered)) if a != b), min(len(r), len(rendered)))
+            while len(marks) > 1 and marks[-1][0] > same:
+                marks.pop()
+            at, n = marks[-1]
+            fill(r[at:])
         rendered = r
+        marks.append((len(r), n))
 
     for m in job["messages"]:
         msgs.append(m)
@@ -502,7 +662,7 @@ def check_response_format(engine: Any, rf: dict[str, Any]) -> None:
         raise _bad(f"invalid response_format: {e}", param, "invalid_json_schema") from None
 
 
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop"}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop", "tool_calls": "tool_calls"}
 
 
 async def read_json_body(request: Request, limits: Any) -> Any:
@@ -608,6 +768,8 @@ class OpenAiRoutes:
             rf = req["args"].get("response_format")
             if rf is not None:  # compile off the event loop (the first compile builds the tokenizer bridge)
                 await asyncio.to_thread(check_response_format, engine, rf)
+            if req["args"].get("tools"):
+                await asyncio.to_thread(check_tools, engine, req["args"])
             base = req["args"]
             jobs = [dict(base)] if chat else [dict(base, **p) for p in req["prompts"]]
             lengths = await asyncio.to_thread(lambda: [prompt_length(engine.tokenizer, j) for j in jobs])
@@ -668,7 +830,7 @@ class OpenAiRoutes:
                 finish = _FINISH.get(c["finish_reason"], "stop")
                 lp = format_logprobs(c.get("logprobs"), chat)
                 if chat:
-                    message = {"role": "assistant", "content": c["text"]}
+                    message = chat_message(c)
                     choices.append({"index": i * n + k, "message": message, "finish_reason": finish, "logprobs": lp})
                 else:
                     choices.append({"index": i * n + k, "text": c["text"], "finish_reason": finish, "logprobs": lp})
@@ -684,9 +846,13 @@ class OpenAiRoutes:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets: dict[int, int] = {}
 
-        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False, logprobs: Any = None) -> str:
+        def chunk(
+            i: int, delta: str | None, finish: str | None = None, role: bool = False, logprobs: Any = None, extra: dict[str, Any] | None = None,
+        ) -> str:
             if chat:
                 d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                if extra:
+                    d = extra
                 choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
@@ -706,6 +872,12 @@ class OpenAiRoutes:
                     idx = i * n + int(m.get("i", 0))
                     if "finish_reason" in m:
                         yield chunk(idx, None, _FINISH.get(m["finish_reason"], "stop"))
+                        continue
+                    if "reasoning" in m:
+                        yield chunk(idx, None, extra={"reasoning_content": m["reasoning"]})
+                        continue
+                    if "tool_call" in m:
+                        yield chunk(idx, None, extra={"tool_calls": [tool_call_delta(m["tool_call"])]})
                         continue
                     entries = m.get("logprobs")
                     lp = format_logprobs(entries, chat, offsets.get(idx, 0))
@@ -728,6 +900,33 @@ class OpenAiRoutes:
             for inst in insts:
                 if not inst.done.is_set():
                     inst.abort("the client disconnected")
+
+
+def chat_message(c: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI ``message`` of one inferlet choice: content (null when
+    the choice is only tool calls), ``reasoning_content`` for think-models,
+    ``tool_calls``."""
+    calls = c.get("tool_calls") or []
+    message: dict[str, Any] = {"role": "assistant", "content": c["text"] if c["text"] or not calls else None}
+    if c.get("reasoning") is not None:
+        message["reasoning_content"] = c["reasoning"]
+    if calls:
+        message["tool_calls"] = [
+            {"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": t["arguments"]}} for t in calls
+        ]
+    return message
+
+
+def tool_call_delta(item: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``delta.tool_calls`` item from the inferlet's ``tool_call``
+    message: the first of a call carries id, type and name."""
+    fn: dict[str, Any] = {"arguments": item.get("arguments", "")}
+    out: dict[str, Any] = {"index": int(item.get("index", 0))}
+    if "id" in item:
+        out.update(id=item["id"], type="function")
+        fn = {"name": item["name"], **fn}
+    out["function"] = fn
+    return out
 
 
 def _usage(r: dict[str, Any]) -> dict[str, int]:

@@ -2,9 +2,20 @@
 ``/v1/completions``.
 
 Args:
-    messages (list of {role, content}): chat mode, rendered with the model's
-        chat template exactly as ``text-completion`` renders its
-        ``system``/``prompt`` (one SDK call per message).
+    messages (list of {role, content, tool_calls, tool_call_id}): chat mode,
+        rendered with the model's chat template exactly as
+        ``text-completion`` renders its ``system``/``prompt`` (one SDK call
+        per message: ``ctx.add_message``); ``tool`` results and assistant
+        ``tool_calls`` (OpenAI shapes) as :mod:`tartlet.tools` renders them.
+    tools (list, optional): OpenAI tool list, rendered with the chat
+        template (:meth:`Context.set_tools`) unless ``tool_choice`` is
+        ``none``.
+    tool_choice ("auto" | "none" | "required" | {"name": str}, default
+        "auto" with tools): ``auto`` generates freely and parses tool calls
+        out of the text (:class:`tartlet.tools.ToolCallStream`, the
+        model's own format); ``required`` and a name force one call with
+        constrained decoding (:class:`tartlet.tools.ForcedToolCall`), so
+        the arguments are valid against the tool's schema.
     prompt (str): completion mode, filled as raw text (``text-completion
         --raw``).
     prompt_tokens (list of int): completion mode, token ids filled as they
@@ -45,12 +56,20 @@ applied by the host), adjusts them here and picks the token: argmax when
 within ``top_p``. ``logprobs`` takes the same path (greedy output is then
 still the argmax of the same logits; seeded draws use this module's RNG).
 
+Chat output is split into reasoning and content
+(:class:`tartlet.tools.ReasoningSplitter`: ``<think>...</think>`` at the
+start, or from the first token when the prompt opens ``<think>``).
+
 Streams with ``session.send``, one JSON object per message: ``{"i": k,
 "text": str, "logprobs": [entry]}`` as fork ``k`` produces text (``logprobs``
 only when asked; an entry is ``{"token": str, "logprob": float, "top":
-[[str, float], ...]}``, the tokens' strings concatenating to the text), and
+[[str, float], ...]}``, the tokens' strings concatenating to the text),
+``{"i": k, "reasoning": str}`` for reasoning text, ``{"i": k, "tool_call":
+{"index", "id", "name", "arguments"}}`` for tool calls (OpenAI
+``delta.tool_calls`` items: id and name first, then argument pieces), and
 ``{"i": k, "finish_reason": str, "completion_tokens": int}`` when fork ``k``
-ends. Returns ``{"choices": [{"text", "finish_reason", "completion_tokens",
+ends (``tool_calls`` when it called tools). Returns ``{"choices": [{"text",
+"reasoning", "tool_calls", "finish_reason", "completion_tokens",
 "logprobs"}], "prompt_tokens", "text", "finish_reason",
 "completion_tokens"}`` (the last three: choice 0's text and finish reason,
 the completion tokens of all choices; ``prompt_tokens``: every token the
@@ -69,6 +88,7 @@ import math
 import random
 
 from tartlet import AnyJson, JsonSchema, Model, Sampler, session
+from tartlet.tools import ForcedToolCall, ReasoningSplitter, ToolCallStream, prompt_opens_reasoning, tool_format
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -167,10 +187,47 @@ def make_constraint(rf, model: str):
     raise ValueError(f"response_format type {rf.get('type')!r} is not supported (text, json_object, json_schema)")
 
 
+def tool_mode(args: dict):
+    """``(forced, name)``: whether a call is forced, and the forced tool's name."""
+    choice = args.get("tool_choice", "auto") if args.get("tools") else "none"
+    if isinstance(choice, dict):
+        return True, choice["name"]
+    return choice == "required", None
+
+
+async def run_forced_call(k: int, ctx, args: dict, sampler, name) -> dict:
+    """Choice ``k`` as one forced tool call, streaming its deltas."""
+    forced = ForcedToolCall(ctx, args["tools"], name=name, sampler=sampler, max_tokens=int(args.get("max_tokens", 256)))
+    async for delta in forced:
+        session.send(json.dumps({"i": k, "tool_call": delta}))
+    gen = forced.generator
+    calls = [{"id": forced.call.id, "name": forced.call.name, "arguments": forced.call.arguments}] if forced.call else []
+    session.send(json.dumps({"i": k, "finish_reason": forced.finish_reason, "completion_tokens": len(gen.tokens)}))
+    return {"text": "", "reasoning": None, "tool_calls": calls, "finish_reason": forced.finish_reason,
+            "completion_tokens": len(gen.tokens), "logprobs": None}
+
+
 async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
     """Generate choice ``k`` on ``ctx``, streaming its messages."""
     seed = args.get("seed")
     sampler = make_sampler(args, None if seed is None else seed + k)
+    forced, name = tool_mode(args)
+    if forced:
+        return await run_forced_call(k, ctx, args, sampler, name)
+    chat = "messages" in args
+    splitter = ReasoningSplitter(prompt_opens_reasoning(ctx.chat_text)) if chat else None
+    calls_stream = ToolCallStream(tool_format(model)) if args.get("tools") and args.get("tool_choice", "auto") == "auto" else None
+    reasoning_parts: list = []
+    content_parts: list = []
+
+    def route(reasoning: str, text: str) -> str:
+        if reasoning:
+            reasoning_parts.append(reasoning)
+            session.send(json.dumps({"i": k, "reasoning": reasoning}))
+        if calls_stream is not None:
+            text = calls_stream.push(text)
+        content_parts.append(text)
+        return text
     want_lp = args.get("logprobs") is not None
     gen = ctx.generate(
         sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
@@ -193,19 +250,36 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
                 entries.append((raw_len, {"token": text, "logprob": lp, "top": [[name(i), v] for i, v in top]}))
             raw_len = len(raw)
         emitted += len(step.text)
+        shown = route(*splitter.push(step.text)) if splitter is not None else step.text
         ready = []
         while sent + len(ready) < len(entries) and entries[sent + len(ready)][0] < emitted:
             ready.append(entries[sent + len(ready)][1])
-        if step.text or ready:
-            msg: dict = {"i": k, "text": step.text}
+        if shown or ready:
+            msg: dict = {"i": k, "text": shown}
             if want_lp:
                 msg["logprobs"] = ready
                 sent += len(ready)
             session.send(json.dumps(msg))
-    choice = {"text": gen.text, "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens), "logprobs": None}
+    text, finish, calls = gen.text, gen.finish_reason, []
+    if splitter is not None:
+        tail = route(*splitter.finish())
+        if calls_stream is not None:
+            more, found = calls_stream.finish()
+            content_parts.append(more)
+            tail += more
+            for j, c in enumerate(found):
+                calls.append({"id": c.id, "name": c.name, "arguments": c.arguments})
+                session.send(json.dumps({"i": k, "tool_call": {"index": j, "id": c.id, "name": c.name, "arguments": c.arguments}}))
+            if found:
+                finish = "tool_calls"
+        if tail:
+            session.send(json.dumps({"i": k, "text": tail}))
+        text = "".join(content_parts)
+    choice = {"text": text, "reasoning": "".join(reasoning_parts) if splitter is not None and splitter.saw_reasoning else None,
+              "tool_calls": calls, "finish_reason": finish, "completion_tokens": len(gen.tokens), "logprobs": None}
     if want_lp:
         choice["logprobs"] = [e for off, e in entries if off < len(gen.text)]
-    session.send(json.dumps({"i": k, "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens)}))
+    session.send(json.dumps({"i": k, "finish_reason": finish, "completion_tokens": len(gen.tokens)}))
     return choice
 
 
@@ -219,8 +293,10 @@ async def main(args: dict) -> dict:
     try:
         with model.new_context() as ctx:
             if "messages" in args:
+                if args.get("tools") and args.get("tool_choice", "auto") != "none":
+                    ctx.set_tools(args["tools"])
                 for m in args["messages"]:
-                    getattr(ctx, m["role"])(m["content"])
+                    ctx.add_message(m)
                 ctx.begin_assistant()  # the header is part of what the model reads
             elif "prompt_tokens" in args:
                 ctx.fill_tokens(args["prompt_tokens"])
