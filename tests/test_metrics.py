@@ -53,7 +53,7 @@ async def test_names_types_and_units(service, engine):
     values = samples(r.text)
     model = (("model", service.state.default_model),)
     assert values[("tartlet_kv_pool_pages", model)] == engine.pool.num_pages
-    assert values[("tartlet_kv_pool_bytes", model)] == engine.pool.k.nbytes + engine.pool.v.nbytes
+    assert values[("tartlet_kv_pool_bytes", model)] == engine.pool.nbytes()
     assert values[("tartlet_kv_pages", model + (("state", "free"),))] <= engine.pool.num_pages
 
 

@@ -75,7 +75,7 @@ class ServerCollector(Collector):
             for state in ("used", "cached", "free"):
                 pages.add_metric([model, state], getattr(st, state))
             pool_pages.add_metric([model], st.total)
-            pool_bytes.add_metric([model], engine.pool.k.nbytes + engine.pool.v.nbytes)
+            pool_bytes.add_metric([model], engine.pool.nbytes())
         yield from (pages, pool_pages, pool_bytes)
         yield GaugeMetricFamily("tartlet_running_instances", "Inferlet instances running now.", value=service.running())
         yield CounterMetricFamily("tartlet_instances_launched", "Instances launched by clients and API requests.",
