@@ -636,11 +636,17 @@ class ForcedToolCall:
 
     async def collect(self) -> ToolCall:
         """Run to the end; the call (arguments possibly cut at ``max_tokens``:
-        check :attr:`finish_reason`)."""
+        check :attr:`finish_reason`).
+
+        Raises:
+            ValueError: ``max_tokens`` ended the generation before the
+                tool's name was complete.
+        """
         async for _ in self:
             pass
-        assert self.call is not None or self.finish_reason == "length"
-        return self.call if self.call is not None else ToolCall("", "", self._call_id)
+        if self.call is None:
+            raise ValueError(f"max_tokens ({self.max_tokens}) ended the tool call before its name was complete")
+        return self.call
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         ctx, fmt = self.ctx, self.fmt

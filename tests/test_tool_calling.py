@@ -158,13 +158,17 @@ def test_qwen25_template_renders_tools_and_tool_results():
 
 
 @pytest.fixture(scope="module")
-def smol_render(gguf_path):
+def smol_tokenizer(gguf_path):
     from gguf import GGUFReader
 
     from tartlet.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(GGUFReader(str(gguf_path)))
-    return lambda m, agp, t=None: tok.apply_chat_template(m, add_generation_prompt=agp, tools=t)
+    return Tokenizer.from_gguf(GGUFReader(str(gguf_path)))
+
+
+@pytest.fixture(scope="module")
+def smol_render(smol_tokenizer):
+    return lambda m, agp, t=None: smol_tokenizer.apply_chat_template(m, add_generation_prompt=agp, tools=t)
 
 
 def test_smollm2_template_gets_the_hermes_fallback(smol_render):
@@ -350,7 +354,7 @@ def test_n_forced_calls_are_each_valid(server, oa):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_tool_result_round_trip(server, oa):
+def test_tool_result_round_trip(server, oa, smol_tokenizer):
     first = oa.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64)
     msg = first.choices[0].message
     call = msg.tool_calls[0]
@@ -359,8 +363,13 @@ def test_tool_result_round_trip(server, oa):
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length", "tool_calls")
     assert c.message.content or c.message.tool_calls
-    # the prompt grew by the call and the result
+    # the prompt grew by the call and the result, and the server's length check counts what the inferlet filled
     assert r.usage.prompt_tokens > first.usage.prompt_tokens + 10
+    from tartlet.server.openai_api import parse_request, prompt_length
+
+    for body, usage in ((dict(messages=history, tools=TOOLS), r.usage), (dict(messages=ASK, tools=TOOLS, tool_choice="required"), first.usage)):
+        job = parse_request(dict(body, model=MODEL), True, 8192)["args"]
+        assert prompt_length(smol_tokenizer, job) == usage.prompt_tokens
     # auto, streamed, gives what the non-streamed request gave
     content, calls, finish = stream_call(oa, messages=history, tools=TOOLS, max_tokens=24)
     assert finish == c.finish_reason
