@@ -24,8 +24,6 @@ reads it with :func:`load_config`. Layout::
                max_builds_per_user
     [auth]     enabled, keys_file
     [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
-    [mcp.servers.NAME]  url, description: MCP servers inferlets open by name
-               (tartlet.mcp); each url is allowed to every inferlet
     [programs] allow_uploads, uploaded_runtime ("wasm": sandboxed, the default;
                or "native"), installed_runtime ("native", the default, or
                "wasm"), sandbox_memory_mb, sandbox_cpu_time_s

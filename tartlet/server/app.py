@@ -137,7 +137,6 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
         tartlet.engine.loader.ModelLoadError: a model cannot be loaded.
     """
     from ..engine.engine import Engine
-    from ..host.http import HttpFetcher, HttpPolicy
     from ..host.state import HostState
     from ..host.store import Store
 
@@ -150,9 +149,23 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     state.bus = MessageBus(lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
     Path(cfg.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a new data dir is the server user's only
     state.store = Store(cfg.store_path)
-    h = cfg.http
-    state.http = HttpFetcher(HttpPolicy(list(h.allow_hosts), h.max_response_bytes, h.max_request_bytes, h.timeout_s))
+    configure_http(state, cfg)
     return state
+
+
+def configure_http(state: Any, cfg: ServerConfig) -> None:
+    """Give ``state`` (a HostState) the HTTP fetcher of inferlets and the
+    MCP servers they may open: ``[http]`` bounds every fetch; each
+    ``[mcp.servers.NAME] url`` is allowed to every inferlet (that endpoint
+    only, not its whole host), with the server's ``headers`` added by the
+    host (inferlets never see them), and listed by name
+    (``tartlet.mcp.available_servers()``)."""
+    from ..host.http import HttpFetcher, HttpPolicy
+
+    h, mcp = cfg.http, cfg.mcp.servers
+    endpoints = {s.url: dict(s.headers) for s in mcp.values()}
+    state.http = HttpFetcher(HttpPolicy(list(h.allow_hosts), h.max_response_bytes, h.max_request_bytes, h.timeout_s, endpoints))
+    state.mcp_servers = {name: s.url for name, s in mcp.items()}
 
 
 def serve(cfg: ServerConfig, auth: bool = True, announce: Callable[[str], None] | None = None) -> None:
