@@ -207,6 +207,22 @@ def test_quant_linear_float_gemm_path(kern, monkeypatch):
     assert rel_err(by_gemm, x @ kern.dequantize(w).T + lin.bias + res) < 1e-5
 
 
+def test_quant_linear_8bit_rows_do_not_depend_on_the_batch(kern, monkeypatch):
+    """With 8-bit activations the float GEMM path multiplies the same 8-bit
+    blocks the integer kernel sees, so a row's result is the same whether it
+    runs alone (kernel) or inside a prefill-sized batch (GEMM): equal up to
+    float summation order, far below 8-bit rounding (~1e-2)."""
+    from tartlet.engine import quant_linear
+
+    raw = random_gguf("Q4_1", 96, 512)
+    lin = QuantLinear([from_gguf(raw, "Q4_1", 96, 512)], None, kern, act_bits=8)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(5))
+    x[:, 7] *= 300  # an outlier channel, as after an RMSNorm
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    monkeypatch.setattr(quant_linear, "DEQUANT_ROWS", 32)
+    assert rel_err(lin(x), alone) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantize_float_matrix(kern, name):
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1)) * 0.1

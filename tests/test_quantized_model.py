@@ -208,3 +208,32 @@ def test_bfloat16_kv_cache(gguf_path, engine):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     with pytest.raises(ValueError, match="unknown kv_dtype 'int3'"):
         EngineConfig(kv_dtype="int3").torch_kv_dtype()
+
+
+def test_mixed_activation_precision(gguf_path, engine):
+    """``act_bits="auto"``: 16-bit blocks into the projections fed by an
+    RMSNorm, 8-bit into the output and down projections. Greedy tokens of
+    the README prompt's answer agree with the float32 path (the 8-bit
+    blocks in every projection flip them); logits move by rounding only
+    (~1.0 measured on logits of ~38, bound 2.5)."""
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    from test_loader import engine_logits
+
+    eng = Engine.load(EngineConfig(model=str(gguf_path), act_bits="auto", kv_cache_mb=8))
+    try:
+        bits = {k: {layer[k].act_bits for layer in eng.model.layers} for k in ("qkv", "o", "gate_up", "down")}
+        assert bits == {"qkv": {16}, "o": {8}, "gate_up": {16}, "down": {8}}
+        assert eng.model.lm_head.act_bits == 16
+    finally:
+        eng.close()
+    ids = chat_ids(engine, "What is the capital of France?")
+    ids += engine.tokenizer.encode(" The capital of France is Paris.")
+    want = engine_logits(gguf_path, "float32", ids, split=len(ids) - 12)
+    got = engine_logits(gguf_path, "auto", ids, split=len(ids) - 12, act_bits="auto")
+    diff = float((got - want).abs().max())
+    print(f"act_bits auto vs float32: max abs logit diff {diff:.3f}")
+    assert diff <= 2.5
+    assert torch.equal(got[-12:].argmax(-1), want[-12:].argmax(-1))
+    with pytest.raises(ValueError, match="act_bits must be 8, 16 or 'auto'"):
+        engine_logits(gguf_path, "auto", ids[:3], split=2, act_bits=4)

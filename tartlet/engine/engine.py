@@ -58,8 +58,11 @@ class EngineConfig:
             model). See :mod:`tartlet.engine.linear`.
         act_bits: with quantized weights, activations are quantized per
             block of 32 to 16-bit (default) or 8-bit integers (llama.cpp's
-            choice: faster for large batches, but on SmolLM2-135M it flips
-            greedy answers; see :mod:`tartlet.engine.quant_linear`).
+            choice: faster, but on SmolLM2-135M it flips greedy answers), or
+            ``auto``: 16 bits into the projections fed by an RMSNorm (QKV,
+            gate/up, head), 8 bits into the output and down projections
+            (keeps that answer; logits move ~1.0 vs 0.01); see
+            :mod:`tartlet.engine.llama`.
         kv_dtype: element type of the KV page pool: ``auto`` (the compute
             dtype), ``float32``, ``bfloat16`` or ``float16``. A 16-bit pool
             holds twice the tokens in the same ``kv_cache_mb``; keys and
@@ -78,7 +81,7 @@ class EngineConfig:
     threads: int | None = None
     cpu_kernels: bool = True
     gemv_copy: bool = True
-    act_bits: int = 16
+    act_bits: int | str = 16
     kv_dtype: str = "auto"
 
     def torch_dtype(self) -> torch.dtype:

@@ -73,8 +73,12 @@ class LlamaModel:
         cpu_kernels: on CPU in float32, use the fused C kernels of
             :mod:`tartlet.engine.cpu_kernels` (RMSNorm, RoPE + KV write,
             paged decode attention) when they can be compiled.
-        act_bits: precision (8 or 16) activations are quantized to before
-            they meet quantized weights (:class:`QuantLinear`).
+        act_bits: precision activations are quantized to before they meet
+            quantized weights (:class:`QuantLinear`): 8, 16, or ``"auto"``:
+            16 bits into the projections fed by an RMSNorm (QKV, gate/up,
+            the output head), whose norm weights scale a few channels to
+            100-470x the block median, and 8 bits into the output and down
+            projections (see :mod:`tartlet.engine.quant_linear`).
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         gemv_copy: bool = True,
         cpu_kernels: bool = True,
-        act_bits: int = 16,
+        act_bits: int | str = 16,
     ):
         self.config = config
         self.dtype = dtype
@@ -123,11 +127,16 @@ class LlamaModel:
             # rather than float32 in its own kernel; exact for GGUF F16 tensors
             return QuantWeight(F16, tuple(t.shape), t.to(torch.float16).contiguous(), source="F32")
 
-        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy) -> "Linear | QuantLinear":
+        if act_bits not in (8, 16, "auto"):
+            raise ValueError(f"act_bits must be 8, 16 or 'auto', got {act_bits!r}")
+
+        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy, normed: bool = True) -> "Linear | QuantLinear":
+            # normed: the input comes straight from an RMSNorm (see act_bits)
             parts = [raw(n) for n in names]
             if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
                 quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
-                return QuantLinear(quant, bias, self.quant, act_bits=act_bits)
+                bits = act_bits if act_bits != "auto" else (16 if normed else 8)
+                return QuantLinear(quant, bias, self.quant, act_bits=bits)
             return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
 
         def norm(name: str) -> torch.Tensor:
@@ -153,14 +162,14 @@ class LlamaModel:
             layer = dict(
                 ln1=norm(p + "input_layernorm.weight"),
                 qkv=fused(p, "self_attn.qkv_proj.weight", *[f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
-                o=linear(p + "self_attn.o_proj.weight"),
+                o=linear(p + "self_attn.o_proj.weight", normed=False),
                 ln2=norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms else "post_attention_layernorm.weight")),
             )
             if c.is_sparse_layer(i):
                 layer["moe"] = build_sparse_moe(c, p, weights, linear, w, lambda g: self.act(g))
             else:
                 layer.update(gate_up=fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                             down=linear(p + "mlp.down_proj.weight"))
+                             down=linear(p + "mlp.down_proj.weight", normed=False))
             if c.qk_norm:
                 layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
             if c.gemma_norms:

@@ -4,10 +4,12 @@ quantized twin of :class:`tartlet.engine.linear.Linear`, same call).
 The weight is a stack of parts along the outputs (fused Q/K/V or gate/up,
 whose parts may come in different GGUF formats, e.g. Q4_K for Q and K and
 Q6_K for V in a ``Q4_K_M`` file): one :class:`QuantWeight` per run of equal
-kinds. ``x`` is quantized once per call to blocks of 32 integers, 16-bit by
-default (8-bit, llama.cpp's choice, is faster but flipped SmolLM2-135M's
-greedy answer to "What is the capital of France?": its attention inputs
-have outliers 100-470x the block median), and every part writes its
+kinds. ``x`` is quantized once per call to blocks of 32 integers, 16-bit or
+8-bit (llama.cpp's choice, ~1.5x faster in the kernel; in every projection
+it flipped SmolLM2-135M's greedy answer to "What is the capital of
+France?": the inputs of the projections after an RMSNorm have outliers
+100-470x the block median; the model picks per projection, see
+``act_bits`` of :class:`~tartlet.engine.llama.LlamaModel`), and every part writes its
 columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import QuantWeight
+from .quant_formats import BF16, F16, QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM.
@@ -96,6 +98,11 @@ class QuantLinear:
         return out
 
     def _float_gemm(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.act_bits == 8 and any(p.kind not in (F16, BF16) for p in self.parts):
+            # the 8-bit blocks the integer kernel would see, so a row's result does not depend on
+            # how many rows share its batch (16-bit rounding is below the GEMM's own error)
+            qa, fa = self.kernels.quantize(x, 8)
+            x = (qa.view(x.shape[0], -1, 32).float() * fa[:, 0, :, None]).view(x.shape)
         n0 = 0
         for p in self.parts:
             step = max(1, _TILE // self.in_features)

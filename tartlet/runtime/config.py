@@ -242,7 +242,7 @@ _MODEL_KEY_TYPES: dict[str, Any] = {
     "max_batch_tokens": PositiveInt,
     "batch_wait_ms": Annotated[float, Field(ge=0)],
     "threads": PositiveInt | None,
-    "act_bits": Literal[8, 16],
+    "act_bits": Literal["auto", 8, 16],
 }
 
 
