@@ -14,13 +14,15 @@
  * Work split: projections by weight rows (each thread a contiguous range of
  * the stacked output rows, crossing part boundaries), attention by (sequence,
  * KV head), row-wise operations by row; the small sequential pieces (norm +
- * activation quantization) run on one thread. Results equal the op-by-op path
+ * activation quantization) run on thread 0. Between operations the threads
+ * meet at team_wait, a spin barrier (see there why not OpenMP's). Results equal the op-by-op path
  * (same kernels, same order of summation per output) except SiLU (see
  * silu_mul).
  *
  * Included at the end of quant_kernels.c (uses its tq_linear_desc, tq_matmul,
  * tq_matmul_half and tq_quantize) after float_kernels.h. */
 #include <omp.h>
+#include <sched.h>
 
 /* One decoder layer: norm weights [H] and the four projections (descriptors
  * as tq_linear takes them); this layer's KV pool [slots, nkv, hd]. */
@@ -70,6 +72,34 @@ static inline void silu_mul(const float *g, const float *u, float *o, int64_t n)
     for (int64_t i = 0; i < n; i++) {
         const float a = g[i], e = exp_nonpositive(-fabsf(a));
         o[i] = a * (a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u[i];
+    }
+}
+
+/* A sense-reversing spin barrier for the team of one step. OpenMP's own
+ * barriers sleep on a futex after ~100 spins whenever the process has more
+ * OpenMP threads than CPUs (libgomp's "throttled" spin count; PyTorch's
+ * pools make that the usual case), and a futex wake-up per operation costs
+ * more than the operation. Spins with pause, then yields the CPU, so an
+ * oversubscribed machine still makes progress. */
+typedef struct {
+    int count, sense, n;
+} team_barrier;
+
+static inline void team_wait(team_barrier *b, int *local_sense) {
+    const int s = *local_sense = !*local_sense;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->n) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, s, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != s; spins++) {
+        if (spins < 20000) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
     }
 }
 
@@ -138,9 +168,12 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F;
     void *qa = (char *)buf + nf * sizeof(float);
     float *fa = (float *)((char *)qa + qbytes);
+    team_barrier bar = {0, 0, nt_max};
 #pragma omp parallel num_threads(nt_max)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        int sense = 0;
+        if (tid == 0) bar.n = nt; /* the team may be smaller than asked; read after the first barrier */
         float *p = scores + (int64_t)tid * g * Lmax;
         const int clock = prof_on && tid == 0;
         double t_last = clock ? omp_get_wtime() : 0.0;
@@ -150,24 +183,25 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
         prof_acc[i] += now_ - t_last;                 \
         t_last = now_;                                \
     }
+#define SYNC() team_wait(&bar, &sense)
+#pragma omp barrier
         for (int64_t li = 0; li < D->n_layers; li++) {
             const tq_layer_desc *ly = &D->layers[li];
-#pragma omp single
-            {
+            if (tid == 0) {
                 for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, ly->ln1, xn + t * H, H, D->eps);
                 quantize_for(ly->qkv, xn, T, qa, fa);
             }
+            SYNC();
             PHASE(0)
             team_linear(ly->qkv, xn, qa, fa, T, qkv, 0, tid, nt);
-#pragma omp barrier
+            SYNC();
             PHASE(1)
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
+            for (int64_t t = tid; t < T; t += nt)
                 rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
                                ly->v_pool, write_slots[t], nh, nkv, hd);
+            SYNC();
             PHASE(2)
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < tasks; i++) {
+            for (int64_t i = tasks * tid / nt; i < tasks * (tid + 1) / nt; i++) {
                 int64_t j = i, gi = 0;
                 while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
                 const tq_attn_group *G = &groups[gi];
@@ -176,36 +210,39 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                                G->bias ? G->bias + b * G->L : NULL, G->L, g, hd, nkv * hd, kh, D->scale, p,
                                attn + r * nh * hd + kh * g * hd);
             }
+            SYNC();
             PHASE(3)
-#pragma omp single
-            quantize_for(ly->o, attn, T, qa, fa);
+            if (tid == 0) quantize_for(ly->o, attn, T, qa, fa);
+            SYNC();
             PHASE(0)
             team_linear(ly->o, attn, qa, fa, T, x, x, tid, nt);
-#pragma omp barrier
+            SYNC();
             PHASE(4)
-#pragma omp single
-            {
+            if (tid == 0) {
                 for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, ly->ln2, xn + t * H, H, D->eps);
                 quantize_for(ly->gate_up, xn, T, qa, fa);
             }
+            SYNC();
             PHASE(0)
             team_linear(ly->gate_up, xn, qa, fa, T, gu, 0, tid, nt);
-#pragma omp barrier
+            SYNC();
             PHASE(5)
-#pragma omp for collapse(2) schedule(static)
-            for (int64_t t = 0; t < T; t++) /* SiLU(gate) * up into xn [T, F], in chunks of 256 columns */
-                for (int64_t j = 0; j < (F + 255) / 256; j++)
-                    silu_mul(gu + t * 2 * F + j * 256, gu + t * 2 * F + F + j * 256, xn + t * F + j * 256,
-                             F - j * 256 < 256 ? F - j * 256 : 256);
+            const int64_t chunks = T * ((F + 255) / 256); /* SiLU(gate) * up into xn [T, F], 256 columns a chunk */
+            for (int64_t c = chunks * tid / nt; c < chunks * (tid + 1) / nt; c++) {
+                const int64_t t = c / ((F + 255) / 256), j = c % ((F + 255) / 256) * 256;
+                silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < 256 ? F - j : 256);
+            }
+            SYNC();
             PHASE(6)
-#pragma omp single
-            quantize_for(ly->down, xn, T, qa, fa);
+            if (tid == 0) quantize_for(ly->down, xn, T, qa, fa);
+            SYNC();
             PHASE(0)
             team_linear(ly->down, xn, qa, fa, T, x, x, tid, nt);
-#pragma omp barrier
+            SYNC();
             PHASE(7)
         }
     }
+#undef SYNC
 #undef PHASE
     free(buf);
     return 0;
