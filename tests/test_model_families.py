@@ -188,29 +188,11 @@ def write_gguf(family: str, model, path) -> None:
     ``1 + w``, Llama 3 scaling as ``rope_freqs``, Phi-3's factors as tensors."""
     import gguf
     import numpy as np
-    from tiny_gguf import byte_tokens
+    from tiny_gguf import close_writer, family_writer, permute_qk as permute
 
     arch, c = GGUF_ARCH[family], model.config
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    tokens = byte_tokens()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w, hd = family_writer(path, arch, c, rope["rope_theta"])
     gemma = arch.startswith("gemma")
     if gemma:
         w.add_sliding_window(c.sliding_window)
@@ -229,9 +211,6 @@ def write_gguf(family: str, model, path) -> None:
         w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_factors_short.weight", np.array(c.rope_parameters["short_factor"], np.float32))
         w.add_tensor("rope_factors_long.weight", np.array(c.rope_parameters["long_factor"], np.float32))
-
-    def permute(t: torch.Tensor, n_head: int) -> torch.Tensor:  # convert_hf_to_gguf.py LlamaModel.permute
-        return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -259,10 +238,7 @@ def write_gguf(family: str, model, path) -> None:
         if gemma and name.endswith("norm.weight"):
             t = t + 1
         w.add_tensor(out, t.contiguous().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_writer(w)
 
 
 @pytest.mark.parametrize("family", list(GGUF_ARCH))

@@ -172,25 +172,11 @@ def write_moe_gguf(family: str, model, path, expert_type: str = "F32") -> None:
     ``"F32"`` or ``"Q8_0"``, quantized with gguf's reference quantizer),
     ``ffn_gate_inp`` router, Qwen2-MoE's ``*_shexp`` and ``ffn_gate_inp_shexp``
     (``[H]``), Q/K rows permuted for ``llama`` (Mixtral)."""
-    import gguf
     import gguf.quants as gq
-    import numpy as np
-    from tiny_gguf import byte_tokens
+    from tiny_gguf import close_writer, family_writer, permute_qk as permute
 
     arch, c = GGUF_ARCH[family], model.config
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    tokens = byte_tokens()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w, hd = family_writer(path, arch, c, c.rope_parameters["rope_theta"])
     experts = getattr(c, "num_local_experts", None) or c.num_experts
     w.add_expert_count(experts)
     w.add_expert_used_count(c.num_experts_per_tok)
@@ -198,15 +184,6 @@ def write_moe_gguf(family: str, model, path, expert_type: str = "F32") -> None:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-
-    def permute(t: torch.Tensor, n_head: int) -> torch.Tensor:  # convert_hf_to_gguf.py LlamaModel.permute
-        return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
     def experts_tensor(name: str, t: torch.Tensor) -> None:
         if expert_type == "F32":
@@ -245,10 +222,7 @@ def write_moe_gguf(family: str, model, path, expert_type: str = "F32") -> None:
                 t = t.reshape(-1)  # llama.cpp: {n_embd}
             w.add_tensor(out, t.contiguous().numpy())
     assert not state, f"tensors not written: {list(state)}"
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_writer(w)
 
 
 def gguf_reference(family: str):

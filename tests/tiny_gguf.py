@@ -30,6 +30,48 @@ def byte_tokens() -> list[str]:
     return ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in cs] + ["ab"]
 
 
+def family_writer(path, arch: str, config, rope_theta: float) -> tuple[gguf.GGUFWriter, int]:
+    """A GGUF writer for a transformers ``config`` as llama.cpp's
+    ``convert_hf_to_gguf.py`` starts one: architecture ``arch``, the
+    attention/FFN/norm/rope metadata and a byte-level vocabulary
+    (:func:`byte_tokens`). Returns it and the head dimension; the caller
+    adds its family's keys and tensors, then :func:`close_writer`."""
+    c = config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    tokens = byte_tokens()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    return w, hd
+
+
+def permute_qk(t, n_head: int):
+    """Q/K rows reordered as ``convert_hf_to_gguf.py``'s ``LlamaModel.permute`` stores them for ``llama``."""
+    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def close_writer(w: gguf.GGUFWriter) -> None:
+    """Write the header, metadata and tensors of ``w`` and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", seed: int = 0) -> Path:
     """A 2-layer Llama GGUF (hidden 256, FFN 512, 4 heads, 2 KV heads).
 
