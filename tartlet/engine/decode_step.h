@@ -143,6 +143,14 @@ static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t
     if (desc_has_blocks(L)) tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
 }
 
+/* RMSNorm of T rows of x [T, H] with weight w into xn, then their
+ * quantization for L (one thread). */
+static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, int64_t H, float eps,
+                          const tq_linear_desc *L, void *qa, float *fa) {
+    for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, w, xn + t * H, H, eps);
+    quantize_for(L, xn, T, qa, fa);
+}
+
 /* Run every layer of D over x [T, H] (float32, contiguous; the residual
  * stream, updated in place) for T single-token rows at RoPE angles cos, sin
  * [T, hd / 2], writing each layer's keys/values to pool slots write_slots [T]
@@ -187,10 +195,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
 #pragma omp barrier
         for (int64_t li = 0; li < D->n_layers; li++) {
             const tq_layer_desc *ly = &D->layers[li];
-            if (tid == 0) {
-                for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, ly->ln1, xn + t * H, H, D->eps);
-                quantize_for(ly->qkv, xn, T, qa, fa);
-            }
+            if (tid == 0) norm_quantize(x, ly->ln1, xn, T, H, D->eps, ly->qkv, qa, fa);
             SYNC();
             PHASE(0)
             team_linear(ly->qkv, xn, qa, fa, T, qkv, 0, tid, nt);
@@ -218,10 +223,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             team_linear(ly->o, attn, qa, fa, T, x, x, tid, nt);
             SYNC();
             PHASE(4)
-            if (tid == 0) {
-                for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, ly->ln2, xn + t * H, H, D->eps);
-                quantize_for(ly->gate_up, xn, T, qa, fa);
-            }
+            if (tid == 0) norm_quantize(x, ly->ln2, xn, T, H, D->eps, ly->gate_up, qa, fa);
             SYNC();
             PHASE(0)
             team_linear(ly->gate_up, xn, qa, fa, T, gu, 0, tid, nt);
