@@ -36,8 +36,9 @@ _loaded: "CpuKernels | None | bool" = False  # False: not tried yet
 _cpu_flags = cpu_flags  # module attribute, so tests can pretend a CPU without AVX2
 
 
-def _build() -> Path:
-    """Compile ``cpu_kernels.c`` (once per source/flags/compiler) and return the library path.
+def _build(rebuild: bool = False) -> Path:
+    """Compile ``cpu_kernels.c`` (once per source/flags/compiler, or again
+    with ``rebuild``) and return the library path.
 
     Raises:
         RuntimeError: no C compiler, or it failed (its stderr is included).
@@ -45,7 +46,7 @@ def _build() -> Path:
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
-    return compile_library("cpu_kernels", _SOURCE, flags, (_SOURCE.parent / "float_kernels.h",))
+    return compile_library("cpu_kernels", _SOURCE, flags, (_SOURCE.parent / "float_kernels.h",), rebuild=rebuild)
 
 
 def load() -> "CpuKernels | None":

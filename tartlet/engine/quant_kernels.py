@@ -83,7 +83,8 @@ def load() -> "QuantKernels | None":
             if {"avx2", "fma"} <= cpu_flags():  # float_kernels.h's intrinsics (the quantized ones pick at run time)
                 flags += ["-mavx2", "-mfma"]
             lib = open_library(
-                lambda: compile_library("quant_kernels", _SOURCE, flags, _HEADERS), "TARTLET_QUANT_KERNELS",
+                lambda rebuild=False: compile_library("quant_kernels", _SOURCE, flags, _HEADERS, rebuild=rebuild),
+                "TARTLET_QUANT_KERNELS",
                 "quantized CPU kernels", "GGUF weights will be dequantized",
             )  # fmt: skip
             _loaded = None if lib is None else QuantKernels(lib)
