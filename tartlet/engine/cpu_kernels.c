@@ -21,6 +21,10 @@
  *   slots          int64 [B, L] pool slot of each attended position
  *   bias           float [B, L] additive mask (0 or -inf), or NULL
  *
+ * int8 pools (kv_int8.h): rope_qkv_store_q8 and paged_decode_attention_q8 are
+ * the same two kernels over pool layers int8 [slots, nkv, hd + 4] (each row's
+ * quants, then its float32 scale).
+ *
  * No -ffast-math: masked positions are -inf and must stay so. With AVX2 and
  * FMA (compiled with -mavx2 -mfma) the dot products and the weighted sum of
  * values use intrinsics; otherwise plain loops give the same results.
@@ -30,6 +34,7 @@
 #include <stdlib.h>
 
 #include "float_kernels.h"
+#include "kv_int8.h"
 
 void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t H, float eps)
 {
@@ -68,6 +73,44 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_poo
                 const int64_t r = rows ? rows[b] : row_start + b;
                 attend_kv_head(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L, bias ? bias + b * L : NULL,
                                L, g, hd, row, kh, scale, p, out + r * nh * hd + kh * g * hd);
+            }
+        free(p);
+    }
+}
+
+/* rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
+ * (kv_int8.h); the other arguments as rope_qkv_store. */
+void rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
+                       int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+{
+    const int64_t half = hd / 2, row = (nh + 2 * nkv) * hd;
+#pragma omp parallel if (T >= 64)
+    {
+        float *tmp = malloc(sizeof(float) * (size_t)hd);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            rope_store_row_q8(qkv + t * row, cos_ + t * half, sin_ + t * half, q_out + t * nh * hd, k_pool, v_pool,
+                              write_slots[t], nh, nkv, hd, tmp);
+        free(tmp);
+    }
+}
+
+/* paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
+ * (kv_int8.h); the other arguments as paged_decode_attention. */
+void paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
+                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
+                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+{
+    const int64_t g = nh / nkv;
+#pragma omp parallel if (B * L * nh * hd >= (1 << 20))
+    {
+        float *p = malloc(sizeof(float) * (size_t)(L * g));
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kh = 0; kh < nkv; kh++) {
+                const int64_t r = rows ? rows[b] : row_start + b;
+                attend_kv_head_q8(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L, bias ? bias + b * L : NULL,
+                                  L, g, hd, nkv, kh, scale, p, out + r * nh * hd + kh * g * hd);
             }
         free(p);
     }

@@ -6,7 +6,10 @@ dispatch than in arithmetic (~8 us each on a 2-core VM, ~40 per layer). The
 C kernels replace the worst chains: RMSNorm, RoPE + the KV-cache write, and
 decode attention read straight from the page pool (no gathered copy of the
 keys and values). Results equal the PyTorch path up to float32 summation
-order (checked by ``tests/test_cpu_kernels.py``).
+order (checked by ``tests/test_cpu_kernels.py``). The RoPE + KV write and
+the attention also serve int8 pools (``kv_int8.h``; rows as
+:mod:`tartlet.engine.kv_quant` lays them out): keys and values are quantized
+as they are written and dequantized inside the attention loops.
 
 The C file is compiled on first use (:mod:`tartlet.engine.c_build`: once per
 machine, cached under ``$TARTLET_CACHE_DIR/kernels``), then loaded with
@@ -46,7 +49,8 @@ def _build(rebuild: bool = False) -> Path:
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
-    return compile_library("cpu_kernels", _SOURCE, flags, (_SOURCE.parent / "float_kernels.h",), rebuild=rebuild)
+    headers = tuple(_SOURCE.parent / h for h in ("float_kernels.h", "kv_int8.h"))
+    return compile_library("cpu_kernels", _SOURCE, flags, headers, rebuild=rebuild)
 
 
 def load() -> "CpuKernels | None":
@@ -79,7 +83,11 @@ class CpuKernels:
         self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
         self._attn = lib.paged_decode_attention
         self._attn.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
-        for f in (self._rms, self._rope, self._attn):
+        self._rope_q8 = lib.rope_qkv_store_q8
+        self._rope_q8.argtypes = self._rope.argtypes
+        self._attn_q8 = lib.paged_decode_attention_q8
+        self._attn_q8.argtypes = self._attn.argtypes
+        for f in (self._rms, self._rope, self._attn, self._rope_q8, self._attn_q8):
             f.restype = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,11 +105,14 @@ class CpuKernels:
         """RoPE the query and key heads of ``qkv`` ``[T, (nh + 2 nkv) hd]``
         (contiguous) with ``cos``/``sin`` ``[T, hd/2]``; keys and values are
         written to rows ``write_slots`` ``[T]`` of ``k_pool``/``v_pool``
-        ``[slots, nkv, hd]``. Returns the queries ``[T, nh, hd]``."""
+        ``[slots, nkv, hd]`` float32, or int8 ``[slots, nkv, hd + 4]``
+        (quantized, :mod:`tartlet.engine.kv_quant`). Returns the queries
+        ``[T, nh, hd]``."""
         T = qkv.shape[0]
         q = torch.empty(T, nh, hd, dtype=torch.float32)
-        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                   write_slots.data_ptr(), T, nh, nkv, hd)
+        rope = self._rope_q8 if k_pool.dtype == torch.int8 else self._rope
+        rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+             write_slots.data_ptr(), T, nh, nkv, hd)
         return q
 
     def paged_decode_attention(
@@ -113,9 +124,12 @@ class CpuKernels:
         ``slots[b]`` (``[B, L]``) with additive mask ``bias`` ``[B, L]`` (0 or
         -inf; ``None``: all visible); the result goes to the same row of
         ``out`` ``[T, nh * hd]``. Grouped-query heads: head ``h`` reads KV
-        head ``h // (nh / nkv)``."""
+        head ``h // (nh / nkv)``. The pools are float32 ``[slots, nkv, hd]``
+        or int8 ``[slots, nkv, hd + 4]`` (dequantized on the fly,
+        :mod:`tartlet.engine.kv_quant`)."""
         B, L = slots.shape
         _, nh, hd = q.shape
         nkv = k_pool.shape[1]
-        self._attn(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
-                   _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale)
+        attn = self._attn_q8 if k_pool.dtype == torch.int8 else self._attn
+        attn(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
+             _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale)

@@ -10,6 +10,7 @@ sized from a memory budget, and the scheduler thread is started.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,10 @@ from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: KV pool element types: the float dtypes, and int8 rows with a scale each (:mod:`tartlet.engine.kv_quant`)
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,10 +69,17 @@ class EngineConfig:
             (keeps that answer; logits move ~1.0 vs 0.01); see
             :mod:`tartlet.engine.llama`.
         kv_dtype: element type of the KV page pool: ``auto`` (the compute
-            dtype), ``float32``, ``bfloat16`` or ``float16``. A 16-bit pool
-            holds twice the tokens in the same ``kv_cache_mb``; keys and
-            values are rounded when written and attention then runs in
-            PyTorch (the fused float32 decode kernel reads float32 pages).
+            dtype), ``float32``, ``bfloat16``, ``float16`` or ``int8``. A
+            16-bit pool holds twice the tokens in the same ``kv_cache_mb``;
+            keys and values are rounded when written and attention then runs
+            in PyTorch. An ``int8`` pool stores each (token, KV head) row as
+            int8 quants plus a float32 scale (llama.cpp's Q8_0 scheme per
+            row, :mod:`tartlet.engine.kv_quant`): ``head_dim + 4`` bytes
+            instead of ``4 * head_dim``, 3.8x the tokens of float32 at
+            ``head_dim`` 64; the C kernels quantize on write and dequantize
+            inside decode attention, prefill dequantizes the gathered rows.
+            The fused decode step (:mod:`tartlet.engine.fused_decode`) reads
+            float32 pools only, so other pools take the per-op path.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -104,13 +116,18 @@ class EngineConfig:
         return load() is not None
 
     def torch_kv_dtype(self) -> torch.dtype:
-        """The KV pool's element type (``auto``: the compute dtype)."""
+        """The KV pool's element type (``auto``: the compute dtype).
+
+        Raises:
+            ValueError: ``kv_dtype`` is not one of auto, float32, bfloat16,
+                float16, int8.
+        """
         if self.kv_dtype == "auto":
             return self.torch_dtype()
         try:
-            return _DTYPES[self.kv_dtype]
+            return _KV_DTYPES[self.kv_dtype]
         except KeyError:
-            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (choose from auto, {', '.join(_DTYPES)})") from None
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (choose from auto, {', '.join(_KV_DTYPES)})") from None
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -148,6 +165,7 @@ class Engine:
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
         self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype, device)
+        log.info("%s", self.kv_summary())
         self.scheduler = Scheduler(
             self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
         )
@@ -164,6 +182,7 @@ class Engine:
         from .loader import load_model
         from .model_store import resolve
 
+        cfg.torch_kv_dtype()  # a bad kv_dtype fails before any download or load
         path: Path = resolve(cfg.model, progress=progress)
         if progress:
             progress(f"loading {path.name}")
@@ -172,6 +191,17 @@ class Engine:
             raise ValueError(f"quantize = {cfg.quantize!r} needs the quantized CPU kernels on the CPU")
         loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=quantized, quantize=cfg.quantize)
         return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
+
+    def kv_summary(self) -> str:
+        """The page pool's capacity in words, e.g. ``KV pool int8: 1927
+        pages of 16 tokens (30832 tokens) in 64.0 MiB, 2040 bytes per token
+        (68 per token per layer)``."""
+        p, c = self.pool, self.config
+        dtype = str(p.k.dtype).replace("torch.", "")
+        per_layer = 2 * p.k.shape[2] * p.k.shape[3] * p.k.element_size()
+        return (f"KV pool {dtype}: {p.num_pages} pages of {p.page_size} tokens ({p.num_pages * p.page_size} tokens) "
+                f"in {p.nbytes() / 2**20:.1f} MiB, {per_layer * c.num_hidden_layers} bytes per token "
+                f"({per_layer} per token per layer)")
 
     def new_sequence(self) -> Sequence:
         """An empty sequence on this engine's pool."""

@@ -2,7 +2,10 @@
 
 Layout. Keys and values of every layer live in two preallocated tensors of
 shape ``[num_layers, num_pages * page_size, num_kv_heads, head_dim]``; the KV
-of token slot ``s`` of page ``p`` sits at row ``p * page_size + s``. Pages hold
+of token slot ``s`` of page ``p`` sits at row ``p * page_size + s``. An int8
+pool (``kv_dtype = "int8"``) has a last dimension of ``head_dim + 4``: each
+row's quants then its float32 scale (:mod:`tartlet.engine.kv_quant`), so
+copying, saving or sharing a row carries its scale along. Pages hold
 ``page_size`` tokens (default 16), as in vLLM's PagedAttention (Kwon et al.,
 SOSP '23).
 
@@ -33,6 +36,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from .kv_quant import row_width
 
 EMPTY_KEY = b""
 
@@ -69,12 +74,20 @@ class PagePool:
         num_pages: pages in the pool (at least 1).
         page_size: tokens per page.
         num_layers, num_kv_heads, head_dim: model geometry.
-        dtype: element type of the KV tensors (float32 or bfloat16).
+        dtype: element type of the KV tensors: float32, bfloat16, float16,
+            or int8 (rows quantized with a float32 scale each, see
+            :mod:`tartlet.engine.kv_quant`).
         device: torch device of the KV tensors.
 
     Attributes:
         k, v: tensors ``[num_layers, num_pages * page_size, num_kv_heads,
-            head_dim]`` of ``dtype``.
+            head_dim]`` of ``dtype`` (int8: ``head_dim + 4``, see above).
+        head_dim: values per row (without an int8 row's scale bytes).
+        window: when every layer of the model slides with window ``W``,
+            ``W`` (set by the scheduler from
+            :meth:`~tartlet.engine.config.ModelConfig.uniform_window`):
+            sequences release pages that fall wholly before it (see
+            :mod:`tartlet.engine.sequence`); ``None`` otherwise.
     """
 
     def __init__(
@@ -91,9 +104,11 @@ class PagePool:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.head_dim = head_dim
+        shape = (num_layers, num_pages * page_size, num_kv_heads, row_width(head_dim, dtype))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window: int | None = None
         self.lock = threading.RLock()
         self._refcount = [0] * num_pages
         self._key: list[bytes | None] = [None] * num_pages
@@ -107,9 +122,10 @@ class PagePool:
 
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of K plus V for one page across all layers."""
+        """Bytes of K plus V for one page across all layers (int8: the
+        quants plus a 4-byte scale per token and KV head)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * page_size * num_layers * num_kv_heads * head_dim * elem
+        return 2 * page_size * num_layers * num_kv_heads * row_width(head_dim, dtype) * elem
 
     # -- allocation ---------------------------------------------------------
     def allocate(self, n: int = 1) -> list[int]:
@@ -225,7 +241,7 @@ class PagePool:
 
     def copy_tokens(self, src: int, dst: int, n_tokens: int) -> None:
         """Copy the KV of the first ``n_tokens`` slots of page ``src`` into
-        page ``dst`` for every layer."""
+        page ``dst`` for every layer (int8 rows with their scales)."""
         ps = self.page_size
         s, d = src * ps, dst * ps
         self.k[:, d : d + n_tokens].copy_(self.k[:, s : s + n_tokens])

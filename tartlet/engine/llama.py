@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
 from .fused_decode import FusedDecoder
+from .kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_formats import F16, KIND_NAMES, QuantWeight
@@ -294,8 +295,9 @@ class LlamaModel:
         else:
             qg = q.index_select(0, g.rows).view(B, Q, self.nh, self.hd)
         flat = g.kv_slots.view(-1)
-        k = kc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)  # [B, nkv, L, hd]
-        v = vc.index_select(0, flat).view(B, L, self.nkv, self.hd).transpose(1, 2).to(self.dtype)
+        # [B, nkv, L, hd]; int8 rows are dequantized here (kv_quant.py)
+        k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         cap = self.config.attn_logit_softcapping
         if cap is None:
             o = F.scaled_dot_product_attention(
@@ -330,15 +332,17 @@ class LlamaModel:
         Args:
             batch: flat inputs, ``T`` rows.
             k_cache, v_cache: the pool's ``[num_layers, slots, num_kv_heads,
-                head_dim]`` tensors; rows ``batch.write_slots`` are written.
+                head_dim]`` tensors (int8 pools: ``head_dim + 4``, each row
+                quantized with its scale, :mod:`tartlet.engine.kv_quant`);
+                rows ``batch.write_slots`` are written.
 
         Returns:
             float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
         """
         c = self.config
         nh, nkv, hd = self.nh, self.nkv, self.hd
-        # the fused kernels read and write float32 pages; a 16-bit pool takes the PyTorch path
-        kern = self.kernels if k_cache.dtype == torch.float32 else None
+        # the C kernels read and write float32 and int8 pages (kv_quant.py); a 16-bit pool takes the PyTorch path
+        kern = self.kernels if k_cache.dtype in (torch.float32, torch.int8) else None
         if isinstance(self.embed, QuantWeight):
             x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
@@ -384,8 +388,8 @@ class LlamaModel:
                 # RoPE once over the query and key heads together
                 qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
                 q = qk[:, :nh]
-                kc.index_copy_(0, batch.write_slots, qk[:, nh:].to(kc.dtype))
-                vc.index_copy_(0, batch.write_slots, qkv[:, (nh + nkv) * hd :].view(T, nkv, hd).to(vc.dtype))
+                kc.index_copy_(0, batch.write_slots, to_pool(qk[:, nh:], kc.dtype))
+                vc.index_copy_(0, batch.write_slots, to_pool(qkv[:, (nh + nkv) * hd :].view(T, nkv, hd), vc.dtype))
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             for g, bias, by_kernel, rows_bias in plans[self.windows[i]]:

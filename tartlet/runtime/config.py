@@ -231,11 +231,12 @@ class McpConfig(_Table):
 
 
 _DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
+_KV_DTYPE = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 
 #: The [[models]] keys whose values are narrower than EngineConfig's types say.
 _MODEL_KEY_TYPES: dict[str, Any] = {
     "dtype": _DTYPE,
-    "kv_dtype": _DTYPE,
+    "kv_dtype": _KV_DTYPE,
     "quantize": Literal[tuple(QUANTIZE_TYPES)] | None,  # type: ignore[valid-type]
     "page_size": PositiveInt,
     "kv_cache_mb": PositiveInt,

@@ -1,0 +1,362 @@
+"""int8 KV pages (``kv_dtype = "int8"``, :mod:`tartlet.engine.kv_quant`).
+
+The quantizer and the C kernels against a numpy oracle of the row format;
+then the real default model (GGUF weights kept quantized, as users run it)
+with an int8 pool against the same model with a float32 pool: logits,
+teacher-forced greedy tokens, and the page machinery (fork and copy-on-write,
+prefix sharing, snapshots in memory and on disk, batching) re-run on int8
+pages with the checks of ``test_batching.py`` and ``test_snapshots.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tartlet.engine import cpu_kernels
+from tartlet.engine.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
+
+NH, NKV, HD = 9, 3, 64
+SLOTS = 256 * 16
+
+
+# -- the row format against a numpy oracle ---------------------------------------
+def q8_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's Q8_0 with one block per row (float32 throughout): scale
+    ``d = max|x| / 127``, quants ``round(x * (127 / max|x|))`` with ties to
+    even; returns int8 quants ``[..., hd]`` and float32 scales ``[...]``."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    return np.round(x * inv).astype(np.int8), d[..., 0]
+
+
+def split_rows(packed: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """int8 rows ``[..., hd + 4]`` -> (quants, float32 scales) as numpy."""
+    a = packed.contiguous().numpy()
+    return a[..., :-SCALE_BYTES], np.ascontiguousarray(a[..., -SCALE_BYTES:]).view(np.float32)[..., 0]
+
+
+def oracle_dequant(packed: torch.Tensor) -> torch.Tensor:
+    q, d = split_rows(packed)
+    return torch.from_numpy(q.astype(np.float32) * d[..., None])
+
+
+def test_quantize_rows_matches_oracle():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, NKV, HD, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[0, 0] = 0.0  # an all-zero row: scale 0, quants 0
+    x[1, 0, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5])  # ties (amax 127: x * 1 exactly) round to even
+    packed = quantize_rows(x)
+    assert packed.dtype == torch.int8 and packed.shape == (50, NKV, HD + SCALE_BYTES)
+    q, d = split_rows(packed)
+    want_q, want_d = q8_oracle(x.numpy())
+    assert np.array_equal(q, want_q) and np.array_equal(d, want_d)
+    assert list(q[1, 0, :4]) == [127, 0, -2, 2] and d[0, 0] == 0 and not q[0, 0].any()
+    back = dequantize_rows(packed)
+    assert torch.equal(back, oracle_dequant(packed))
+    err = (back - x).abs() / (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
+    assert float(err.max()) <= 0.5 + 1e-3, "a value moved by more than half a quantization step"
+    # from bfloat16 (the PyTorch path of a bfloat16 model): quantized from its float32 value
+    assert torch.equal(quantize_rows(x.bfloat16()), quantize_rows(x.bfloat16().float()))
+    assert dequantize_rows(packed, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kern():
+    if not cpu_kernels.find_compiler():
+        pytest.skip("no C compiler on this machine: the engine runs the PyTorch path (tested elsewhere)")
+    k = cpu_kernels.load()
+    assert k is not None, "the C kernels did not build on this machine (see the warning logged)"
+    return k
+
+
+def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    T = qkv.shape[0]
+    qk = qkv[:, : (NH + NKV) * HD].view(T, NH + NKV, HD)
+    c, s = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    h = HD // 2
+    return qk * c + torch.cat((-qk[..., h:], qk[..., :h]), -1) * s
+
+
+@pytest.mark.parametrize("rows", [1, 7, 80])
+def test_rope_qkv_store_int8(kern, rows):
+    """Keys (after RoPE) and values land in their slots as oracle int8 rows,
+    bit for bit given the same float input; queries are as with a float32 pool."""
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (NH + 2 * NKV) * HD, generator=g)
+    freqs = torch.randint(0, 500, (rows, 1), generator=g).float() * (1e4 ** (-torch.arange(0, HD, 2) / HD))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(SLOTS, generator=g)[:rows]
+    kp, vp = torch.zeros(SLOTS, NKV, HD + 4, dtype=torch.int8), torch.zeros(SLOTS, NKV, HD + 4, dtype=torch.int8)
+    q = kern.rope_qkv_store(qkv, cos, sin, kp, vp, slots, NH, NKV, HD)
+    kf, vf = torch.zeros(SLOTS, NKV, HD), torch.zeros(SLOTS, NKV, HD)
+    q32 = kern.rope_qkv_store(qkv, cos, sin, kf, vf, slots, NH, NKV, HD)
+    assert torch.equal(q, q32)
+    torch.testing.assert_close(q, rope_reference(qkv, cos, sin)[:, :NH], rtol=1e-5, atol=1e-5)
+    for pool, f32 in ((kp, kf), (vp, vf)):
+        got_q, got_d = split_rows(pool[slots])
+        want_q, want_d = q8_oracle(f32[slots].numpy())  # the kernel's own float keys: same input bits
+        assert np.array_equal(got_q, want_q) and np.array_equal(got_d, want_d)
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kp[untouched].any() and not vp[untouched].any(), "wrote outside the write slots"
+
+
+def sdpa_on(q, kf, vf, slots, bias):
+    B, L = slots.shape
+    mask = None if bias is None else bias.view(B, 1, 1, L)
+    o = F.scaled_dot_product_attention(q[:, None].transpose(1, 2), kf[slots].transpose(1, 2), vf[slots].transpose(1, 2),
+                                       attn_mask=mask, scale=HD**-0.5, enable_gqa=True)
+    return o.transpose(1, 2).reshape(B, NH * HD)
+
+
+def random_int8_pools(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return (quantize_rows(torch.randn(SLOTS, NKV, HD, generator=g) * torch.rand(SLOTS, NKV, 1, generator=g) * 4),
+            quantize_rows(torch.randn(SLOTS, NKV, HD, generator=g)))
+
+
+def check_attention(k, batch: int, length: int, masked: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    kp, vp = random_int8_pools(g)
+    pages = torch.randperm(SLOTS // 16, generator=g)[: batch * -(-length // 16)].view(batch, -1)
+    slots = (pages[:, :, None] * 16 + torch.arange(16)).reshape(batch, -1)[:, :length].contiguous()
+    bias = None
+    if masked:
+        visible = torch.rand(batch, length, generator=g) > 0.3
+        visible[:, -1] = True
+        visible[0, length // 2 :] = False  # padding of a shorter sequence
+        visible[0, length // 2 - 1] = True
+        bias = torch.zeros(batch, length).masked_fill_(~visible, float("-inf"))
+    rows = torch.randperm(batch + 3, generator=g)[:batch]
+    q_all = torch.randn(batch + 3, NH, HD, generator=g)
+    out = torch.full((batch + 3, NH * HD), 7.0)
+    k.paged_decode_attention(q_all, kp, vp, slots, bias, rows, 0, out, HD**-0.5)
+    want = sdpa_on(q_all[rows], oracle_dequant(kp), oracle_dequant(vp), slots, bias)
+    torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(batch + 3, dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0), "wrote rows outside the batch"
+
+
+@pytest.mark.parametrize("batch,length,masked", [(1, 1, False), (1, 40, False), (6, 37, True), (16, 130, True)])
+def test_paged_decode_attention_int8(kern, batch, length, masked):
+    """Attention read straight from int8 pages equals float attention over
+    the oracle's dequantized pages (float32 summation order only)."""
+    check_attention(kern, batch, length, masked, seed=batch * length)
+
+
+def test_int8_kernels_without_avx2(monkeypatch, tmp_path):
+    """The plain C loops (a CPU without AVX2/FMA) give the same results."""
+    if not cpu_kernels.find_compiler():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set())
+    monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
+    k = cpu_kernels.load()
+    assert k is not None
+    check_attention(k, 3, 50, True, seed=5)
+    check_attention(k, 2, 20, False, seed=6)
+
+
+# -- the real model: int8 pool against float32 pool ------------------------------
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than ten.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+def make_engine(gguf_path, **cfg):
+    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.loader import load_model
+
+    lm = load_model(gguf_path, quantized=True)
+    return Engine(EngineConfig(model=str(gguf_path), **cfg), lm.config, lm.weights, lm.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def q8_engine(gguf_path):
+    """The default model, quantized weights, int8 KV pool of 32 MiB."""
+    eng = make_engine(gguf_path, kv_cache_mb=32, kv_dtype="int8")
+    yield eng
+    eng.close()
+
+
+def chat(eng, text: str) -> list[int]:
+    tok = eng.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def forward(eng, seq, chunk: list[int], rows: str = "all") -> torch.Tensor:
+    """Logits of ``chunk`` appended to ``seq``: every row, or the last."""
+    from tartlet.engine.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.scheduler import ForwardRequest
+
+    idx = range(len(chunk)) if rows == "all" else [len(chunk) - 1]
+    out = eng.scheduler.submit(ForwardRequest(seq, chunk, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in idx]))
+    return torch.tensor(out.result(timeout=120))
+
+
+def prompt_logits(eng, ids: list[int], decode: int = 8) -> torch.Tensor:
+    """Logits of every position: a prefill, then ``decode`` single-token steps."""
+    seq = eng.new_sequence()
+    try:
+        split = len(ids) - decode
+        return torch.cat([forward(eng, seq, ids[:split])] + [forward(eng, seq, [t]) for t in ids[split:]])
+    finally:
+        eng.scheduler.command(seq.free, seq).result(timeout=60)
+
+
+def test_pool_geometry_and_capacity(q8_engine, quant_engine):
+    """int8 rows are head_dim + 4 bytes: 3.76x the tokens of float32 in the same budget."""
+    from tartlet.engine.kv_cache import PagePool
+
+    c, p = q8_engine.config, q8_engine.pool
+    assert p.k.dtype == torch.int8 and p.k.shape == (c.num_hidden_layers, p.num_pages * 16, c.num_key_value_heads, c.head_dim + 4)
+    per = {dt: PagePool.bytes_per_page(16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dt) for dt in (torch.float32, torch.int8)}
+    assert per[torch.int8] * 4 * c.head_dim == per[torch.float32] * (c.head_dim + 4)
+    assert p.num_pages == 32 * 2**20 // per[torch.int8]
+    summary = q8_engine.kv_summary()
+    print(summary, "|", quant_engine.kv_summary())
+    assert f"{p.num_pages} pages of 16 tokens" in summary and "408 per token per layer" in summary
+    assert "1536 per token per layer" in quant_engine.kv_summary()
+
+
+def test_fused_decode_declines_int8_pools(q8_engine):
+    from tartlet.engine.batch import AttentionGroup, BatchInputs
+
+    one = torch.zeros(1, dtype=torch.long)
+    batch = BatchInputs(one, one, one, [AttentionGroup(None, 0, 1, torch.zeros(1, 1, dtype=torch.long), None)], one)
+    fused = q8_engine.model.fused
+    assert fused is None or not fused.accepts(batch, q8_engine.pool.k)
+
+
+def test_logits_close_to_float32_pool(q8_engine, quant_engine):
+    """Five prompts, prefill then 8 decode steps each: logits (of ~20-40 in
+    magnitude) within 1.5 of the float32 pool's, and the same argmax at
+    >= 95% of the positions."""
+    worst, agree, total = 0.0, 0, 0
+    for text in PROMPTS:
+        ids = chat(q8_engine, text)
+        want, got = prompt_logits(quant_engine, ids), prompt_logits(q8_engine, ids)
+        diff = float((got - want).abs().max())
+        worst = max(worst, diff)
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+        print(f"{text[:30]!r}: {len(ids)} positions, max abs logit diff {diff:.3f} (largest logit {float(want.abs().max()):.1f})")
+        assert diff <= 1.5
+    print(f"argmax equal at {agree}/{total} positions")
+    assert agree >= 0.95 * total
+
+
+def test_teacher_forced_greedy_top1(q8_engine, quant_engine):
+    """256 decode positions: the float32 pool's greedy continuation fed to
+    the int8 pool token by token; top-1 equal at >= 95% of them."""
+    ids = chat(q8_engine, "Tell me a long story about a lighthouse keeper and a storm.")
+    ref, seq = quant_engine.new_sequence(), q8_engine.new_sequence()
+    try:
+        want = [int(forward(quant_engine, ref, ids, "last").argmax())]
+        got = [int(forward(q8_engine, seq, ids, "last").argmax())]
+        for _ in range(255):
+            t = want[-1]
+            want.append(int(forward(quant_engine, ref, [t]).argmax()))
+            got.append(int(forward(q8_engine, seq, [t]).argmax()))
+    finally:
+        quant_engine.scheduler.command(ref.free, ref).result(timeout=60)
+        q8_engine.scheduler.command(seq.free, seq).result(timeout=60)
+    agree = sum(a == b for a, b in zip(want, got))
+    print(f"teacher-forced top-1 agreement, int8 vs float32 pages: {agree}/256")
+    assert agree >= 0.95 * 256
+
+
+def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
+    """Without the C kernels the PyTorch path writes and reads the same
+    format: logits agree with the kernel path up to float rounding (a quant
+    may flip by one step where the float keys differ in their last bits)."""
+    eng = make_engine(gguf_path, kv_cache_mb=8, kv_dtype="int8", cpu_kernels=False)
+    try:
+        assert eng.model.kernels is None
+        ids = chat(eng, PROMPTS[0])
+        diff = float((prompt_logits(eng, ids) - prompt_logits(q8_engine, ids)).abs().max())
+    finally:
+        eng.close()
+    print(f"PyTorch vs C int8 path: max abs logit diff {diff:.3f}")
+    assert diff <= 0.25
+
+
+def test_kv_dtype_option_is_validated():
+    """A bad value fails before any model is resolved or loaded, naming the
+    choices; the config file accepts int8 and refuses others by key path."""
+    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.runtime.config import ConfigError, config_from_dict
+
+    with pytest.raises(ValueError, match=r"unknown kv_dtype 'int4' \(choose from auto, float32, bfloat16, float16, int8\)"):
+        Engine.load(EngineConfig(model="no-such-model-is-resolved", kv_dtype="int4"))
+    assert EngineConfig(kv_dtype="int8").torch_kv_dtype() == torch.int8
+    with pytest.raises(ConfigError, match=r"\[\[models\]\] #1 kv_dtype"):
+        config_from_dict({"models": [{"kv_dtype": "int4"}]})
+    assert config_from_dict({"models": [{"kv_dtype": "int8"}]}).models[0].kv_dtype == "int8"
+
+
+# -- pages: the checks of test_batching and test_snapshots on an int8 pool ---------
+@pytest.fixture(scope="module")
+def q8_state(q8_engine):
+    from conftest import _host_state
+
+    return _host_state(q8_engine)
+
+
+@pytest.fixture
+def q8_runtime(q8_state):
+    from conftest import _runtime
+
+    yield from _runtime(q8_state)
+
+
+async def test_int8_fork_shares_pages_and_decodes_like_fresh(q8_runtime, tmp_path):
+    import test_batching
+
+    await test_batching.test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(q8_runtime, tmp_path)
+
+
+async def test_int8_fork_page_counts(q8_runtime, q8_engine, tmp_path):
+    import test_batching
+
+    await test_batching.test_fork_pages_in_pool_stats(q8_runtime, q8_engine, tmp_path)
+
+
+async def test_int8_prefix_cache_shares_committed_pages(q8_runtime, q8_engine, tmp_path):
+    import test_batching
+
+    await test_batching.test_same_system_prompt_shares_committed_pages_without_asking(q8_runtime, q8_engine, tmp_path)
+
+
+async def test_int8_batching_keeps_greedy_outputs(q8_runtime, q8_engine):
+    import test_batching
+
+    await test_batching.test_concurrent_inferlets_match_solo_runs_and_are_batched(q8_runtime, q8_engine)
+
+
+async def test_int8_snapshots_in_memory(q8_runtime, q8_engine, tmp_path):
+    import test_snapshots
+
+    await test_snapshots.test_snapshot_outlives_its_inferlet_and_opens_as_a_fork(q8_runtime, q8_engine, tmp_path)
+
+
+async def test_int8_snapshots_on_disk(q8_runtime, q8_engine, tmp_path):
+    """Saved to safetensors with the scales in the rows, restored after a
+    restart and continued exactly; the file names its int8 pool, so a
+    float32 pool refuses it."""
+    import test_snapshots
+
+    await test_snapshots.test_persisted_snapshots_restore_and_refuse_another_model(q8_runtime, q8_engine, tmp_path)
+    from tartlet.host.snapshot_store import model_identity
+
+    assert '"kv_dtype": "torch.int8"' in model_identity(q8_engine)
