@@ -18,31 +18,38 @@ Component types are immutable, so this patch
 Values are converted by the same wasmtime-py code as before; only the type
 lookups are cached. :func:`install` must run before host functions are
 added to a linker (:class:`~tartlet.runtime.wasm_engine.WasmEngine` does it).
+
+The patch replaces private wasmtime-py code, so it is applied only on the
+version it was written against (:data:`.wasm_fastlist.WASMTIME_MAJOR`); on
+any other, :func:`install` logs a warning and wasmtime-py's own code runs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from wasmtime import _ffi as ffi
-from wasmtime.component import _linker as L
-from wasmtime.component import _types as T
-from wasmtime.component._enter import catch_exceptions
+from .wasm_fastlist import wasmtime_supported
 
 _SIG = "_tartlet_sig"
-_installed = False
+_installed: bool | None = None  # None: not tried yet; False: skipped (another wasmtime-py)
 
-#: (class, property) pairs memoised per type object
+# wasmtime-py's private modules, imported by install() once the version is checked
+L: Any = None
+T: Any = None
+catch_exceptions: Any = None
+_orig_tagged: Any = None
+
+#: (class name in wasmtime.component._types, property) pairs memoised per type object
 _MEMO = [
-    (T.ListType, "element"),
-    (T.RecordType, "fields"),
-    (T.TupleType, "elements"),
-    (T.VariantType, "cases"),
-    (T.OptionType, "payload"),
-    (T.ResultType, "ok"),
-    (T.ResultType, "err"),
-    (T.EnumType, "names"),
-    (T.FlagsType, "names"),
+    ("ListType", "element"),
+    ("RecordType", "fields"),
+    ("TupleType", "elements"),
+    ("VariantType", "cases"),
+    ("OptionType", "payload"),
+    ("ResultType", "ok"),
+    ("ResultType", "err"),
+    ("EnumType", "names"),
+    ("FlagsType", "names"),
 ]
 
 
@@ -67,11 +74,8 @@ def _memo_tagged(self: Any) -> bool:
     return d["_tartlet_tagged"]
 
 
-_orig_tagged = T.VariantLikeType._tagged
-
-
-@ffi.wasmtime_component_func_callback_t
 def _func_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
+    """wasmtime-py's ``func_impl`` callback, with the signature cached on the function."""
     def run(store: Any) -> None:
         func = L.FUNCTIONS.get(idx or 0)
         sig = getattr(func, _SIG, None)
@@ -94,13 +98,23 @@ def _func_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: i
     return catch_exceptions(context, run)
 
 
-def install() -> None:
-    """Patch wasmtime-py once (idempotent)."""
-    global _installed
-    if _installed:
-        return
+def install() -> bool:
+    """Patch wasmtime-py once (idempotent) if it is the version this was
+    written for; returns whether the patch is in place."""
+    global _installed, L, T, catch_exceptions, _orig_tagged
+    if _installed is not None:
+        return _installed
+    _installed = wasmtime_supported("tartlet's cached host-call types (wasm_fastcall)")
+    if not _installed:
+        return False
+    from wasmtime import _ffi as ffi
+    from wasmtime.component import _linker, _types
+    from wasmtime.component._enter import catch_exceptions as catch
+
+    L, T, catch_exceptions = _linker, _types, catch
+    _orig_tagged = T.VariantLikeType._tagged
     for cls, name in _MEMO:
-        _memo_property(cls, name)
+        _memo_property(getattr(T, cls), name)
     T.VariantLikeType._tagged = _memo_tagged
-    L.func_impl = _func_impl
-    _installed = True
+    L.func_impl = ffi.wasmtime_component_func_callback_t(_func_impl)
+    return True
