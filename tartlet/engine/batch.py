@@ -189,7 +189,7 @@ def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> Attenti
     rows_t = None if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, dtype=torch.long)
     simple = _plain_decode_slots(decode)
     if simple is not None:
-        kv, lens = simple
+        kv, lens, firsts = simple
         L = kv.shape[1]
         if min(lens) == L:
             g = AttentionGroup(rows_t, rows[0], 1, kv, None)
@@ -197,8 +197,9 @@ def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> Attenti
             mask = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
             g = AttentionGroup(rows_t, rows[0], 1, kv, mask.view(B, 1, L))
         if indexes:
-            g.q_index = torch.tensor(lens)[:, None] - 1
-            g.kv_index = torch.arange(L).expand(B, L)
+            first = torch.tensor(firsts)[:, None]
+            g.q_index = first + torch.tensor(lens)[:, None] - 1
+            g.kv_index = first + torch.arange(L)
         return g
     views, masks, idx = [], [], []
     for _, it in decode:
@@ -224,25 +225,31 @@ def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> Attenti
     return g
 
 
-def _plain_decode_slots(decode: list[tuple[int, BatchItem]]) -> tuple[torch.Tensor, list[int]] | None:
+def _plain_decode_slots(decode: list[tuple[int, BatchItem]]) -> tuple[torch.Tensor, list[int], list[int]] | None:
     """The common case of :meth:`_decode_group` in a few tensor ops for
-    the whole batch: when every request attends causally to all its
-    tokens (no custom mask, nothing hidden, no dropped page), the KV
-    slots ``[B, L]`` (rows padded with slots of page 0) and each
-    request's length; else ``None``."""
-    tables, lens = [], []
+    the whole batch: when every request attends causally to all its live
+    tokens (no custom mask, nothing hidden, no dropped page but the leading
+    ``Sequence.window_dropped`` a sliding window released), the KV slots
+    ``[B, L]`` (rows padded with slots of page 0), each request's number of
+    columns, and the token index of each request's first column (a
+    multiple of the page size); else ``None``."""
+    tables, lens, firsts = [], [], []
     for _, it in decode:
         seq, end = it.seq, it.start + 1
         ps = seq.page_size
         table = seq.pages[: -(-end // ps)]
+        skip = seq.window_dropped
+        if skip:
+            table = table[skip:]
         if it.attention is not None or None in table or seq.masked.find(1, 0, end) != -1:
             return None
         tables.append(table)
-        lens.append(end)
+        lens.append(end - skip * ps)
+        firsts.append(skip * ps)
     P = max(len(t) for t in tables)
     pages = torch.tensor([t + [0] * (P - len(t)) for t in tables], dtype=torch.long)
     slots = (pages[:, :, None] * ps + torch.arange(ps)).view(len(decode), P * ps)
-    return slots[:, : max(lens)].contiguous(), lens
+    return slots[:, : max(lens)].contiguous(), lens, firsts
 
 
 def kv_view(seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:

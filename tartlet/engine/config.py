@@ -113,6 +113,15 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def uniform_window(self) -> int | None:
+        """``W`` when every layer is a sliding layer of window ``W`` (Mistral,
+        Qwen2 with every layer sliding), else ``None`` (no window, or some
+        global layer as in Gemma 2/3). Only then is a token ``W`` or more
+        before the newest query never attended again, so the engine can
+        release its page (:meth:`tartlet.engine.sequence.Sequence.drop_out_of_window`)."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def is_sparse_layer(self, i: int) -> bool:
         """Whether layer ``i``'s MLP is the sparse MoE block (:mod:`tartlet.engine.moe`)."""
         return self.num_experts > 0 and i in self.sparse_layers

@@ -15,7 +15,13 @@ tied embeddings. Family options, each as in its HF modeling file:
   sliding layer's query at token index ``i`` sees only indexes ``j > i - W``
   (HF ``sliding_window_overlay``), on top of the usual mask. The scheduler
   gives each attention group the token indexes of its queries and KV columns
-  (``AttentionGroup.q_index``/``kv_index``) when the model has a window.
+  (``AttentionGroup.q_index``/``kv_index``) when the model has a window;
+  each pass cuts every group once per distinct window to the columns the
+  window leaves (:meth:`LlamaModel._window_group`), so the attention
+  kernels of a sliding layer read ``O(W)`` keys per query however long the
+  sequence. When every layer slides, the engine also releases the pages
+  before the window (:mod:`tartlet.engine.sequence`); with global layers
+  too (Gemma) every page stays, as those layers read them all.
 * fused ``qkv_proj`` and ``gate_up_proj`` weights (``modeling_phi3.py``) are
   used as they are (the other families' Q/K/V and gate/up are fused at load).
 * Gemma (``modeling_gemma2.py``, ``modeling_gemma3.py``): RMSNorm scaled by
@@ -269,18 +275,38 @@ class LlamaModel:
         times ``sin`` with its first half negated (``sin`` arrives so)."""
         return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
 
-    def _window_mask(self, g: AttentionGroup, window: int) -> torch.Tensor | None:
-        """Group ``g``'s bool mask ``[B, Q, L]`` narrowed to a sliding window
-        of ``window`` tokens (``kv_index > q_index - window``, HF
-        ``sliding_window_overlay``), or ``None`` when no visible key of the
-        group is that far back (the group's own mask serves unchanged)."""
+    def _window_group(self, g: AttentionGroup, window: int) -> AttentionGroup:
+        """Group ``g`` as a sliding layer of ``window`` tokens sees it: its
+        mask narrowed to ``kv_index > q_index - window`` (HF
+        ``sliding_window_overlay``), and its KV columns cut to those some
+        query of their row still sees, so attention costs ``O(window)``
+        per query instead of ``O(L)`` (kept columns in their order, rows
+        padded to the longest with masked columns): ``kv_slots`` and
+        ``kv_index`` become ``[B, L']``, ``mask`` ``[B, Q, L']`` with ``L'
+        <= L``, or ``None`` when ``Q == 1`` and every column is visible.
+        Returns ``g`` itself when no key of the group is that far back.
+
+        Raises:
+            ValueError: ``g`` lacks ``q_index``/``kv_index``.
+        """
         if g.q_index is None or g.kv_index is None:
             raise ValueError("a sliding-window model needs the token indexes of each attention group")
-        qi, ki = g.q_index[:, :, None], g.kv_index[:, None, :]
         if int((g.q_index.amax(1) - g.kv_index.amin(1)).max()) < window:
-            return None
+            return g
+        qi, ki = g.q_index[:, :, None], g.kv_index[:, None, :]
         base = (ki <= qi) if g.mask is None else g.mask
-        return base & (ki > qi - window)
+        mask = base & (ki > qi - window)
+        keep = mask.any(1)  # [B, L]: columns some query of the row sees
+        B, L = g.kv_slots.shape
+        width = int(keep.sum(1).max())
+        kv_slots, kv_index = g.kv_slots, g.kv_index
+        if width < L:
+            cols = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]  # kept columns first
+            kv_slots, kv_index = kv_slots.gather(1, cols), kv_index.gather(1, cols)
+            mask = mask.gather(2, cols[:, None, :].expand(B, g.num_queries, width))
+        if g.num_queries == 1 and bool(mask.all()):
+            mask = None
+        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), mask, g.q_index, kv_index)
 
     def _attend(
         self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
@@ -366,10 +392,11 @@ class LlamaModel:
             by_kernel = kern is not None and g.num_queries == 1 and not soft
             return g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)
 
-        plans = {None: [prepared(g, g.mask) for g in batch.groups]}
-        for win in set(self.windows) - {None}:
-            plans[win] = [prepared(g, m) if (m := self._window_mask(g, win)) is not None else plain
-                          for g, plain in zip(batch.groups, plans[None])]
+        plans = {}
+        if None in self.windows:
+            plans[None] = [prepared(g, g.mask) for g in batch.groups]
+        for win in set(self.windows) - {None}:  # groups cut to the window's columns
+            plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
             self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
             layers = []  # done

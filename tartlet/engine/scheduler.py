@@ -168,6 +168,8 @@ class Scheduler:
         self.kv_wait_s = kv_wait_s
         # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
         self._indexes = getattr(model.config, "sliding_window", None) is not None
+        # every layer slides: sequences release the pages before the window (sequence.py)
+        pool.window = model.config.uniform_window()
         self.stats = SchedulerStats()
         self._queue: collections.deque[ForwardRequest | Command] = collections.deque()
         self._cond = threading.Condition()
@@ -364,10 +366,15 @@ class Scheduler:
         would need more live pages than the whole pool has (so it could never
         run, even with every other sequence gone), else ``None``. Checked
         before any compute, so such a prompt fails at once instead of after
-        prefilling (and evicting) the pool's worth of tokens."""
+        prefilling (and evicting) the pool's worth of tokens. With a window
+        on every layer (``PagePool.window``) a sequence holds at most the
+        pages of one chunk and the ``W - 1`` tokens before it."""
         ps = self.pool.page_size
         end = len(seq) + n
         need = seq.live_pages() + max(0, -(-end // ps) - len(seq.pages))
+        w = self.pool.window
+        if w is not None:
+            need = min(need, -(-(w - 1 + min(n, self.max_batch_tokens)) // ps) + 1)
         if need <= self.pool.num_pages:
             return None
         return KvCacheFullError(

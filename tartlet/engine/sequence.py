@@ -2,10 +2,35 @@
 
 Logical token ``i`` of a sequence lives in page table entry ``i // page_size``
 at slot ``i % page_size``. Entries are page ids of the :class:`PagePool`, or
-``None`` for a page dropped by :meth:`Sequence.drop_masked_pages` (its tokens
-stay in ``tokens`` but no longer take part in attention). All full pages are
+``None`` for a dropped page: released by :meth:`Sequence.drop_masked_pages`
+(its tokens are masked) or by :meth:`Sequence.drop_out_of_window` (its tokens
+lie before the sliding window of every later query). Either way its tokens
+stay in ``tokens`` but no longer take part in attention. All full pages are
 immutable; only the last, partly filled page is written, and it is made
 private (copy-on-write) before a write.
+
+Sliding windows. When every layer of the model slides with window ``W``
+(``PagePool.window``, set by the scheduler from
+:meth:`ModelConfig.uniform_window`), :meth:`Sequence.reserve` first releases
+the pages wholly before the window of the first token it appends, the way
+vLLM's sliding-window KV manager frees blocks before the window of the
+computed tokens: a query at token index ``i`` sees indexes ``> i - W``, so
+with ``n`` tokens in the cache, tokens ``<= n - W`` are never read again by
+appended tokens. A released page is only unreferenced by this sequence
+(forks, snapshots and the prefix cache keep their own references; a
+committed page stays in the prefix cache until evicted). The page table
+keeps ``None`` there and the prefix keys stay, so later full pages are still
+registered and prefix-matched: a page's KV depends on its token prefix only,
+not on which earlier pages are still held, and a prefix match walks pages
+from the first, so it can never hand out a prefix whose early pages are
+gone. The one edit that could need released KV again is cutting the
+sequence back: :meth:`truncate` hides (masks) any released token that the
+next query's window would reach, so attention never reads a reused page,
+and the sequence stops being pure (its later pages are not registered).
+The engine's own cut-backs (a generator re-running its last token,
+rejected speculative drafts, a failed one-chunk request rolled back) stay
+within what was never released; a long prefill that fails after some of its
+chunks ran is rolled back with its released tokens hidden.
 
 Sequences are owned by the scheduler thread: their methods are called with no
 forward pass of the same sequence in flight.
@@ -39,6 +64,9 @@ class Sequence:
         keys: content key of each full page while the sequence is pure.
         account: the :class:`PageAccount` charged with this sequence's pages
             (None: not accounted).
+        window_dropped: leading page table entries released by
+            :meth:`drop_out_of_window` (all ``None``; entries after it may be
+            ``None`` too, e.g. after a snapshot is read back).
     """
 
     def __init__(self, pool: PagePool, account: PageAccount | None = None) -> None:
@@ -51,6 +79,7 @@ class Sequence:
         self.pure = True
         self.keys: list[bytes] = []
         self.freed = False
+        self.window_dropped = 0
         #: why the sequence is unusable (set with ``freed`` when a fork into it failed)
         self.error: str | None = None
 
@@ -105,12 +134,19 @@ class Sequence:
         slot (pool row) each one is written to. Allocates pages as needed and
         makes the partly filled last page private first.
 
+        When every layer slides (``PagePool.window``), the pages wholly before
+        the window of token ``len(self)`` are released first
+        (:meth:`drop_out_of_window`); they stay released if this raises.
+
         Raises:
             KvCacheFullError: the pool cannot supply the pages; the sequence
-                is left unchanged.
+                is left unchanged (but for the released pages).
+            KvQuotaError: the account cannot take the pages; likewise.
         """
         ps = self.page_size
         n0 = len(self.tokens)
+        if self.pool.window is not None:
+            self.drop_out_of_window(n0)
         n1 = n0 + len(tokens)
         need = -(-n1 // ps) - len(self.pages)
         tail_copy = n0 % ps != 0 and not self._tail_private()
@@ -158,6 +194,9 @@ class Sequence:
             prev = self.keys[-1] if self.keys else EMPTY_KEY
             key = page_key(prev, self.tokens[j * ps : (j + 1) * ps])
             old = self.pages[j]
+            if old is None:  # released as out of the window (a snapshot read back): key it, nothing to commit
+                self.keys.append(key)
+                continue
             new = self.pool.commit(old, key)
             if new != old and self.account is not None:
                 self.account.release(old)
@@ -168,7 +207,17 @@ class Sequence:
     # -- edits --------------------------------------------------------------
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens; later pages are released. The new
-        last page, if partly filled, is made private on the next write."""
+        last page, if partly filled, is made private on the next write.
+
+        With a sliding window (``PagePool.window``), tokens in released pages
+        that the window of the next token (index ``n``) would reach are
+        masked, and the sequence is no longer pure: their KV is gone, so
+        attention skips them rather than read a page that now holds
+        something else (see the module docstring).
+
+        Raises:
+            ValueError: ``n`` outside ``[0, len(self)]``.
+        """
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"truncate to {n} outside [0, {len(self.tokens)}]")
         ps = self.page_size
@@ -179,6 +228,14 @@ class Sequence:
         del self.pages[keep:]
         del self.tokens[n:], self.positions[n:], self.masked[n:]
         del self.keys[n // ps :]
+        self.window_dropped = min(self.window_dropped, n // ps)
+        w = self.pool.window
+        if w is not None:
+            for j in range(max(0, n - w + 1) // ps, keep):
+                lo, hi = max(j * ps, n - w + 1), min((j + 1) * ps, n)
+                if self.pages[j] is None and self.masked.find(0, lo, hi) != -1:
+                    self.masked[lo:hi] = b"\x01" * (hi - lo)
+                    self.pure = False
 
     def mask_range(self, start: int, end: int, masked: bool) -> None:
         """Hide (or show again) tokens ``[start, end)`` from attention of all
@@ -200,6 +257,30 @@ class Sequence:
                 self._drop(p)
                 self.pages[j] = None
                 dropped += 1
+        return dropped
+
+    def drop_out_of_window(self, end: int) -> int:
+        """Release the pages wholly before the sliding window of a query at
+        token index ``end``: page ``j`` when ``(j + 1) * page_size <= end -
+        W + 1``, ``W`` = ``PagePool.window`` (tokens ``<= end - W`` are outside
+        every later query's window). Only this sequence's reference goes
+        (the pool keeps a page others hold, and a committed page stays in
+        the prefix cache); its account is released too. No-op without a
+        window. Returns how many pages were released. Called by
+        :meth:`reserve` with ``end = len(self)``."""
+        w = self.pool.window
+        if w is None:
+            return 0
+        ps = self.page_size
+        dead = min(max(0, end - w + 1) // ps, len(self.pages))
+        dropped = 0
+        for j in range(self.window_dropped, dead):
+            p = self.pages[j]
+            if p is not None:
+                self._drop(p)
+                self.pages[j] = None
+                dropped += 1
+        self.window_dropped = max(self.window_dropped, dead)
         return dropped
 
     def _drop(self, page: int) -> None:
@@ -260,6 +341,7 @@ class Sequence:
         child.masked = bytearray(self.masked)
         child.pure = self.pure
         child.keys = list(self.keys)
+        child.window_dropped = self.window_dropped
 
     def free(self, error: str | None = None) -> None:
         """Release every page. Idempotent. ``error`` records why, for later
@@ -295,6 +377,7 @@ class Sequence:
                 child.account.hold(p)
         child.tokens, child.positions, child.pages = self.tokens, self.positions, self.pages
         child.masked, child.pure, child.keys = self.masked, self.pure, self.keys
+        child.window_dropped = self.window_dropped
         self.tokens, self.positions, self.pages, self.masked, self.keys = [], [], [], bytearray(), []
         self.freed = True
         self.error = "its pages were handed to another context"
