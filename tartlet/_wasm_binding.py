@@ -195,6 +195,9 @@ def _future_value(v: Any) -> Any:
     if isinstance(v, _wit.FutureValue_Child):
         c = v.value
         return {"id": c.id, "status": c.status, "result": json.loads(c.result_json), "error": c.error, "output": list(c.output)}
+    if isinstance(v, _wit.FutureValue_Code):
+        c = v.value
+        return {"status": c.status, "stdout": c.stdout, "error": c.error, "truncated": c.truncated, "elapsed_ms": c.elapsed_ms}
     raise HostError(f"unknown future value {v!r}")
 
 
@@ -477,6 +480,14 @@ class WasmHost:
 
     def mcp_servers(self) -> dict[str, str]:
         return dict(_wit.mcp_servers())
+
+    # sandboxed code
+    def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> HostFuture:
+        if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float))):
+            raise ValueError(f"time_limit_s must be a number of seconds, got {time_limit_s!r}")
+        mb = None if memory_mb is None else _u32(memory_mb, "memory_mb")
+        t = None if time_limit_s is None else float(time_limit_s)
+        return HostFuture(_call(_wit.code_run, _str(code, "code"), _str(setup, "setup"), t, mb))
 
     # child inferlets
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Host calls for I/O beyond the client session: messaging between
-inferlets, the key-value store, HTTP, and child inferlets.
+inferlets, the key-value store, HTTP, sandboxed code runs, and child
+inferlets.
 
 Mixed into :class:`tartlet.host.api.HostApi`. The instance's ``owner`` (its
 user) scopes messaging topics and store keys. ``runtime`` (set by the
@@ -131,6 +132,26 @@ class IoHostMixin:
         allowlist). The SDK's :mod:`tartlet.mcp` speaks to them over
         :meth:`http_fetch`."""
         return dict(self.state.mcp_servers)  # type: ignore[attr-defined]
+
+    # -- sandboxed code ----------------------------------------------------------------
+    def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> Future:
+        """Run Python ``code`` (after ``setup``, whose output is discarded) in
+        a fresh WebAssembly sandbox of the host (:mod:`tartlet.host.code_sandbox`):
+        no files, no sockets, at most ``time_limit_s`` seconds of wall time
+        and ``memory_mb`` MiB of memory (defaults and maxima: the host's).
+
+        Returns:
+            Future of ``{"status", "stdout", "error", "truncated",
+            "elapsed_ms"}`` (``status``: ok, error, timeout, memory, crashed).
+
+        Raises:
+            ValueError: non-string code, or limits outside the host's bounds.
+            RuntimeError: running code is disabled on this host.
+        """
+        sandbox = getattr(self.state, "code_sandbox", None)
+        if sandbox is None:
+            raise RuntimeError("running code is disabled on this host")
+        return sandbox.run(code, setup, time_limit_s, memory_mb)
 
     # -- child inferlets -------------------------------------------------------------
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..engine.engine import Engine
+from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import MessageBus
 from .snapshot_manager import SnapshotManager
@@ -36,6 +37,8 @@ class HostState:
         self.http = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
         self.mcp_servers: dict[str, str] = {}  # configured MCP servers: name -> endpoint URL
         self.kv_limits = KvLimits()
+        #: runs Python snippets in WASM for inferlets (``code-run``); builds nothing until first used
+        self.code_sandbox: CodeSandbox | None = CodeSandbox()
 
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
         name = name or engine.name
@@ -66,6 +69,8 @@ class HostState:
             raise ValueError(f"model {name!r} is not served here (served: {served})") from None
 
     def close(self) -> None:
+        if self.code_sandbox is not None:
+            self.code_sandbox.close()
         for slot in self.models.values():
             slot.snapshots.close()
             slot.engine.close()

@@ -187,6 +187,11 @@ def _future_payload(kind: str, v: Any) -> Any:
             error=None if v["error"] is None else str(v["error"]),
             output=[m if isinstance(m, str) else bytes(m).decode("utf-8", "replace") for m in v["output"]],
         )  # fmt: skip
+    if kind == "code":
+        return _record(
+            status=str(v["status"]), stdout=str(v["stdout"]), error=None if v["error"] is None else str(v["error"]),
+            truncated=bool(v["truncated"]), elapsed_ms=min(int(v["elapsed_ms"]), 2**32 - 1),
+        )  # fmt: skip
     raise ValueError(f"unknown future kind {kind!r}")
 
 
@@ -288,6 +293,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "store-keys": (lambda h, p: list(h.api.store_keys(p)), "untagged"),
     "http-fetch": (lambda h, url, method, headers, body: h.add_future("http", h.api.http_fetch(url, method, dict(headers), body)), "untagged"),
     "mcp-servers": (lambda h: sorted(h.api.mcp_servers().items()), "plain"),
+    "code-run": (lambda h, code, setup, t, mb: h.add_future("code", h.api.code_run(code, setup, t, mb)), "untagged"),
     "child-launch": (lambda h, name, args: h.api.child_launch(name, json.loads(args)), "untagged"),
     "child-wait": (lambda h, c: h.add_future("child", h.api.child_wait(c)), "untagged"),
     "child-abort": (lambda h, c: h.api.child_abort(c), "unit"),
