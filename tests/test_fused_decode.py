@@ -33,6 +33,7 @@ PROMPTS = [
 def fused(quant_engine):
     f = quant_engine.model.fused
     assert isinstance(f, FusedDecoder), "the default model's shape is the fused path's"
+    assert f.has_head, "the default model's quantized LM head runs inside the step"
     yield f
     f.enabled = True
 
@@ -44,18 +45,19 @@ def prefill(engine, text: str):
     return seq, first
 
 
-def decode_both(engine, fused: FusedDecoder, seqs, tokens, threads=(None,)) -> list[torch.Tensor]:
+def decode_both(engine, fused: FusedDecoder, seqs, tokens, threads=(None,), wanted=None) -> list[torch.Tensor]:
     """One decode step of every sequence in one batch, run by the fused path
     (once per thread count in ``threads``) and by the op-by-op path over the
     same inputs (each rewrites the new token's KV before attending);
-    returns the logits ``[B, V]`` of each run, fused runs first."""
+    returns the logits ``[S, V]`` of each run, fused runs first, for the
+    rows whose index is in ``wanted`` (default: every row)."""
 
     def step():
         items = []
-        for seq, tok in zip(seqs, tokens):
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             start = len(seq)
             slots = seq.reserve([tok], [start], custom_attention=False)
-            items.append(BatchItem(seq, [tok], start, slots, [0], None))
+            items.append(BatchItem(seq, [tok], start, slots, [0] if wanted is None or i in wanted else [], None))
         batch = build_batch(items)
         pool, model = engine.pool, engine.model
         out, before = [], torch.get_num_threads()
@@ -106,6 +108,21 @@ def test_ragged_batch_with_masked_tokens_matches(quant_engine, fused):
             assert float((f - ref).abs().max()) < ATOL
             assert f.argmax(-1).tolist() == ref.argmax(-1).tolist()
             toks = f.argmax(-1).tolist()
+    finally:
+        for s in seqs:
+            quant_engine.scheduler.command(s.free).result(30)
+
+
+def test_logits_of_some_rows_only(quant_engine, fused):
+    """Rows that want no output still run their layers (their KV is written)
+    but get no logits: the head runs over the wanted rows only, in order."""
+    pairs = [prefill(quant_engine, p) for p in PROMPTS]
+    seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
+    try:
+        f, ref = decode_both(quant_engine, fused, seqs, toks, wanted={1, 3})
+        assert f.shape == ref.shape == (2, quant_engine.model.config.vocab_size)
+        assert float((f - ref).abs().max()) < ATOL
+        assert f.argmax(-1).tolist() == ref.argmax(-1).tolist()
     finally:
         for s in seqs:
             quant_engine.scheduler.command(s.free).result(30)

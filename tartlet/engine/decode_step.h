@@ -47,12 +47,16 @@ typedef struct {
     int64_t n_layers, hidden, nh, nkv, hd, ffn;
     float eps, scale;
     const tq_layer_desc *layers;
+    /* the final RMSNorm weight [H] and the LM head, or NULL: no head here */
+    const float *final_norm;
+    const tq_linear_desc *head;
 } tq_decoder_desc;
 
 /* Seconds spent per phase by thread 0 (tq_decode_profile), while enabled:
  * 0 norm + quantize, 1 QKV, 2 RoPE + KV write, 3 attention, 4 output
- * projection, 5 gate/up, 6 SiLU * up, 7 down (each up to its barrier). */
-#define TQ_PHASES 8
+ * projection, 5 gate/up, 6 SiLU * up, 7 down, 8 LM head (each up to its
+ * barrier). */
+#define TQ_PHASES 9
 static double prof_acc[TQ_PHASES];
 static int prof_on;
 
@@ -155,10 +159,14 @@ static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, 
  * stream, updated in place) for T single-token rows at RoPE angles cos, sin
  * [T, hd / 2], writing each layer's keys/values to pool slots write_slots [T]
  * before attending (groups: every row in exactly one group), on nthreads
- * OpenMP threads (<= 0: the default team size). Returns 0, or -1
- * when the scratch buffers cannot be allocated (x untouched then). */
+ * OpenMP threads (<= 0: the default team size). Then, when D has a head and
+ * logits is not NULL, the final RMSNorm and the LM head of the S rows
+ * out_rows [S] of x into logits [S, head->n_total] (the same team: no second
+ * OpenMP start). Returns 0, or -1 when the scratch buffers cannot be
+ * allocated (x untouched then). */
 int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float *cos_, const float *sin_,
-                     const int64_t *write_slots, const tq_attn_group *groups, int64_t n_groups, int nthreads) {
+                     const int64_t *write_slots, const tq_attn_group *groups, int64_t n_groups, int nthreads,
+                     const int64_t *out_rows, int64_t S, float *logits) {
     const int64_t H = D->hidden, nh = D->nh, nkv = D->nkv, hd = D->hd, F = D->ffn, g = nh / nkv, half = hd / 2;
     const int64_t qkv_w = (nh + 2 * nkv) * hd, kmax = H > nh * hd ? (H > F ? H : F) : (nh * hd > F ? nh * hd : F);
     int64_t Lmax = 1, tasks = 0;
@@ -242,6 +250,16 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             team_linear(ly->down, xn, qa, fa, T, x, x, tid, nt);
             SYNC();
             PHASE(7)
+        }
+        if (logits && D->head && S > 0) { /* S <= T rows: the scratch fits */
+            if (tid == 0) {
+                for (int64_t i = 0; i < S; i++) rms_norm_row(x + out_rows[i] * H, D->final_norm, xn + i * H, H, D->eps);
+                quantize_for(D->head, xn, S, qa, fa);
+            }
+            SYNC();
+            PHASE(0)
+            team_linear(D->head, xn, qa, fa, S, logits, 0, tid, nt);
+            PHASE(8) /* the region's closing barrier ends it */
         }
     }
 #undef SYNC

@@ -6,7 +6,9 @@ means waking an OpenMP team per operation, which costs more than a small
 projection takes. :class:`FusedDecoder` hands the layer stack of a batch of
 single-token rows to ``tq_decode_layers``, which runs it in one OpenMP
 parallel region with every projection split across the threads (the
-threads meet at barriers instead of being woken per operation).
+threads meet at barriers instead of being woken per operation), and ends
+with the final norm and LM head of the rows whose logits are wanted (when the
+head is quantized too), so a batch-1 step is one C call from embedding to logits.
 
 It serves the common shape only, and :meth:`FusedDecoder.build` returns
 ``None`` for anything else (the op-by-op path in :mod:`llama` runs then):
@@ -52,6 +54,9 @@ class FusedDecoder:
         self._keep: list[object] = []
         #: False turns the fused path off (tests and benchmarks compare both)
         self.enabled = os.environ.get("TARTLET_FUSED_DECODE", "1") != "0"
+        #: the step ends with the final norm and LM head too (a quantized
+        #: head, no final soft-capping); else the model runs them after it
+        self.has_head = isinstance(model.lm_head, QuantLinear) and c.final_logit_softcapping is None
 
     @classmethod
     def build(cls, model: "LlamaModel") -> "FusedDecoder | None":
@@ -84,7 +89,9 @@ class FusedDecoder:
             for layer, kc, vc in zip(self.model.layers, k_cache.unbind(0), v_cache.unbind(0)):
                 descs = [ctypes.pointer(layer[k]._desc) for k in ("qkv", "o", "gate_up", "down")]
                 layers.append(LayerDesc(layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *descs, kc.data_ptr(), vc.data_ptr()))
-            self._desc, arr = decoder_desc(layers, *self._dims)
+            m = self.model
+            head = m.lm_head._desc if self.has_head else None
+            self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head)
             self._keep = [arr]
             self._pool = key
         return self._desc
@@ -92,15 +99,25 @@ class FusedDecoder:
     def run(
         self, x: torch.Tensor, batch: "BatchInputs", cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[tuple],
-    ) -> None:
-        """Every layer over ``x`` float32 ``[T, H]`` (updated in place).
+    ) -> torch.Tensor | None:
+        """Every layer over ``x`` float32 ``[T, H]`` (updated in place), then
+        (when :attr:`has_head`) the final norm and LM head of
+        ``batch.output_rows``.
 
         Args:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
             k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32.
             groups: the model's per-group plans ``(group, bias, by_kernel,
                 rows_bias)``, ``rows_bias`` the additive mask ``[B, L]`` or None.
+
+        Returns:
+            float32 logits ``[S, vocab_size]`` of ``batch.output_rows``, or
+            ``None`` without :attr:`has_head` (``x`` holds the last layer's output).
         """
         args = [(g.rows, g.row_start, g.kv_slots, rows_bias) for g, _, _, rows_bias in groups]
+        logits = None
+        if self.has_head:
+            logits = torch.empty(batch.output_rows.shape[0], self.model.lm_head.out_features, dtype=torch.float32)
         self.kernels.decode_layers(self._descriptor(k_cache, v_cache), x, cos, sin, batch.write_slots, args,
-                                   torch.get_num_threads())
+                                   torch.get_num_threads(), batch.output_rows, logits)
+        return logits

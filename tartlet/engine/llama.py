@@ -398,7 +398,9 @@ class LlamaModel:
         for win in set(self.windows) - {None}:  # groups cut to the window's columns
             plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
-            self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
+            logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
+            if logits is not None:  # the head ran in the step too
+                return logits
             layers = []  # done
         else:
             layers = self.layers

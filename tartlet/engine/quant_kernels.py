@@ -70,7 +70,8 @@ class DecoderDesc(ctypes.Structure):
     """The layer stack (``tq_decoder_desc``)."""
 
     _fields_ = [("n_layers", _I), ("hidden", _I), ("nh", _I), ("nkv", _I), ("hd", _I), ("ffn", _I),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc))]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)),
+                ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc))]
 
 
 def load() -> "QuantKernels | None":
@@ -112,7 +113,7 @@ class QuantKernels:
         lib.tq_linear.restype = ctypes.c_int
         self._linear = lib.tq_linear
         lib.tq_decode_layers.argtypes = [ctypes.POINTER(DecoderDesc), _P, _I, _P, _P, _P, ctypes.POINTER(AttnGroupDesc),
-                                         _I, ctypes.c_int]
+                                         _I, ctypes.c_int, _P, _I, _P]
         lib.tq_decode_layers.restype = ctypes.c_int
         lib.tq_decode_profile.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         lib.tq_decode_profile.restype = ctypes.c_int
@@ -218,9 +219,12 @@ class QuantKernels:
     def decode_layers(
         self, desc: DecoderDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
         groups: list[tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None]], threads: int,
+        out_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None,
     ) -> None:
         """Every layer of a decoder (``decode_step.h``) over ``T`` decode rows,
-        in one OpenMP region on ``threads`` threads.
+        in one OpenMP region on ``threads`` threads; then, when ``desc`` has
+        a head and ``logits`` is given, the final norm and LM head of rows
+        ``out_rows`` in the same region.
 
         Args:
             desc: from :func:`decoder_desc` (its tensors kept alive by the caller).
@@ -231,6 +235,8 @@ class QuantKernels:
                 int64 ``[B]`` rows or ``None`` (rows ``row_start + b``),
                 int64 ``[B, L]`` pool slots, float32 ``[B, L]`` additive mask
                 or ``None``; every row in exactly one group.
+            out_rows: int64 ``[S]`` rows of ``x`` whose logits are wanted.
+            logits: float32 ``[S, vocab]`` contiguous, written.
 
         Raises:
             MemoryError: the scratch buffers could not be allocated.
@@ -239,13 +245,14 @@ class QuantKernels:
         for i, (rows, row_start, kv, bias) in enumerate(groups):
             arr[i] = AttnGroupDesc(_ptr(rows), row_start, kv.shape[0], kv.shape[1], kv.data_ptr(), _ptr(bias))
         if self._lib.tq_decode_layers(ctypes.byref(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-                                      write_slots.data_ptr(), arr, len(groups), threads):
+                                      write_slots.data_ptr(), arr, len(groups), threads, _ptr(out_rows),
+                                      0 if logits is None else logits.shape[0], _ptr(logits)):
             raise MemoryError(f"cannot allocate the scratch buffers of a {x.shape[0]}-row decode step")
 
 
     #: Phases of :meth:`decode_profile`, in its order.
     DECODE_PHASES = ("norm + quantize", "QKV projection", "RoPE + KV write", "attention", "output projection",
-                     "gate/up projection", "SiLU * up", "down projection")
+                     "gate/up projection", "SiLU * up", "down projection", "LM head")
 
     def decode_profile(self, enable: bool) -> dict[str, float]:
         """Seconds the fused decode step spent per phase (thread 0's clock,
@@ -257,7 +264,13 @@ class QuantKernels:
 
 
 def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
-                 scale: float) -> tuple[DecoderDesc, ctypes.Array]:
-    """A :class:`DecoderDesc` over ``layers`` and the array holding them (keep both alive)."""
+                 scale: float, final_norm: torch.Tensor | None = None,
+                 head: LinearDesc | None = None) -> tuple[DecoderDesc, ctypes.Array]:
+    """A :class:`DecoderDesc` over ``layers`` and the array holding them
+    (keep both alive, and ``final_norm`` float32 ``[hidden]`` and ``head``,
+    the LM head's descriptor, when given: then the step computes logits too)."""
     arr = (LayerDesc * len(layers))(*layers)
-    return DecoderDesc(len(layers), hidden, nh, nkv, hd, ffn, eps, scale, arr), arr
+    desc = DecoderDesc(len(layers), hidden, nh, nkv, hd, ffn, eps, scale, arr)
+    if head is not None and final_norm is not None:
+        desc.final_norm, desc.head = final_norm.data_ptr(), ctypes.pointer(head)
+    return desc, arr
