@@ -153,3 +153,46 @@ async def test_bad_limits_raise_in_the_inferlet(runtime, tmp_path):
     """, name="badlimit")
     inst = await run(runtime, prog)
     assert inst.status is Status.FAILED and "time_limit_s must be in (0, 10]" in inst.error
+
+
+def test_one_user_cannot_fill_the_queue():
+    from tartlet.host.code_sandbox import LimitError
+
+    sb = CodeSandbox(max_time_s=5, workers=1, max_pending_per_user=2)
+    try:
+        loops = [sb.run("while True:\n    pass", time_limit_s=0.5, owner="alice") for _ in range(2)]
+        with pytest.raises(LimitError, match=r"user 'alice' already has 2 code runs queued or running"):
+            sb.run("print(1)", owner="alice")
+        other = sb.run("print('bob ran')", owner="bob")  # another user is not refused
+        assert [f.result(timeout=60)["status"] for f in loops] == ["timeout", "timeout"]
+        assert other.result(timeout=60)["stdout"] == "bob ran\n"
+        assert sb.run("print(2)", owner="alice").result(timeout=60)["stdout"] == "2\n"  # slots given back
+    finally:
+        sb.close()
+
+
+def test_code_config_table_is_checked_and_applied(host_state):
+    from tartlet.runtime.config import ConfigError, config_from_dict
+    from tartlet.server.app import configure_code
+
+    with pytest.raises(ConfigError, match=r"\[code\] max_memory_mb"):
+        config_from_dict({"code": {"max_memory_mb": 16}})
+    with pytest.raises(ConfigError, match="default_memory_mb .128. is larger than max_memory_mb .64."):
+        config_from_dict({"code": {"max_memory_mb": 64, "default_memory_mb": 128}})
+    saved = host_state.code_sandbox
+    try:
+        configure_code(host_state, config_from_dict({"code": {"max_time_s": 2.5, "max_memory_mb": 100, "workers": 1}}))
+        sb = host_state.code_sandbox
+        assert (sb.max_time_s, sb.max_memory_mb, sb.default_memory_mb) == (2.5, 100, 64)
+        with pytest.raises(ValueError, match=r"time_limit_s must be in \(0, 2.5\]"):
+            sb.run("print(1)", time_limit_s=3)
+        configure_code(host_state, config_from_dict({"code": {"enabled": False}}))
+        assert host_state.code_sandbox is None
+        from tartlet.host.api import HostApi
+
+        with pytest.raises(RuntimeError, match=r"running code is disabled on this host \(\[code\] enabled = false\)"):
+            HostApi(host_state).code_run("print(1)")
+    finally:
+        if host_state.code_sandbox is not None:
+            host_state.code_sandbox.close()
+        host_state.code_sandbox = saved

@@ -55,6 +55,11 @@ from typing import Any
 
 from ..paths import cache_dir
 
+try:  # the error classes are moving from tartlet.host.errors to tartlet.errors
+    from ..errors import LimitError  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - before the move
+    from .errors import LimitError
+
 #: Seconds per epoch tick of the sandbox engine (the resolution of time limits).
 TICK_S = 0.01
 #: Smallest memory cap a call may ask for, MiB (CPython starts at about 14 MiB).
@@ -153,6 +158,8 @@ class CodeSandbox:
         max_output_bytes: stdout + stderr kept per call, bytes.
         workers: calls running at once (more wait in a queue; the time
             limit starts when a call starts running).
+        max_pending_per_user: calls of one user queued or running at once
+            (more raise ``LimitError``), so one user cannot fill the queue.
 
     Raises:
         ValueError: a limit out of range.
@@ -160,24 +167,27 @@ class CodeSandbox:
 
     def __init__(
         self, max_time_s: float = 10.0, max_memory_mb: int = 256, default_memory_mb: int = 64,
-        max_output_bytes: int = 65536, workers: int = 2,
+        max_output_bytes: int = 65536, workers: int = 2, max_pending_per_user: int = 8,
     ) -> None:  # fmt: skip
         if not (max_time_s > 0 and math.isfinite(max_time_s)):
             raise ValueError(f"max_time_s must be a positive number of seconds, got {max_time_s!r}")
         if not MIN_MEMORY_MB <= default_memory_mb <= max_memory_mb:
             raise ValueError(f"need {MIN_MEMORY_MB} <= default_memory_mb <= max_memory_mb, got {default_memory_mb}, {max_memory_mb}")
-        if max_output_bytes < 1 or workers < 1:
-            raise ValueError("max_output_bytes and workers must be >= 1")
+        if max_output_bytes < 1 or workers < 1 or max_pending_per_user < 1:
+            raise ValueError("max_output_bytes, workers and max_pending_per_user must be >= 1")
         self.max_time_s, self.max_memory_mb, self.default_memory_mb = float(max_time_s), int(max_memory_mb), int(default_memory_mb)
         self.max_output_bytes = int(max_output_bytes)
+        self.max_pending_per_user = int(max_pending_per_user)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tartlet-code")
         self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # owner -> calls queued or running
+        self._load_lock = threading.Lock()
         self._ready: tuple[Any, Any, Any] | None = None  # (engine, linker, component)
 
     # -- the runner component -----------------------------------------------------------
     def _load(self) -> tuple[Any, Any, Any]:
         """Engine, linker and compiled runner (built and compiled on first use)."""
-        with self._lock:
+        with self._load_lock:
             if self._ready is None:
                 try:
                     from wasmtime import Config, Engine
@@ -239,8 +249,11 @@ class CodeSandbox:
             raise ValueError(f"memory_mb must be an int in [{MIN_MEMORY_MB}, {self.max_memory_mb}] MiB (this host's limit), got {memory_mb!r}")
         return code, setup, float(time_limit_s), memory_mb
 
-    def run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> Future:
-        """Run ``setup`` (output discarded) then ``code`` in a fresh sandbox.
+    def run(
+        self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None, owner: str = "",
+    ) -> Future:  # fmt: skip
+        """Run ``setup`` (output discarded) then ``code`` in a fresh sandbox,
+        for user ``owner``. Cancelling the future before it starts drops it.
 
         Returns:
             A future of ``{"status", "stdout", "error", "truncated",
@@ -254,9 +267,29 @@ class CodeSandbox:
 
         Raises:
             ValueError: bad arguments (see :meth:`check`).
+            LimitError: ``owner`` already has ``max_pending_per_user``
+                calls queued or running.
         """
         args = self.check(code, setup, time_limit_s, memory_mb)
-        return self._pool.submit(self._run, *args)
+        with self._lock:
+            n = self._pending.get(owner, 0)
+            if n >= self.max_pending_per_user:
+                raise LimitError(
+                    f"user {owner or '(local)'!r} already has {n} code runs queued or running, "
+                    f"the limit ([code] max_pending_per_user)"
+                )
+            self._pending[owner] = n + 1
+        fut = self._pool.submit(self._run, *args)
+        fut.add_done_callback(lambda _f: self._done(owner))
+        return fut
+
+    def _done(self, owner: str) -> None:
+        with self._lock:
+            n = self._pending.get(owner, 1) - 1
+            if n > 0:
+                self._pending[owner] = n
+            else:
+                self._pending.pop(owner, None)
 
     def _run(self, code: str, setup: str, time_limit_s: float, memory_mb: int) -> dict[str, Any]:
         from wasmtime import Store, WasiConfig, WasmtimeError

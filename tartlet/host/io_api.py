@@ -147,11 +147,19 @@ class IoHostMixin:
         Raises:
             ValueError: non-string code, or limits outside the host's bounds.
             RuntimeError: running code is disabled on this host.
+            LimitError: the owner has ``[code] max_pending_per_user`` runs
+                queued or running.
+
+        Runs still queued when the instance ends are dropped.
         """
         sandbox = getattr(self.state, "code_sandbox", None)
         if sandbox is None:
-            raise RuntimeError("running code is disabled on this host")
-        return sandbox.run(code, setup, time_limit_s, memory_mb)
+            raise RuntimeError("running code is disabled on this host ([code] enabled = false)")
+        fut = sandbox.run(code, setup, time_limit_s, memory_mb, owner=self.owner)
+        runs = self._io().setdefault("code", set())
+        runs.add(fut)
+        fut.add_done_callback(runs.discard)
+        return fut
 
     # -- child inferlets -------------------------------------------------------------
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:
@@ -217,3 +225,5 @@ class IoHostMixin:
         io["pulls"].clear()
         for child in io["children"].values():
             child.abort("its parent ended")
+        for fut in list(io.get("code", ())):
+            fut.cancel()  # queued runs are dropped; a running one ends at its time limit

@@ -204,6 +204,35 @@ class ProgramsConfig(_Table):
     sandbox_cpu_time_s: Seconds = 60.0
 
 
+class CodeConfig(_Table):
+    """``[code]``: the code sandbox behind the ``code-run`` host call
+    (``tartlet.sandbox``, ``tartlet/host/code_sandbox.py``).
+
+    Attributes:
+        enabled: let inferlets run Python snippets at all.
+        max_time_s: largest (and default) wall-time limit of one run, seconds.
+        max_memory_mb: largest memory cap of one run, MiB (at least 24).
+        default_memory_mb: memory cap of a run that names none, MiB.
+        workers: runs executing at once (others queue).
+        max_pending_per_user: runs of one user queued or running at once.
+        max_output_bytes: stdout + stderr kept per run, bytes.
+    """
+
+    enabled: bool = True
+    max_time_s: Seconds = 10.0
+    max_memory_mb: Annotated[int, Field(ge=24)] = 256
+    default_memory_mb: Annotated[int, Field(ge=24)] = 64
+    workers: PositiveInt = 2
+    max_pending_per_user: PositiveInt = 8
+    max_output_bytes: PositiveInt = 65536
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> "CodeConfig":
+        if self.default_memory_mb > self.max_memory_mb:
+            raise ValueError(f"default_memory_mb ({self.default_memory_mb}) is larger than max_memory_mb ({self.max_memory_mb})")
+        return self
+
+
 class McpServerConfig(_Table):
     """One ``[mcp.servers.NAME]`` table: an MCP server inferlets may call.
 
@@ -291,6 +320,7 @@ class ServerConfig(_Table):
     http: HttpConfig = Field(default_factory=HttpConfig)
     programs: ProgramsConfig = Field(default_factory=ProgramsConfig)
     mcp: McpConfig = Field(default_factory=McpConfig)
+    code: CodeConfig = Field(default_factory=CodeConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -150,7 +150,22 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     Path(cfg.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a new data dir is the server user's only
     state.store = Store(cfg.store_path)
     configure_http(state, cfg)
+    configure_code(state, cfg)
     return state
+
+
+def configure_code(state: Any, cfg: ServerConfig) -> None:
+    """Give ``state`` the code sandbox of ``[code]`` (None when disabled);
+    nothing is built until an inferlet first runs code."""
+    from ..host.code_sandbox import CodeSandbox
+
+    c = cfg.code
+    if state.code_sandbox is not None:
+        state.code_sandbox.close()
+    state.code_sandbox = (
+        CodeSandbox(c.max_time_s, c.max_memory_mb, c.default_memory_mb, c.max_output_bytes, c.workers, c.max_pending_per_user)
+        if c.enabled else None
+    )  # fmt: skip
 
 
 def configure_http(state: Any, cfg: ServerConfig) -> None:
