@@ -84,6 +84,8 @@ async def run_python(code: str, *, setup: str = "", time_limit_s: float | None =
         ValueError: ``code``/``setup`` not a string, or limits outside the
             host's bounds.
         RuntimeError: running code is disabled on this host.
+        LimitError: this user already has the host's maximum of runs queued
+            or running (``[code] max_pending_per_user``).
     """
     if not isinstance(code, str) or not isinstance(setup, str):
         raise ValueError("code and setup must be strings of Python source")
