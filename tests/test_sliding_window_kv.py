@@ -65,10 +65,10 @@ def gemma(tokenizer, tmp_path_factory):
 class Runner:
     """An Engine over a saved model, with helpers that run on its scheduler."""
 
-    def __init__(self, path, kernels: bool = True, max_batch_tokens: int = 512) -> None:
+    def __init__(self, path, kernels: bool = True, max_batch_tokens: int = 512, kv_cache_mb: float = 1) -> None:
         from tartlet.engine.engine import Engine, EngineConfig
 
-        cfg = EngineConfig(model=str(path), dtype="float32", kv_cache_mb=1, page_size=PS, cpu_kernels=kernels,
+        cfg = EngineConfig(model=str(path), dtype="float32", kv_cache_mb=kv_cache_mb, page_size=PS, cpu_kernels=kernels,
                            max_batch_tokens=max_batch_tokens)
         loaded = load_model(path, dtype=torch.float32)
         self.eng = Engine(cfg, loaded.config, loaded.weights, loaded.tokenizer)
@@ -143,6 +143,23 @@ def test_chunked_prefill_releases_between_chunks(mistral):
             got.append(r.forward(seq, [ids[n]]))
         check(torch.cat(got), reference(ref, ids), "chunked prefill")
         assert seq.live_pages() == expected_live(34)
+    finally:
+        r.close()
+
+
+def test_context_longer_than_the_pool(mistral):
+    """A 6-page pool (24 tokens) serves a 40-token prompt in chunks of 8 and 8 decode steps: at most
+    ceil((W - 1 + 8) / PS) + 1 = 5 pages are live at once."""
+    path, ref = mistral
+    ids = ids_for(48, 11, ref.config.vocab_size)
+    r = Runner(path, max_batch_tokens=8, kv_cache_mb=6 * 3072 / 2**20)  # 3072 bytes per page of this model
+    try:
+        assert r.pool.num_pages == 6
+        seq = r.eng.new_sequence()
+        got = [r.forward(seq, ids[:40])]
+        got += [r.forward(seq, [t]) for t in ids[40:]]
+        check(torch.cat(got), reference(ref, ids), "context longer than the pool")
+        assert seq.live_pages() == expected_live(48)
     finally:
         r.close()
 
