@@ -7,13 +7,34 @@ It drives generation itself through this SDK: :class:`Model`,
 
 The SDK imports nothing heavy (no torch, no numpy): it is bundled into WASM
 builds. It reaches the host only through :mod:`tartlet._binding`.
+
+The errors a host call raises (``KvCacheFullError``, ``SnapshotError``, ...)
+are the classes of :mod:`tartlet.errors`, exported here too; native and
+sandboxed inferlets see the same ones.
 """
 
-from . import brle, forward, session
+from . import brle, errors, forward, session
 from . import children, http, mcp, messaging, store  # I/O: child inferlets, host HTTP, MCP, messaging, key-value store
 from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
 from .context import Context, ContextClosedError
 from .drafter import NgramDrafter
+from .errors import (  # what host calls raise (tartlet.errors)
+    ChatTemplateError,
+    ContextLengthError,
+    GrammarError,
+    HostError,
+    HttpError,
+    InvalidHandleError,
+    KvCacheFullError,
+    KvQuotaError,
+    LimitError,
+    MessagingError,
+    ProgramError,
+    SamplingError,
+    SequenceFreedError,
+    SnapshotError,
+    StoreError,
+)
 from .generator import Drafter, Generator, Step
 from .model import Model
 from .sampler import Sampler
@@ -37,6 +58,22 @@ __all__ = [
     "Step",
     "StopCondition",
     "StopStrings",
+    "ChatTemplateError",
+    "ContextLengthError",
+    "GrammarError",
+    "HostError",
+    "HttpError",
+    "InvalidHandleError",
+    "KvCacheFullError",
+    "KvQuotaError",
+    "LimitError",
+    "MessagingError",
+    "ProgramError",
+    "SamplingError",
+    "SequenceFreedError",
+    "SnapshotError",
+    "StoreError",
+    "errors",
     "brle",
     "children",
     "http",

@@ -13,10 +13,10 @@ the native binding, so the SDK calls the same two functions in both modes:
   when no coroutine is ready, so several forward passes of one instance
   stay in flight together and batch in the scheduler.
 
-Host errors arrive as ``result`` error strings ``"ClassName: message"``
-and are raised again as the exception class of that name (the host's
-``InvalidHandleError``, ``SnapshotError``, ... are mirrored here with the
-same bases, ``ValueError`` / ``RuntimeError``).
+Host errors arrive as ``result`` errors ``call-error { code, message }``
+and are raised again as the class of that code
+(:data:`tartlet.errors.ERROR_CODES`): the classes of :mod:`tartlet.errors`,
+the same objects the native host raises, or builtins.
 
 This module imports the componentize-py bindings (``wit_world``), so it
 only imports inside a component build.
@@ -25,7 +25,6 @@ only imports inside a component build.
 from __future__ import annotations
 
 import asyncio
-import builtins
 import inspect
 import json
 import traceback
@@ -34,69 +33,21 @@ from typing import Any
 from componentize_py_types import Err
 from wit_world.imports import host as _wit
 
+from .errors import ERROR_CODES, HostError, InvalidHandleError, SamplingError
+
 
 # -- errors ---------------------------------------------------------------------
-class HostError(RuntimeError):
-    """Base class of errors raised by host calls (as in tartlet.host.errors)."""
+# WIT ``error-code`` case -> the SDK's class (tartlet/errors.py), the very one
+# the native host raises; componentize-py spells enum cases in UPPER_SNAKE.
+_CLASSES: dict[Any, type[Exception]] = {getattr(_wit.ErrorCode, c.upper().replace("-", "_")): cls for c, cls in ERROR_CODES.items()}
 
 
-class InvalidHandleError(HostError, ValueError):
-    """A call named a handle this instance does not own."""
-
-
-class SnapshotError(HostError, ValueError):
-    """A snapshot name that already exists or does not exist."""
-
-
-class LimitError(HostError):
-    """An instance went past one of its limits."""
-
-
-class HttpError(HostError):
-    """An HTTP fetch refused (not allowed, bad request) or failed (as
-    tartlet.host.http.HttpError)."""
-
-
-class SamplingError(ValueError):
-    """Bad sampler or probe parameters."""
-
-
-class ContextLengthError(ValueError):
-    """A context longer than the model allows."""
-
-
-class ChatTemplateError(ValueError):
-    """The chat template rejected the messages."""
-
-
-class KvCacheFullError(RuntimeError):
-    """No free KV pages for a request."""
-
-
-class SequenceFreedError(RuntimeError):
-    """A pass on a context that was destroyed."""
-
-
-class KvQuotaError(KvCacheFullError):
-    """Taking more KV pages would pass a quota (instance, user or snapshots)."""
-
-
-_ERRORS: dict[str, type[BaseException]] = {
-    c.__name__: c
-    for c in (
-        HostError, InvalidHandleError, SnapshotError, LimitError, HttpError, SamplingError, ContextLengthError,
-        ChatTemplateError, KvCacheFullError, KvQuotaError, SequenceFreedError,
-    )
-}  # fmt: skip
-
-
-def _error(text: str) -> BaseException:
-    """The exception for a host error string ``"ClassName: message"``."""
-    name, sep, msg = text.partition(": ")
-    cls = _ERRORS.get(name) or getattr(builtins, name, None)
-    if not sep or not (isinstance(cls, type) and issubclass(cls, Exception)):
-        return HostError(text)
-    return cls(msg)
+def _error(err: Any) -> Exception:
+    """The exception for a WIT ``call-error`` (``code``, ``message``)."""
+    cls = _CLASSES.get(err.code)
+    if cls is None:  # pragma: no cover - the table covers the whole enum
+        return HostError(f"[{err.code}] {err.message}")
+    return cls(err.message)
 
 
 def _call(fn: Any, *args: Any) -> Any:
@@ -461,7 +412,7 @@ class WasmHost:
 
     # store
     def store_get(self, key: str) -> str | None:
-        return _call(_wit.store_get, _str(key, "key"))
+        return _call(_wit.store_get, _str(key, "key")).value
 
     def store_set(self, key: str, value: str) -> None:
         _call(_wit.store_set, _str(key, "key"), _str(value, "value"))

@@ -71,7 +71,7 @@ def launch(name: str, args: dict[str, Any] | None = None) -> Child:
 
     Raises:
         ValueError: unknown inferlet name.
-        tartlet.host.errors.LimitError: the user runs too many instances.
+        tartlet.errors.LimitError: the user runs too many instances.
     """
     if args is not None and not isinstance(args, dict):
         raise TypeError(f"child args must be a dict, got {type(args).__name__}")

@@ -466,7 +466,7 @@ class Context:
 
         Raises:
             ValueError: pending tokens (flush first), or the name exists
-                (``tartlet.host.errors.SnapshotError``).
+                (``tartlet.errors.SnapshotError``).
         """
         self._check_open("save")
         if self._pending:

@@ -52,7 +52,7 @@ async def fetch(
         json: a value to send as a JSON body (sets ``content-type``).
 
     Raises:
-        tartlet.host.http.HttpError (a RuntimeError): host not allowed, body
+        tartlet.errors.HttpError (a RuntimeError): host not allowed, body
             too big, timeout, connection failure, response too big.
     """
     headers = dict(headers or {})

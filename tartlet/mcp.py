@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _binding, http
+from .errors import HttpError
 
 #: The revision this client asks for in ``initialize``.
 PROTOCOL_VERSION = "2025-06-18"
@@ -563,9 +564,7 @@ class McpClient:
         sid = self.session_id
         try:
             r = await http.fetch(self.url, "POST", headers=self._headers(sid), body=json.dumps(msg))
-        except (TypeError, ValueError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the host's HttpError (a HostError inside WASM builds)
+        except HttpError as e:  # refused by the host's allowlist, or the fetch failed
             hint = ""
             if "allowlist" in str(e) or "disabled" in str(e):
                 hint = (" (configure the server as [mcp.servers.NAME] url = \"...\" in the server config, "

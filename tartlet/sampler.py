@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from .errors import SamplingError
+
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -23,17 +25,17 @@ def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p:
     """Check sampler parameters.
 
     Raises:
-        ValueError: temperature < 0 or NaN, top_k < 1, top_p outside (0, 1],
+        SamplingError: (a ``ValueError``) temperature < 0 or NaN, top_k < 1, top_p outside (0, 1],
             or min_p outside [0, 1]; the message names the parameter.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        raise SamplingError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
+        raise SamplingError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
     if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+        raise SamplingError(f"min_p must be in [0, 1], got {min_p!r}")
 
 
 CustomFn = Callable[[list[int], list[float]], int]

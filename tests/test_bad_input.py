@@ -13,7 +13,7 @@ from tartlet.engine.engine import Engine, EngineConfig
 from tartlet.engine.loader import ModelLoadError
 from tartlet.engine.model_store import DEFAULT_MODEL
 from tartlet.host.api import HostApi
-from tartlet.host.errors import InvalidHandleError
+from tartlet.errors import InvalidHandleError
 from tartlet.runtime.instance import Status
 
 
@@ -177,7 +177,7 @@ async def test_generation_stops_being_allowed_at_max_seq_len(runtime, engine, tm
 async def test_sampler_parameters_out_of_range(runtime, args, name):
     inst = await run(runtime, "text-completion", {"prompt": "Hello", **args})
     assert inst.status is Status.FAILED
-    assert inst.error.startswith("ValueError: ") and name in inst.error
+    assert inst.error.startswith("SamplingError: ") and name in inst.error
 
 
 async def test_bad_sampler_slot_on_the_host_path(runtime, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from harness import inline_program, run, run_ok
 from tartlet.host.api import HostApi
-from tartlet.host.errors import InvalidHandleError
+from tartlet.errors import InvalidHandleError
 from tartlet.host.grammar import GrammarError
 from tartlet.runtime.instance import Status
 

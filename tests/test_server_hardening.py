@@ -375,7 +375,7 @@ async def test_data_dir_files_are_private(setup):
 
 
 def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
-    from tartlet.host.errors import LimitError
+    from tartlet.errors import LimitError
     from tartlet.host.messaging import MessageBus
 
     bus = MessageBus(max_user_bytes=10, max_user_topics=3)
@@ -400,7 +400,7 @@ def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
 
 
 def test_session_inbox_and_size_limits():
-    from tartlet.host.errors import LimitError
+    from tartlet.errors import LimitError
     from tartlet.host.session import ByteBudget, Session
 
     budget = ByteBudget(8, "max_backlog_bytes", "session messages waiting")

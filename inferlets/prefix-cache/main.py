@@ -30,7 +30,7 @@ scratch would have prefilled in addition.
 import asyncio
 import hashlib
 
-from tartlet import Context, Model, session
+from tartlet import Context, Model, SnapshotError, session
 
 
 async def main(args: dict) -> dict:
@@ -50,14 +50,14 @@ async def main(args: dict) -> dict:
     created = False
     try:
         base = Context.open(model, name)
-    except ValueError:  # no snapshot yet: prefill once and save it
+    except SnapshotError:  # no snapshot yet: prefill once and save it
         with model.new_context() as ctx:
             ctx.system(system)
             await ctx.flush()
             try:
                 ctx.save(name)
                 created = True
-            except ValueError:
+            except SnapshotError:
                 pass  # another instance saved it first; use theirs
         base = Context.open(model, name)
     with base:

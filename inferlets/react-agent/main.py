@@ -60,7 +60,7 @@ import asyncio
 import json
 from urllib.parse import urlencode
 
-from tartlet import JsonSchema, Model, Regex, Sampler, brle, forward, http, session
+from tartlet import HttpError, JsonSchema, Model, Regex, Sampler, brle, forward, http, session
 
 EXAMPLE = """
 Each Action is a JSON list of tool calls, run in parallel, or {"name": "finish"} when you can answer.
@@ -140,7 +140,7 @@ async def run_tool(tool, arguments, max_chars):
             r = await http.fetch(tool["url"] + ("&" if "?" in tool["url"] else "?") + query if query else tool["url"])
         else:
             r = await http.fetch(tool["url"], "POST", json=arguments)
-    except Exception as e:  # the host refused or the fetch failed: the model sees why
+    except (HttpError, ValueError) as e:  # the host refused or the fetch failed, or bad arguments: the model sees why
         return f"error: {e}"[:max_chars]
     text = r.text().strip()
     return (text if r.ok else f"error: HTTP {r.status}: {text}")[:max_chars]

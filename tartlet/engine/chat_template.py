@@ -22,9 +22,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-class ChatTemplateError(ValueError):
-    """A chat template failed to compile or raised an error while rendering."""
+from ..errors import ChatTemplateError
 
 
 class _GenerationBlock(jinja2.ext.Extension):

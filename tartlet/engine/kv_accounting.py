@@ -25,12 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from .kv_cache import KvCacheFullError
-
-
-class KvQuotaError(KvCacheFullError):
-    """Taking more pages would pass a quota (per instance, per user, or the
-    user's snapshots). Only the request or call that hit it fails."""
+from ..errors import KvQuotaError
 
 
 class PageAccount:

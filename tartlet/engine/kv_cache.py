@@ -37,13 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import KvCacheFullError
 from .kv_quant import row_width
 
 EMPTY_KEY = b""
-
-
-class KvCacheFullError(RuntimeError):
-    """Raised when a sequence needs more pages than the pool can provide."""
 
 
 def page_key(prev_key: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:

@@ -22,15 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SamplingError
 from ..sampler import validate_sampler as _sdk_validate
 
 #: Candidates examined before falling back to a full sort for top-p.
 _TOP_P_CANDIDATES = 512
-
-
-class SamplingError(ValueError):
-    """A sampler or probe cannot produce a result (bad parameters, or a logit
-    mask that allows no token)."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +55,7 @@ class SamplerSpec:
 def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p: float) -> None:
     """Raise :class:`SamplingError` naming the first out-of-range parameter
     (the rules of :func:`tartlet.sampler.validate_sampler`)."""
-    try:
-        _sdk_validate(temperature, top_k, top_p, min_p)
-    except ValueError as e:
-        raise SamplingError(str(e)) from None
+    _sdk_validate(temperature, top_k, top_p, min_p)  # raises SamplingError
 
 
 PROBE_KINDS = ("distribution", "logits", "logprobs", "entropy")

@@ -48,21 +48,13 @@ from typing import Callable
 import torch
 
 from .batch import BatchItem, build_batch
-from .kv_accounting import KvQuotaError
-from .kv_cache import KvCacheFullError, PagePool
+from ..errors import ContextLengthError, KvCacheFullError, KvQuotaError, SequenceFreedError
+from .kv_cache import PagePool
 from .llama import LlamaModel
 from .sampler import OutputSlot, SamplerSpec, SlotSampler
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-class SequenceFreedError(RuntimeError):
-    """A request names a sequence that was already freed."""
-
-
-class ContextLengthError(ValueError):
-    """A request would make a sequence longer than the model's context."""
 
 
 @dataclass

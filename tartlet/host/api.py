@@ -29,11 +29,10 @@ import torch
 
 from ..engine.engine import Engine
 from ..engine.kv_accounting import PageAccount
-from ..engine.kv_cache import KvCacheFullError
-from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError
+from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
-from .errors import InvalidHandleError, LimitError
+from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
 from .grammar_api import GrammarHostMixin
 from .io_api import IoHostMixin
 from .session import Session

@@ -43,6 +43,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
+from ..errors import GrammarError
 
 #: Constraint kinds a host accepts in ``grammar_new``.
 GRAMMAR_KINDS = ("json_schema", "any_json", "regex", "grammar")
@@ -59,11 +60,6 @@ MASK_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), 
 #: whitespace. Flexible whitespace lets a small model pad with newlines
 #: forever; compact output is also fewer tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-class GrammarError(ValueError):
-    """A grammar spec that is invalid, unsupported or unsatisfiable, or a
-    token the grammar does not allow. The message names the problem."""
 
 
 @dataclass

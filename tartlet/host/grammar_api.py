@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
-from .errors import InvalidHandleError
-from .grammar import GRAMMAR_KINDS, GrammarError, GrammarOutputSlot, Matcher, bits_to_brle
+from ..errors import GrammarError, InvalidHandleError
+from .grammar import GRAMMAR_KINDS, GrammarOutputSlot, Matcher, bits_to_brle
 
 #: Most live matchers one instance may hold.
 MAX_MATCHERS = 4096

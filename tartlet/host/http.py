@@ -21,14 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import HostError
+from ..errors import HttpError
 
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
-
-
-class HttpError(HostError):
-    """A fetch refused (host not allowed, bad URL, body too big) or failed
-    (timeout, connection error, response too big)."""
 
 
 @dataclass

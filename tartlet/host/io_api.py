@@ -15,8 +15,7 @@ import itertools
 from concurrent.futures import Future
 from typing import Any
 
-from .errors import InvalidHandleError
-from .http import HttpError
+from ..errors import HttpError, InvalidHandleError
 
 
 class IoHostMixin:

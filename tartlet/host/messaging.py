@@ -12,7 +12,7 @@ subscriptions; a broadcast counts once per subscription that holds it) may
 take ``max_user_bytes`` in all, and ``max_user_topics`` topics may hold
 state at once (a queue topic with waiting messages or pullers, a broadcast
 topic with subscriptions). A push, broadcast, pull or subscribe past them
-raises :class:`~tartlet.host.errors.LimitError` naming the limit; nothing
+raises :class:`~tartlet.errors.LimitError` naming the limit; nothing
 else is affected. A topic with no state left is forgotten. Messages queued
 on a queue topic belong to the user, not to the instance that pushed them:
 they wait for a puller after their sender ended (within the byte limit);
@@ -26,7 +26,7 @@ import itertools
 import threading
 from concurrent.futures import Future
 
-from .errors import LimitError
+from ..errors import LimitError, MessagingError
 from .session import message_bytes
 
 Message = str | bytes
@@ -39,10 +39,6 @@ MAX_BACKLOG = 10_000
 MAX_USER_BYTES = 64 * 2**20
 #: Default topics with state per user (``[limits] max_topics_per_user``).
 MAX_USER_TOPICS = 1024
-
-
-class MessagingError(ValueError):
-    """A bad topic or message, a full backlog, or an unknown subscription."""
 
 
 def check(topic: str, msg: Message) -> int:

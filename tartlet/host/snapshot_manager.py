@@ -28,7 +28,7 @@ import torch
 
 from ..engine.engine import Engine
 from ..engine.sequence import Sequence
-from .errors import SnapshotError
+from ..errors import SnapshotError
 from .kv_quotas import KvAccounts
 from .snapshot_store import SnapshotFile, SnapshotStore
 from .snapshots import Snapshot, SnapshotRegistry, check_name

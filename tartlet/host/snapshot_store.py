@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..engine.engine import Engine
-from .errors import SnapshotError
+from ..errors import SnapshotError
 
 log = logging.getLogger(__name__)
 

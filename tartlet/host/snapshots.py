@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.sequence import Sequence
-from .errors import LimitError, SnapshotError
+from ..errors import LimitError, SnapshotError
 
 #: prefix of names every user may list and open
 PUBLIC_PREFIX = "public/"

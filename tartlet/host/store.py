@@ -13,14 +13,12 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from ..errors import StoreError
+
 #: Longest key, characters.
 MAX_KEY_CHARS = 1024
 #: Largest value, bytes of UTF-8.
 MAX_VALUE_BYTES = 1 << 20
-
-
-class StoreError(ValueError):
-    """A bad key or value (the message says which limit)."""
 
 
 def _check_key(key: str) -> None:

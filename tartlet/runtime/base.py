@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..host.api import HostApi
-from ..host.errors import LimitError
+from ..errors import LimitError
 from ..host.session import Session
 from .instance import Instance, Status
 from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program

@@ -25,14 +25,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from ..errors import ProgramError
+
 #: The standard inferlets shipped with Tartlet.
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "inferlets"
 
 _module_ids = itertools.count()
-
-
-class ProgramError(ValueError):
-    """An inferlet that cannot be found or loaded (the message says why)."""
 
 
 @dataclass

@@ -10,7 +10,8 @@ stats, session receives) live in a per-instance handle table
 
 Host functions never raise into wasmtime (wasmtime-py would park the
 exception in a process-global): a failed call returns the ``result`` error
-``"ClassName: message"``. The only exception is :class:`WasmtimeError`,
+``call-error { code, message }``, ``code`` naming the exception's class
+(:func:`tartlet.errors.error_code`). The only exception is :class:`WasmtimeError`,
 raised on purpose to trap an instance that was aborted or ran out of CPU
 time; wasmtime passes it through as a trap of that instance alone.
 """
@@ -29,7 +30,7 @@ from wasmtime import WasmtimeError
 from wasmtime.component import Linker, Record, Variant
 
 from ..host.api import HostApi
-from ..host.errors import InvalidHandleError
+from ..errors import InvalidHandleError, error_code
 
 #: The imported interface, as the component names it.
 INTERFACE = "tartlet:inferlet/host@0.1.0"
@@ -251,17 +252,19 @@ def _json_arg(text: str, what: str) -> Any:
 
 
 # name -> (implementation, how the result is returned):
-#   plain: no result<>; unit: result<_, string>; untagged: result<T, string>
-#   whose T cannot be mistaken for a string; tagged: result<T, string> needing
-#   wasmtime's Variant (T is a string, or a variant containing strings)
+#   plain: no result<>; unit: result<_, call-error>; untagged: result<T,
+#   call-error> whose T wasmtime-py tells apart from the error's Record by its
+#   Python class; tagged: result<T, call-error> with T a record, so both
+#   cases are Records and need wasmtime's Variant("ok"/"err", ...)
+#   (tests/test_wit_contract.py checks each mode against the WIT)
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
-    "model-info": (_model_info, "untagged"),
+    "model-info": (_model_info, "tagged"),
     "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
-    "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "tagged"),
-    "apply-chat-template": (_chat, "tagged"),
+    "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged"),
+    "apply-chat-template": (_chat, "untagged"),
     "decoder-new": (lambda h, m: h.api.decoder_new(m), "untagged"),
-    "decoder-push": (lambda h, d, ids: h.api.decoder_push(d, list(ids)), "tagged"),
+    "decoder-push": (lambda h, d, ids: h.api.decoder_push(d, list(ids)), "untagged"),
     "decoder-free": (lambda h, d: h.api.decoder_free(d), "plain"),
     "context-new": (lambda h, m: h.api.context_new(m), "untagged"),
     "context-fork": (lambda h, c: h.api.context_fork(c), "untagged"),
@@ -278,7 +281,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "snapshot-delete": (lambda h, m, name: h.api.snapshot_delete(m, name), "unit"),
     "snapshot-names": (lambda h, m: h.api.snapshot_names(m), "untagged"),
     "forward": (_forward, "untagged"),
-    "kv-stats": (_kv_stats, "untagged"),
+    "kv-stats": (_kv_stats, "tagged"),
     "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
     "session-receive": (lambda h: h.add_future("message", h.api.session_receive()), "untagged"),
     "messaging-push": (lambda h, t, m: h.api.messaging_push(t, m), "unit"),
@@ -287,7 +290,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "messaging-subscribe": (lambda h, t: h.api.messaging_subscribe(t), "untagged"),
     "messaging-next": (lambda h, sid: h.add_future("message", h.api.messaging_next(sid)), "untagged"),
     "messaging-unsubscribe": (lambda h, sid: h.api.messaging_unsubscribe(sid), "unit"),
-    "store-get": (lambda h, k: h.api.store_get(k), "tagged"),
+    "store-get": (lambda h, k: _record(value=h.api.store_get(k)), "tagged"),
     "store-set": (lambda h, k, v: h.api.store_set(k, v), "unit"),
     "store-delete": (lambda h, k: bool(h.api.store_delete(k)), "untagged"),
     "store-keys": (lambda h, p: list(h.api.store_keys(p)), "untagged"),
@@ -297,7 +300,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "child-launch": (lambda h, name, args: h.api.child_launch(name, json.loads(args)), "untagged"),
     "child-wait": (lambda h, c: h.add_future("child", h.api.child_wait(c)), "untagged"),
     "child-abort": (lambda h, c: h.api.child_abort(c), "unit"),
-    "child-id": (lambda h, c: h.api.child_id(c), "tagged"),
+    "child-id": (lambda h, c: h.api.child_id(c), "untagged"),
     "grammar-new": (lambda h, m, kind, spec: h.api.grammar_new(m, kind, json.loads(spec)), "untagged"),
     "grammar-mask": (lambda h, g, form: h.api.grammar_mask(g, form), "untagged"),
     "grammar-advance": (lambda h, g, t: h.api.grammar_advance(g, t), "unit"),
@@ -326,8 +329,9 @@ def _wrap(name: str, fn: Any, mode: str) -> Any:
         except Exception as e:
             if mode == "plain":
                 return None
-            msg = f"{type(e).__name__}: {e}"
-            return Variant("err", msg) if mode == "tagged" else msg
+            code, msg = error_code(e)
+            err = _record(code=code, message=msg)
+            return Variant("err", err) if mode == "tagged" else err
         if mode == "unit" or (mode == "plain" and name not in ("model-names", "mcp-servers")):
             return None
         return Variant("ok", value) if mode == "tagged" else value

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..host.errors import LimitError
+from ..errors import LimitError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from ..runtime.config import ServerConfig
