@@ -179,7 +179,7 @@ def test_code_config_table_is_checked_and_applied(host_state):
         config_from_dict({"code": {"max_memory_mb": 16}})
     with pytest.raises(ConfigError, match="default_memory_mb .128. is larger than max_memory_mb .64."):
         config_from_dict({"code": {"max_memory_mb": 64, "default_memory_mb": 128}})
-    saved = host_state.code_sandbox
+    saved, host_state.code_sandbox = host_state.code_sandbox, None  # configure_code closes the one it replaces
     try:
         configure_code(host_state, config_from_dict({"code": {"max_time_s": 2.5, "max_memory_mb": 100, "workers": 1}}))
         sb = host_state.code_sandbox
