@@ -7,17 +7,18 @@
  * Why: at batch 1 a layer is ~11 small operations of 10-150 us each; run one
  * by one from Python, each pays the interpreter, ctypes and, to use both
  * cores, the wake-up of an OpenMP team (more than a 576 x 576 product
- * takes). Here the team is woken once per step and the threads meet at
- * barriers between operations (spinning, ~1 us), so every projection is
- * split across all threads - llama.cpp's graph-compute scheme.
+ * takes). Here the team is woken once per step and every projection is
+ * split across all threads - llama.cpp's graph-compute scheme - but the
+ * work is cut into chunks that threads claim, not shares assigned to each
+ * thread, so no thread ever waits for another one (see tq_decode_layers).
  *
- * Work split: projections by weight rows (each thread a contiguous range of
- * the stacked output rows, crossing part boundaries), attention by (sequence,
- * KV head), row-wise operations by row; the small sequential pieces (norm +
- * activation quantization) run on thread 0. Between operations the threads
- * meet at team_wait, a spin barrier (see there why not OpenMP's). Results equal the op-by-op path
- * (same kernels, same order of summation per output) except SiLU (see
- * silu_mul).
+ * Work split: projections by weight rows (chunks of the stacked output rows,
+ * crossing part boundaries), attention by (sequence, KV head), SiLU by
+ * 256-column runs of a row; the small sequential pieces (RMSNorm +
+ * activation quantization, RoPE + KV write) run as the tail of the phase
+ * before them, on whichever thread finished it. Results equal the op-by-op
+ * path (same kernels, same order of summation per output) except SiLU (see
+ * silu_mul), whatever the thread count.
  *
  * Included at the end of quant_kernels.c (uses its tq_linear_desc, tq_matmul,
  * tq_matmul_half and tq_quantize) after float_kernels.h. */
@@ -52,11 +53,12 @@ typedef struct {
     const tq_linear_desc *head;
 } tq_decoder_desc;
 
-/* Seconds spent per phase by thread 0 (tq_decode_profile), while enabled:
- * 0 norm + quantize, 1 QKV, 2 RoPE + KV write, 3 attention, 4 output
- * projection, 5 gate/up, 6 SiLU * up, 7 down, 8 LM head (each up to its
- * barrier). */
-#define TQ_PHASES 9
+/* Seconds spent per phase kind by thread 0 (tq_decode_profile), while
+ * enabled: 0 QKV projection + RoPE/KV write, 1 attention (+ quantizing its
+ * output), 2 output projection (+ norm), 3 gate/up projection, 4 SiLU * up
+ * (+ quantizing), 5 down projection (+ norm), 6 LM head; each up to the end
+ * of the phase as thread 0 sees it (its wait included). */
+#define TQ_PHASES 7
 static double prof_acc[TQ_PHASES];
 static int prof_on;
 
@@ -79,25 +81,19 @@ static inline void silu_mul(const float *g, const float *u, float *o, int64_t n)
     }
 }
 
-/* A sense-reversing spin barrier for the team of one step. OpenMP's own
- * barriers sleep on a futex after ~100 spins whenever the process has more
- * OpenMP threads than CPUs (libgomp's "throttled" spin count; PyTorch's
- * pools make that the usual case), and a futex wake-up per operation costs
- * more than the operation. Spins with pause, then yields the CPU, so an
- * oversubscribed machine still makes progress. */
+/* Claim counters of one phase, each on its own cache line: `next` hands out
+ * chunk indexes, `done` counts finished chunks. */
 typedef struct {
-    int count, sense, n;
-} team_barrier;
+    int64_t next, done;
+    char pad[48];
+} phase_ctr;
 
-static inline void team_wait(team_barrier *b, int *local_sense) {
-    const int s = *local_sense = !*local_sense;
-    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->n) {
-        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->sense, s, __ATOMIC_RELEASE);
-        return;
-    }
-    for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != s; spins++) {
-        if (spins < 20000) {
+/* Wait until *completed >= p: spin with pause (a phase's last chunk takes
+ * microseconds), then yield the CPU, so that on an oversubscribed machine the
+ * thread holding that chunk can run. */
+static inline void wait_phase(const int64_t *completed, int64_t p) {
+    for (int spins = 0; __atomic_load_n(completed, __ATOMIC_ACQUIRE) < p; spins++) {
+        if (spins < 2000) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
@@ -113,15 +109,14 @@ static inline int desc_has_blocks(const tq_linear_desc *L) {
     return 0;
 }
 
-/* This thread's share (of nt) of y = x @ W^T (+ bias) (+ res) for M rows:
- * a contiguous range of W's stacked output rows. x: float rows (for float16
- * parts), qa/fa: the same rows quantized (for block parts). y and res have
- * row stride n_total; res may alias y (each element is read, then written,
- * by the one thread that owns its column). */
-static void team_linear(const tq_linear_desc *L, const float *x, const void *qa, const float *fa, int64_t M, float *y,
-                        const float *res, int tid, int nt) {
+/* Output columns [lo, hi) of y = x @ W^T (+ bias) (+ res) for M rows (a
+ * range of W's stacked output rows, crossing part boundaries). x: float rows
+ * (for float16 parts), qa/fa: the same rows quantized (for block parts). y
+ * and res have row stride n_total; res may alias y (each element is read,
+ * then written, by the one chunk that owns its column). */
+static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa, const float *fa, int64_t M, float *y,
+                        const float *res, int64_t lo, int64_t hi) {
     const int64_t K = L->k, nb = K / QK, N = L->n_total;
-    const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
     int64_t n0 = 0;
     for (int64_t i = 0; i < L->nparts && n0 < hi; i++) {
         const tq_part *p = &L->parts[i];
@@ -155,6 +150,17 @@ static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, 
     quantize_for(L, xn, T, qa, fa);
 }
 
+/* Chunks of a projection with N outputs: 4 per thread (so that a thread
+ * the OS preempts holds back little), each at least 16 rows and a multiple
+ * of 16 (every output is still computed whole by one chunk, in the
+ * kernel's order: results do not depend on the chunking). */
+static inline int64_t linear_chunks(int64_t N, int nt, int64_t *rows) {
+    int64_t r = (N + 4 * nt - 1) / (4 * nt);
+    r = (r + 15) / 16 * 16;
+    *rows = r;
+    return (N + r - 1) / r;
+}
+
 /* Run every layer of D over x [T, H] (float32, contiguous; the residual
  * stream, updated in place) for T single-token rows at RoPE angles cos, sin
  * [T, hd / 2], writing each layer's keys/values to pool slots write_slots [T]
@@ -163,107 +169,132 @@ static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, 
  * logits is not NULL, the final RMSNorm and the LM head of the S rows
  * out_rows [S] of x into logits [S, head->n_total] (the same team: no second
  * OpenMP start). Returns 0, or -1 when the scratch buffers cannot be
- * allocated (x untouched then). */
+ * allocated (x untouched then).
+ *
+ * Scheduling. The step is a sequence of phases, six per layer: QKV (tail:
+ * RoPE + KV write), attention (tail: quantizing its output), output
+ * projection (tail: RMSNorm + quantizing), gate/up, SiLU * up (tail:
+ * quantizing), down projection (tail: the next layer's RMSNorm + quantizing,
+ * or the head's), then the head; a first phase norms the input. Each phase
+ * is cut into chunks that any thread claims with an atomic counter; the
+ * thread that finishes a phase's last chunk runs its tail (the small serial
+ * piece) and opens the next phase. No thread waits for another thread, only
+ * for unfinished chunks: when the OS preempts a thread (more runnable threads
+ * than cores: the server's event loop, a client, other processes), the
+ * others take the chunks it would have run. With barriers between operations
+ * (OpenMP's or a spin barrier) every operation waited for the preempted
+ * thread: measured on 2 cores at load ~9, 350-520 ms a step instead of
+ * 60-80 ms op by op. */
 int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float *cos_, const float *sin_,
                      const int64_t *write_slots, const tq_attn_group *groups, int64_t n_groups, int nthreads,
                      const int64_t *out_rows, int64_t S, float *logits) {
     const int64_t H = D->hidden, nh = D->nh, nkv = D->nkv, hd = D->hd, F = D->ffn, g = nh / nkv, half = hd / 2;
     const int64_t qkv_w = (nh + 2 * nkv) * hd, kmax = H > nh * hd ? (H > F ? H : F) : (nh * hd > F ? nh * hd : F);
+    const int head = logits && D->head && S > 0; /* S <= T rows: the scratch fits */
+    if (T <= 0) return 0;
     int64_t Lmax = 1, tasks = 0;
     for (int64_t i = 0; i < n_groups; i++) {
         Lmax = groups[i].L > Lmax ? groups[i].L : Lmax;
         tasks += groups[i].B * nkv;
     }
     const int nt_max = nthreads > 0 ? nthreads : omp_get_max_threads();
+    const int64_t n_phases = 1 + 6 * D->n_layers + head, silu_w = 256, silu_per_row = (F + silu_w - 1) / silu_w;
     /* float scratch: xn [T, kmax], qkv [T, qkv_w], q [T, nh hd], attn [T, nh hd], gu [T, 2F], scores per thread */
     const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax);
-    const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = (size_t)T * FA * (kmax / QK) * sizeof(float);
-    char *buf = aligned_alloc(64, (nf * sizeof(float) + qbytes + fbytes + 63) / 64 * 64);
+    const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
+    const size_t cbytes = (size_t)n_phases * sizeof(phase_ctr);
+    char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes);
     if (!buf) return -1;
     float *xn = (float *)buf, *qkv = xn + T * kmax, *q = qkv + T * qkv_w, *attn = q + T * nh * hd;
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F;
-    void *qa = (char *)buf + nf * sizeof(float);
+    void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
-    team_barrier bar = {0, 0, nt_max};
+    phase_ctr *ctr = (phase_ctr *)((char *)fa + fbytes);
+    memset(ctr, 0, cbytes);
+    int64_t completed = 0; /* phases finished (their tails included) */
 #pragma omp parallel num_threads(nt_max)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        int sense = 0;
-        if (tid == 0) bar.n = nt; /* the team may be smaller than asked; read after the first barrier */
-        float *p = scores + (int64_t)tid * g * Lmax;
+        float *sc = scores + (int64_t)tid * g * Lmax;
         const int clock = prof_on && tid == 0;
         double t_last = clock ? omp_get_wtime() : 0.0;
-#define PHASE(i)                                      \
-    if (clock) {                                      \
-        const double now_ = omp_get_wtime();          \
-        prof_acc[i] += now_ - t_last;                 \
-        t_last = now_;                                \
-    }
-#define SYNC() team_wait(&bar, &sense)
-#pragma omp barrier
-        for (int64_t li = 0; li < D->n_layers; li++) {
-            const tq_layer_desc *ly = &D->layers[li];
-            if (tid == 0) norm_quantize(x, ly->ln1, xn, T, H, D->eps, ly->qkv, qa, fa);
-            SYNC();
-            PHASE(0)
-            team_linear(ly->qkv, xn, qa, fa, T, qkv, 0, tid, nt);
-            SYNC();
-            PHASE(1)
-            for (int64_t t = tid; t < T; t += nt)
-                rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
-                               ly->v_pool, write_slots[t], nh, nkv, hd);
-            SYNC();
-            PHASE(2)
-            for (int64_t i = tasks * tid / nt; i < tasks * (tid + 1) / nt; i++) {
-                int64_t j = i, gi = 0;
-                while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
-                const tq_attn_group *G = &groups[gi];
-                const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
-                attend_kv_head(q + r * nh * hd + kh * g * hd, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L,
-                               G->bias ? G->bias + b * G->L : NULL, G->L, g, hd, nkv * hd, kh, D->scale, p,
-                               attn + r * nh * hd + kh * g * hd);
+        for (int64_t ph = 0; ph < n_phases; ph++) {
+            wait_phase(&completed, ph);
+            const int64_t li = ph == 0 ? -1 : (ph - 1) / 6, kind = ph == 0 ? 5 : (ph - 1) % 6;
+            if (clock && ph > 0) { /* the phase before this one ended */
+                const double now = omp_get_wtime();
+                prof_acc[ph == 1 ? 5 : (ph - 2) % 6] += now - t_last;
+                t_last = now;
             }
-            SYNC();
-            PHASE(3)
-            if (tid == 0) quantize_for(ly->o, attn, T, qa, fa);
-            SYNC();
-            PHASE(0)
-            team_linear(ly->o, attn, qa, fa, T, x, x, tid, nt);
-            SYNC();
-            PHASE(4)
-            if (tid == 0) norm_quantize(x, ly->ln2, xn, T, H, D->eps, ly->gate_up, qa, fa);
-            SYNC();
-            PHASE(0)
-            team_linear(ly->gate_up, xn, qa, fa, T, gu, 0, tid, nt);
-            SYNC();
-            PHASE(5)
-            const int64_t chunks = T * ((F + 255) / 256); /* SiLU(gate) * up into xn [T, F], 256 columns a chunk */
-            for (int64_t c = chunks * tid / nt; c < chunks * (tid + 1) / nt; c++) {
-                const int64_t t = c / ((F + 255) / 256), j = c % ((F + 255) / 256) * 256;
-                silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < 256 ? F - j : 256);
+            const tq_layer_desc *ly = li >= 0 && li < D->n_layers ? &D->layers[li] : 0;
+            const tq_linear_desc *lin = 0;
+            float *y = 0;
+            const float *xin = xn, *res = 0;
+            int64_t n_chunks = 1, rows = 0;
+            if (ph == n_phases - 1 && head) {
+                lin = D->head, y = logits;
+            } else if (ph > 0) {
+                switch (kind) {
+                case 0: lin = ly->qkv, y = qkv; break;
+                case 1: n_chunks = tasks; break;
+                case 2: lin = ly->o, xin = attn, y = x, res = x; break;
+                case 3: lin = ly->gate_up, y = gu; break;
+                case 4: n_chunks = T * silu_per_row; break;
+                case 5: lin = ly->down, y = x, res = x; break;
+                }
             }
-            SYNC();
-            PHASE(6)
-            if (tid == 0) quantize_for(ly->down, xn, T, qa, fa);
-            SYNC();
-            PHASE(0)
-            team_linear(ly->down, xn, qa, fa, T, x, x, tid, nt);
-            SYNC();
-            PHASE(7)
+            const int64_t M = ph == n_phases - 1 && head ? S : T;
+            if (lin) n_chunks = linear_chunks(lin->n_total, nt, &rows);
+            if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
+            for (;;) {
+                const int64_t c = __atomic_fetch_add(&ctr[ph].next, 1, __ATOMIC_ACQ_REL);
+                if (c >= n_chunks) break;
+                if (lin) {
+                    const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
+                    linear_cols(lin, xin, qa, fa, M, y, res, lo, hi);
+                } else if (ph > 0 && kind == 1 && c < tasks) { /* attention of one (sequence, KV head) */
+                    int64_t j = c, gi = 0;
+                    while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
+                    const tq_attn_group *G = &groups[gi];
+                    const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
+                    attend_kv_head(q + r * nh * hd + kh * g * hd, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L,
+                                   G->bias ? G->bias + b * G->L : NULL, G->L, g, hd, nkv * hd, kh, D->scale, sc,
+                                   attn + r * nh * hd + kh * g * hd);
+                } else if (ph > 0 && kind == 4) { /* SiLU(gate) * up into xn [T, F], silu_w columns a chunk */
+                    const int64_t t = c / silu_per_row, j = c % silu_per_row * silu_w;
+                    silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < silu_w ? F - j : silu_w);
+                }
+                if (__atomic_add_fetch(&ctr[ph].done, 1, __ATOMIC_ACQ_REL) != n_chunks) continue;
+                /* the last chunk of the phase: its tail, then open the next phase */
+                if (ph == n_phases - 1 && head) {
+                    /* nothing after the head */
+                } else if (ph == 0 || kind == 5) { /* norm for the next layer's QKV, or for the head */
+                    const tq_layer_desc *nx = li + 1 < D->n_layers ? &D->layers[li + 1] : 0;
+                    if (nx) {
+                        norm_quantize(x, nx->ln1, xn, T, H, D->eps, nx->qkv, qa, fa);
+                    } else if (head) {
+                        for (int64_t i = 0; i < S; i++) rms_norm_row(x + out_rows[i] * H, D->final_norm, xn + i * H, H, D->eps);
+                        quantize_for(D->head, xn, S, qa, fa);
+                    }
+                } else if (kind == 0) {
+                    for (int64_t t = 0; t < T; t++)
+                        rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
+                                       ly->v_pool, write_slots[t], nh, nkv, hd);
+                } else if (kind == 1) {
+                    quantize_for(ly->o, attn, T, qa, fa);
+                } else if (kind == 2) {
+                    norm_quantize(x, ly->ln2, xn, T, H, D->eps, ly->gate_up, qa, fa);
+                } else if (kind == 4) {
+                    quantize_for(ly->down, xn, T, qa, fa);
+                }
+                __atomic_store_n(&completed, ph + 1, __ATOMIC_RELEASE);
+            }
         }
-        if (logits && D->head && S > 0) { /* S <= T rows: the scratch fits */
-            if (tid == 0) {
-                for (int64_t i = 0; i < S; i++) rms_norm_row(x + out_rows[i] * H, D->final_norm, xn + i * H, H, D->eps);
-                quantize_for(D->head, xn, S, qa, fa);
-            }
-            SYNC();
-            PHASE(0)
-            team_linear(D->head, xn, qa, fa, S, logits, 0, tid, nt);
-            PHASE(8) /* the region's closing barrier ends it */
+        if (clock) {
+            wait_phase(&completed, n_phases);
+            prof_acc[head ? 6 : 5] += omp_get_wtime() - t_last;
         }
     }
-#undef SYNC
-#undef PHASE
     free(buf);
     return 0;
 }

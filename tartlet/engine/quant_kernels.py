@@ -251,12 +251,12 @@ class QuantKernels:
 
 
     #: Phases of :meth:`decode_profile`, in its order.
-    DECODE_PHASES = ("norm + quantize", "QKV projection", "RoPE + KV write", "attention", "output projection",
-                     "gate/up projection", "SiLU * up", "down projection", "LM head")
+    DECODE_PHASES = ("QKV projection + RoPE/KV write", "attention", "output projection + norm", "gate/up projection",
+                     "SiLU * up", "down projection + norm", "LM head")
 
     def decode_profile(self, enable: bool) -> dict[str, float]:
         """Seconds the fused decode step spent per phase (thread 0's clock,
-        each phase up to the barrier that ends it) since the last call, and
+        each phase up to its end as thread 0 sees it) since the last call, and
         whether to keep the clock running (it costs two clock reads per phase)."""
         out = (ctypes.c_double * len(self.DECODE_PHASES))()
         self._lib.tq_decode_profile(int(enable), out)
