@@ -107,6 +107,15 @@ class SchedulerStats:
     every verified position counts, accepted or not). ``decode_steps``
     counts single-token request chunks, which differs from it whenever a
     pass samples several positions or none.
+
+    Where the scheduler thread's time goes (seconds): ``forward_seconds``
+    in model calls (batch tensors, model, samplers); ``batch_wait_seconds``
+    waiting for last round's sequences to come back (``batch_wait_s``);
+    ``overhead_seconds`` in its own Python between model calls (draining
+    the queue into a batch, running commands, committing pages, resolving
+    futures). The rest is idle (an empty queue). ``mixed_calls``: model
+    calls holding both single-token (decode) and multi-token (prefill)
+    chunks.
     """
 
     model_calls: int = 0
@@ -115,8 +124,11 @@ class SchedulerStats:
     prefix_tokens_reused: int = 0
     decode_steps: int = 0
     tokens_generated: int = 0
+    mixed_calls: int = 0
     forward_seconds: float = 0.0
     queue_wait_seconds: float = 0.0
+    batch_wait_seconds: float = 0.0
+    overhead_seconds: float = 0.0
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -231,14 +243,18 @@ class Scheduler:
                     self._cond.wait()
                 if not self._running:
                     return
-                deadline = time.perf_counter() + self.batch_wait_s
+                t0 = time.perf_counter()
+                deadline = t0 + self.batch_wait_s
                 while self._running and self._expected:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
                     self._cond.wait(left)
                 self._expected.clear()
+                t1 = time.perf_counter()
                 items = self._build()
+                self.stats.batch_wait_seconds += t1 - t0
+                self.stats.overhead_seconds += time.perf_counter() - t1
                 if not items and self._queue:
                     # only requests waiting for pages are left: sleep until
                     # new work (a free, say) arrives or a wait times out
@@ -392,14 +408,16 @@ class Scheduler:
                 if not it.req.future.done():
                     it.req.future.set_exception(e)
             return
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         st = self.stats
         st.model_calls += 1
-        st.forward_seconds += dt
+        st.forward_seconds += t1 - t0
+        decodes = sum(1 for it in items if it.n == 1)
+        st.mixed_calls += 0 < decodes < len(items)
         st.batched_requests += len(items)
         st.batch_sizes[len(items)] += 1
         st.tokens_computed += sum(it.n for it in items)
-        st.decode_steps += sum(1 for it in items if it.n == 1)
+        st.decode_steps += decodes
         st.tokens_generated += sum(
             1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
         )
@@ -427,3 +445,4 @@ class Scheduler:
                 req.future.set_exception(err)
             else:
                 req.future.set_result(req.results)
+        st.overhead_seconds += time.perf_counter() - t1

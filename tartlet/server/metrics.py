@@ -41,6 +41,12 @@ _SCHEDULER_COUNTERS = (
      "Summed wait of forward requests between submission and their batch, seconds."),
     ("tartlet_forward_requests", "batched_requests",
      "Forward requests batched (divide queue wait by this for the mean)."),
+    ("tartlet_mixed_model_calls", "mixed_calls",
+     "Model calls holding both decode (one-token) and prefill (multi-token) chunks."),
+    ("tartlet_batch_wait_seconds", "batch_wait_seconds",
+     "Scheduler time waiting for last round's sequences to come back before a call, seconds."),
+    ("tartlet_scheduler_overhead_seconds", "overhead_seconds",
+     "Scheduler time in its own Python between model calls (batching, commands, resolving), seconds."),
 )
 
 
