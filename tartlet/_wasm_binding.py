@@ -374,6 +374,18 @@ class WasmHost:
         attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
         return HostFuture(_call(_wit.forward, handle, tokens, pos, attn, slots))
 
+    def generate(
+        self, handle: int, tokens: list[int], sampler: dict[str, Any], first_step: int, max_steps: int, stop_ids: list[int]
+    ) -> HostFuture:
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("generate needs a non-empty list of input tokens")
+        _handle(handle)
+        for name, v in (("first_step", first_step), ("max_steps", max_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+                raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
+        return HostFuture(_call(_wit.generate, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
+                                first_step, max_steps, _u32s(stop_ids, "stop token ids")))
+
     # stats, session
     def kv_stats(self, model: str | None) -> dict[str, int]:
         s = _call(_wit.kv_stats, _model(model))

@@ -250,15 +250,50 @@ class Generator:
     # -- draining ------------------------------------------------------------
     async def collect_tokens(self) -> list[int]:
         """Run to the end; the generated token ids."""
+        await self._run_on_host()
         async for _ in self:
             pass
         return self.tokens
 
     async def collect_text(self) -> str:
         """Run to the end; the generated text."""
+        await self._run_on_host()
         async for _ in self:
             pass
         return self.text
+
+    async def _run_on_host(self) -> None:
+        """Drain a generation that needs no code of ours between tokens in
+        one host call (``generate``), instead of a host round trip per token:
+        same passes, same tokens, same result. Only for an unstarted
+        generation bounded by ``max_tokens`` whose other stops are EOS
+        tokens, with an engine-side sampler, no drafter and no constraint;
+        anything else (stop strings, custom samplers, ...) steps here."""
+        if self._started or self.drafter is not None or self.constraint is not None or self.sampler._custom is not None:
+            return
+        limits = self._stop.find(MaxTokens)
+        if not limits or min(c.n for c in limits) < 1 or any(not isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions):
+            return
+        self._start()
+        ctx = self.ctx
+        stop_ids = sorted({i for e in self._eos for i in e.ids})
+        inputs, ctx._pending = ctx._pending, []
+        slot = self.sampler.slot(0)
+        try:
+            fut = _binding.host().generate(ctx._h, inputs, slot, 0, min(c.n for c in limits), stop_ids)
+            toks = await _binding.wait(fut)
+        except BaseException:
+            ctx._pending = inputs + ctx._pending
+            self._finish(None)
+            raise
+        self.stats.steps += len(toks)
+        self.tokens.extend(toks)
+        text = [t for t in toks if t not in stop_ids]
+        if text:
+            self._raw += _binding.host().decoder_push(self._decoder, text)
+        # in the order _step keeps: the turn ends before the last token is pending
+        self._finish("eos" if toks[-1] in stop_ids else "length")
+        ctx._pending = [toks[-1]]
 
     async def collect_json(self) -> Any:
         """Run to the end and parse the text as JSON.

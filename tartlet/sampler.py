@@ -21,6 +21,14 @@ from .errors import SamplingError
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The seed of generation step ``step`` of a sampler seeded ``seed``
+    (a golden-ratio stride, so steps draw independent streams), in
+    [0, 2**63). The host's :meth:`~tartlet.host.api.HostApi.generate`
+    derives the same seeds as :meth:`Sampler.slot`."""
+    return (seed + step * _GOLDEN) % 2**63
+
+
 def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p: float) -> None:
     """Check sampler parameters.
 
@@ -139,7 +147,7 @@ class Sampler:
         if self.top_k is not None:
             slot["top_k"] = self.top_k
         if self.seed is not None:
-            slot["seed"] = (self.seed + step * _GOLDEN) % 2**63
+            slot["seed"] = step_seed(self.seed, step)
         return slot
 
     def pick(self, result: Any) -> int:

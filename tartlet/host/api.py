@@ -33,6 +33,7 @@ from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
 from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
+from ..sampler import step_seed
 from .grammar_api import GrammarHostMixin
 from .io_api import IoHostMixin
 from .session import Session
@@ -446,6 +447,84 @@ class HostApi(IoHostMixin, GrammarHostMixin):
 
         fut.add_done_callback(on_done)
         return fut
+
+    def generate(
+        self,
+        handle: int,
+        tokens: list[int],
+        sampler: dict[str, Any],
+        first_step: int,
+        max_steps: int,
+        stop_ids: list[int],
+    ) -> Future:
+        """Decode up to ``max_steps`` tokens host-side: the same passes that
+        ``max_steps`` calls of :meth:`forward` with one ``sample`` slot each
+        would run (``tokens``, then each sampled token in turn), without a
+        round trip to the inferlet per token. Each next pass is queued from
+        the previous pass's completion, on the scheduler thread, before the
+        scheduler builds its next batch, so the steps of concurrent
+        generations stay in one batch.
+
+        Args:
+            handle: the context.
+            tokens: the pending input tokens of the first pass (>= 1).
+            sampler: ``sample`` slot parameters (``temperature``, ``top_k``,
+                ``top_p``, ``min_p``, ``seed``); ``index`` and ``kind`` are
+                set here. With a ``seed``, step ``first_step + i`` samples
+                with the seed the SDK's ``Sampler.slot`` derives for it.
+            first_step: generation step of the first sampled token.
+            max_steps: most tokens to sample (>= 1).
+            stop_ids: sampling one of these ends the generation.
+
+        Returns:
+            A future of the sampled token ids (the last one not yet run
+            through the model: it is the caller's pending token). An error
+            of a later pass fails it; the passes before it stay in the
+            context, as with :meth:`forward`. Cancelling it stops after the
+            pass in flight.
+
+        Raises:
+            ValueError: a malformed argument (nothing is queued then).
+        """
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
+        if not isinstance(sampler, dict):
+            raise ValueError(f"sampler parameters are a dict, got {type(sampler).__name__}")
+        params = {k: v for k, v in sampler.items() if k not in ("index", "kind", "seed", "logit_mask", "grammar")}
+        seed = sampler.get("seed")
+        stop = frozenset(int(t) for t in stop_ids)
+        out: list[int] = []
+        result: Future = Future()
+
+        def slot(n_inputs: int) -> dict[str, Any]:
+            s = {**params, "index": n_inputs - 1, "kind": "sample"}
+            if seed is not None:
+                s["seed"] = step_seed(seed, first_step + len(out))
+            return s
+
+        def done(f: Future) -> None:  # on the scheduler thread
+            if result.done():  # cancelled by the caller
+                return
+            if f.cancelled():
+                result.cancel()
+                return
+            if f.exception() is not None:
+                result.set_exception(f.exception())
+                return
+            tok = int(f.result()[0])
+            out.append(tok)
+            if len(out) >= max_steps or tok in stop:
+                result.set_result(out)
+                return
+            try:
+                self.forward(handle, [tok], None, None, [slot(1)]).add_done_callback(done)
+            except BaseException as e:  # a quota or a freed context: the generation ends with it
+                result.set_exception(e)
+
+        self.forward(handle, list(tokens), None, None, [slot(len(tokens))]).add_done_callback(done)
+        return result
 
     def _slot(self, e: Engine, o: dict[str, Any], n_inputs: int) -> OutputSlot:
         if not isinstance(o, dict):

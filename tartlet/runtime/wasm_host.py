@@ -126,17 +126,23 @@ def _record(**fields: Any) -> Record:
 
 
 
+def _sampler(p: Any) -> dict[str, Any]:
+    """WIT ``sampler-params`` -> the HostApi sample-slot parameters."""
+    d = {"temperature": p.temperature, "top_p": getattr(p, "top-p"), "min_p": getattr(p, "min-p")}
+    if getattr(p, "top-k") is not None:
+        d["top_k"] = getattr(p, "top-k")
+    if p.seed is not None:
+        d["seed"] = p.seed
+    return d
+
+
 def _slot(o: Any) -> dict[str, Any]:
     """WIT ``output-slot`` -> the HostApi slot dict."""
     kind: Variant = o.kind
     d: dict[str, Any] = {"index": o.index, "kind": kind.tag}
     p = kind.payload
     if kind.tag == "sample":
-        d.update(temperature=p.temperature, top_p=getattr(p, "top-p"), min_p=getattr(p, "min-p"))
-        if getattr(p, "top-k") is not None:
-            d["top_k"] = getattr(p, "top-k")
-        if p.seed is not None:
-            d["seed"] = p.seed
+        d.update(_sampler(p))
     elif kind.tag == "distribution":
         d.update(k=p.k, temperature=p.temperature)
     elif kind.tag == "logprobs":
@@ -200,6 +206,12 @@ def _future_payload(kind: str, v: Any) -> Any:
 def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list) -> int:
     slots = [_slot(o) for o in outputs]
     return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots))
+
+
+def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
+              stop: list[int]) -> int:
+    fut = h.api.generate(handle, list(tokens), _sampler(sampler), first_step, max_steps, list(stop))
+    return h.add_future("forward", fut)  # one slot-result::token per sampled token
 
 
 def _future_take(h: InstanceHost, handle: int) -> Any:
@@ -281,6 +293,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "snapshot-delete": (lambda h, m, name: h.api.snapshot_delete(m, name), "unit"),
     "snapshot-names": (lambda h, m: h.api.snapshot_names(m), "untagged"),
     "forward": (_forward, "untagged"),
+    "generate": (_generate, "untagged"),
     "kv-stats": (_kv_stats, "tagged"),
     "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
     "session-receive": (lambda h: h.add_future("message", h.api.session_receive()), "untagged"),

@@ -1,0 +1,122 @@
+"""Host-side decoding (``HostApi.generate``, used by ``collect_text`` /
+``collect_tokens``): the same tokens, text, finish reason and context as
+stepping token by token, one host call per generation instead of one per
+token, and the steps of concurrent generations kept in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from harness import inline_program, run
+from tartlet.host.api import HostApi
+from tartlet.runtime.instance import Status
+
+#: Generates from one prompt twice per case, once drained with collect_*
+#: (host-side) and once stepped with ``async for`` (per token); returns both.
+BOTH = """
+from tartlet import Model, Sampler
+
+CASES = [
+    dict(max_tokens=12, eos=False),
+    dict(max_tokens=40, eos=True),
+    dict(max_tokens=10, eos=True, sampler=dict(temperature=0.9, top_k=40, seed=5)),
+]
+
+async def one(model, case, stepped):
+    kw = dict(case)
+    s = kw.pop("sampler", None)
+    with model.new_context() as ctx:
+        ctx.user("Count from one to twenty.")
+        gen = ctx.generate(Sampler(**s) if s else None, **kw)
+        if stepped:
+            async for _ in gen:
+                pass
+        else:
+            await gen.collect_tokens()
+        ctx.user("And back?")  # the context goes on from where the generation left it
+        more = await ctx.generate(max_tokens=4, eos=False).collect_text()
+        return {"tokens": gen.tokens, "text": gen.text, "finish": gen.finish_reason,
+                "context": ctx.tokens, "kv_len": ctx.kv_len, "more": more}
+
+async def main(args):
+    model = Model.load()
+    return [[await one(model, c, stepped) for stepped in (False, True)] for c in CASES]
+"""
+
+
+async def test_collect_matches_stepping(runtime, tmp_path, monkeypatch):
+    calls = []
+    orig = HostApi.generate
+    monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[3:5]) or orig(self, *a))
+    inst = await run(runtime, inline_program(tmp_path, BOTH))
+    assert inst.status is Status.FINISHED, inst.error
+    for host_side, stepped in inst.result:
+        assert host_side == stepped
+    assert inst.result[0][0]["finish"] == "length" and len(inst.result[0][0]["tokens"]) == 12
+    assert inst.result[2][0]["finish"] in ("length", "eos")
+    # one host call per collected generation (3 cases + their follow-ups, x2), none for stepped ones
+    assert len(calls) == 9
+    assert (0, 12) in calls
+
+
+CONCURRENT = """
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.user(f"Say something about the number {args['i']}.")
+        return await ctx.generate(max_tokens=args["n"], eos=False).collect_tokens()
+"""
+
+
+async def test_concurrent_generations_share_batches(runtime, host_state, tmp_path):
+    """Each next pass is queued before the scheduler builds its next batch,
+    so once all have started, one model call carries every generation."""
+    prog = inline_program(tmp_path, CONCURRENT)
+    sched = next(iter(host_state.models.values())).engine.scheduler
+    n, k = 16, 4
+    before = sched.stats.model_calls
+    insts = await asyncio.gather(*(run(runtime, prog, {"i": i, "n": n}) for i in range(k)))
+    assert all(i.status is Status.FINISHED and len(i.result) == n for i in insts)
+    # n passes each (the prompt, then n - 1 tokens); starting apart costs at most k - 1 extra calls
+    assert sched.stats.model_calls - before <= n + k - 1
+
+
+async def test_bad_arguments_queue_nothing(runtime, tmp_path):
+    prog = inline_program(tmp_path, """
+from tartlet import Model, _binding
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.fill("Hello")
+        errors = []
+        for steps in (0, -1, True):
+            try:
+                _binding.host().generate(ctx._h, ctx.pending, {"temperature": 0.0}, 0, steps, [])
+            except ValueError as e:
+                errors.append(str(e))
+        return errors, ctx.kv_len
+""")
+    inst = await run(runtime, prog)
+    assert inst.status is Status.FINISHED, inst.error
+    errors, kv_len = inst.result
+    assert len(errors) == 3 and all("max_steps" in e for e in errors)
+    assert kv_len == 0
+
+
+@pytest.mark.slow
+@pytest.mark.wasm
+async def test_component_collect_matches_native(runtime, host_state, tmp_path):
+    pytest.importorskip("wasmtime")
+    pytest.importorskip("componentize_py")
+    from tartlet.runtime.wasm import WasmRuntime
+
+    prog = inline_program(tmp_path, BOTH)
+    native = await run(runtime, prog)
+    sandboxed = await run(WasmRuntime(host_state), prog)
+    assert sandboxed.status is Status.FINISHED, f"{sandboxed.error}\n{sandboxed.traceback}"
+    assert sandboxed.result == native.result
