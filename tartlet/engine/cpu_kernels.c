@@ -25,6 +25,11 @@
  * the same two kernels over pool layers int8 [slots, nkv, hd + 4] (each row's
  * quants, then its float32 scale).
  *
+ * The kernels that need per-thread scratch (the two attentions and
+ * rope_qkv_store_q8) return 0, or -1 when it cannot be allocated: then every
+ * thread skips the work (the threads agree at a barrier) and the outputs are
+ * left untouched.
+ *
  * No -ffast-math: masked positions are -inf and must stay so. With AVX2 and
  * FMA (compiled with -mavx2 -mfma) the dot products and the weighted sum of
  * values use intrinsics; otherwise plain loops give the same results.
@@ -58,60 +63,92 @@ void rope_qkv_store(const float *qkv, const float *cos_, const float *sin_, floa
 /* q: query b at q + (row_start + b or rows[b]) * q_stride, heads [nh, hd];
  * out: the same row of out, [nh * hd]. Work is split over (sequence, KV
  * head); each task keeps its g = nh / nkv heads' scores in scratch. */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
-                            const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                            float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+/* Inside a parallel region: whether any thread's scratch allocation (p of
+ * bytes) failed; each reports its own, all threads get the same answer after a
+ * barrier, so all of them skip or all enter the worksharing loop that follows. */
+static int team_alloc_failed(const void *p, size_t bytes, int *failed)
+{
+    if (!p && bytes) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp barrier
+    int f;
+#pragma omp atomic read
+    f = *failed;
+    return f;
+}
+
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
+                           const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
+                           float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
     const int64_t g = nh / nkv, row = nkv * hd;
+    int failed = 0;
     /* a short attention (one sequence of ~100 tokens: ~20 us) is not worth waking the other threads */
 #pragma omp parallel if (B * L * nh * hd >= (1 << 20))
     {
-        float *p = malloc(sizeof(float) * (size_t)(L * g));
+        const size_t bytes = sizeof(float) * (size_t)(L * g);
+        float *p = malloc(bytes);
+        if (!team_alloc_failed(p, bytes, &failed)) {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t kh = 0; kh < nkv; kh++) {
-                const int64_t r = rows ? rows[b] : row_start + b;
-                attend_kv_head(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L, bias ? bias + b * L : NULL,
-                               L, g, hd, row, kh, scale, p, out + r * nh * hd + kh * g * hd);
-            }
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t kh = 0; kh < nkv; kh++) {
+                    const int64_t r = rows ? rows[b] : row_start + b;
+                    attend_kv_head(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L,
+                                   bias ? bias + b * L : NULL, L, g, hd, row, kh, scale, p, out + r * nh * hd + kh * g * hd);
+                }
+        }
         free(p);
     }
+    return failed ? -1 : 0;
 }
 
 /* rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
  * (kv_int8.h); the other arguments as rope_qkv_store. */
-void rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
-                       int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+int rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
+                      int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
 {
     const int64_t half = hd / 2, row = (nh + 2 * nkv) * hd;
+    int failed = 0;
 #pragma omp parallel if (T >= 64)
     {
-        float *tmp = malloc(sizeof(float) * (size_t)hd);
+        const size_t bytes = sizeof(float) * (size_t)hd;
+        float *tmp = malloc(bytes);
+        if (!team_alloc_failed(tmp, bytes, &failed)) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            rope_store_row_q8(qkv + t * row, cos_ + t * half, sin_ + t * half, q_out + t * nh * hd, k_pool, v_pool,
-                              write_slots[t], nh, nkv, hd, tmp);
+            for (int64_t t = 0; t < T; t++)
+                rope_store_row_q8(qkv + t * row, cos_ + t * half, sin_ + t * half, q_out + t * nh * hd, k_pool, v_pool,
+                                  write_slots[t], nh, nkv, hd, tmp);
+        }
         free(tmp);
     }
+    return failed ? -1 : 0;
 }
 
 /* paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
  * (kv_int8.h); the other arguments as paged_decode_attention. */
-void paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
-                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
+                              const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
+                              float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
     const int64_t g = nh / nkv;
+    int failed = 0;
 #pragma omp parallel if (B * L * nh * hd >= (1 << 20))
     {
-        float *p = malloc(sizeof(float) * (size_t)(L * g));
+        const size_t bytes = sizeof(float) * (size_t)(L * g);
+        float *p = malloc(bytes);
+        if (!team_alloc_failed(p, bytes, &failed)) {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t kh = 0; kh < nkv; kh++) {
-                const int64_t r = rows ? rows[b] : row_start + b;
-                attend_kv_head_q8(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L, bias ? bias + b * L : NULL,
-                                  L, g, hd, nkv, kh, scale, p, out + r * nh * hd + kh * g * hd);
-            }
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t kh = 0; kh < nkv; kh++) {
+                    const int64_t r = rows ? rows[b] : row_start + b;
+                    attend_kv_head_q8(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L,
+                                      bias ? bias + b * L : NULL, L, g, hd, nkv, kh, scale, p,
+                                      out + r * nh * hd + kh * g * hd);
+                }
+        }
         free(p);
     }
+    return failed ? -1 : 0;
 }

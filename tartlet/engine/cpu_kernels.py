@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from .c_build import compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
+from .kernel_checks import F32, I64, bad_tensor
+from .kv_quant import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,26 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+#: extra bytes per pool row after ``head_dim`` values, per pool dtype (int8: the row's scale)
+_POOL_EXTRA = {torch.float32: 0, torch.int8: SCALE_BYTES}
+
+
+def _check_pools(kernel: str, k_pool: torch.Tensor, v_pool: torch.Tensor, nkv: int, hd: int) -> None:
+    ks, extra = k_pool.shape, _POOL_EXTRA.get(k_pool.dtype)
+    if not (extra is not None and len(ks) == 3 and ks[1] == nkv and ks[2] == hd + extra and k_pool.is_cpu
+            and k_pool.is_contiguous()):
+        bad_tensor(kernel, "k_pool", k_pool, ["slots", nkv, f"{hd} (float32) or {hd + SCALE_BYTES} (int8)"],
+                   "float32 or int8")
+    if not (v_pool.dtype is k_pool.dtype and v_pool.shape == ks and v_pool.is_cpu and v_pool.is_contiguous()):
+        bad_tensor(kernel, "v_pool", v_pool, list(ks), str(k_pool.dtype).replace("torch.", ""))
+
+
 class CpuKernels:
     """Typed wrappers of the compiled kernels. Every tensor is float32 (int64
-    for indexes) on the CPU; shapes as documented per method. Arguments are
-    not re-checked here: the model builds them."""
+    for indexes) on the CPU; shapes as documented per method. Shapes, dtypes,
+    layouts and devices are checked before each call (:class:`ValueError`
+    naming the argument, :mod:`.kernel_checks`); index values (pool slots,
+    rows) are not: the model builds them."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rms = lib.rms_norm
@@ -87,15 +105,26 @@ class CpuKernels:
         self._rope_q8.argtypes = self._rope.argtypes
         self._attn_q8 = lib.paged_decode_attention_q8
         self._attn_q8.argtypes = self._attn.argtypes
-        for f in (self._rms, self._rope, self._attn, self._rope_q8, self._attn_q8):
+        for f in (self._rms, self._rope):
             f.restype = None
+        for f in (self._attn, self._rope_q8, self._attn_q8):
+            f.restype = ctypes.c_int  # -1: scratch memory could not be allocated
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of ``x`` ``[T, H]``
-        (rows may be strided, columns contiguous); returns a new ``[T, H]``."""
-        T, H = x.shape
+        (rows may be strided, columns contiguous); returns a new ``[T, H]``.
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device.
+        """
+        xs, xst = x.shape, x.stride()
+        if not (len(xs) == 2 and xst[1] == 1 and x.dtype is F32 and x.is_cpu):
+            bad_tensor("rms_norm", "x", x, ["T", "H"], layout="columns contiguous")
+        T, H = xs
+        if not (weight.shape == (H,) and weight.dtype is F32 and weight.is_cpu and weight.is_contiguous()):
+            bad_tensor("rms_norm", "weight", weight, [H])
         out = torch.empty(T, H, dtype=torch.float32)
-        self._rms(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), T, H, eps)
+        self._rms(x.data_ptr(), xst[0], weight.data_ptr(), out.data_ptr(), T, H, eps)
         return out
 
     def rope_qkv_store(
@@ -107,12 +136,37 @@ class CpuKernels:
         written to rows ``write_slots`` ``[T]`` of ``k_pool``/``v_pool``
         ``[slots, nkv, hd]`` float32, or int8 ``[slots, nkv, hd + 4]``
         (quantized, :mod:`tartlet.engine.kv_quant`). Returns the queries
-        ``[T, nh, hd]``."""
-        T = qkv.shape[0]
+        ``[T, nh, hd]``.
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device,
+                or an odd ``hd``.
+            MemoryError: the int8 kernel's scratch row could not be allocated.
+        """
+        kernel = "rope_qkv_store"
+        if hd % 2:
+            raise ValueError(f"{kernel}: hd must be even, got {hd}")
+        width, qs = (nh + 2 * nkv) * hd, qkv.shape
+        if not (len(qs) == 2 and qs[1] == width and qkv.dtype is F32 and qkv.is_cpu and qkv.is_contiguous()):
+            bad_tensor(kernel, "qkv", qkv, ["T", f"(nh + 2 nkv) hd = {width}"])
+        T = qs[0]
+        cs = (T, hd // 2)
+        if not (cos.shape == cs and cos.dtype is F32 and cos.is_cpu and cos.is_contiguous()):
+            bad_tensor(kernel, "cos", cos, cs)
+        if not (sin.shape == cs and sin.dtype is F32 and sin.is_cpu and sin.is_contiguous()):
+            bad_tensor(kernel, "sin", sin, cs)
+        _check_pools(kernel, k_pool, v_pool, nkv, hd)
+        if not (write_slots.shape == (T,) and write_slots.dtype is I64 and write_slots.is_cpu
+                and write_slots.is_contiguous()):
+            bad_tensor(kernel, "write_slots", write_slots, [T], "int64")
         q = torch.empty(T, nh, hd, dtype=torch.float32)
-        rope = self._rope_q8 if k_pool.dtype == torch.int8 else self._rope
-        rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-             write_slots.data_ptr(), T, nh, nkv, hd)
+        if k_pool.dtype == torch.int8:
+            if self._rope_q8(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
+                             v_pool.data_ptr(), write_slots.data_ptr(), T, nh, nkv, hd):
+                raise MemoryError(f"{kernel}: cannot allocate a {hd}-float scratch row")
+        else:
+            self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
+                       v_pool.data_ptr(), write_slots.data_ptr(), T, nh, nkv, hd)
         return q
 
     def paged_decode_attention(
@@ -126,10 +180,38 @@ class CpuKernels:
         ``out`` ``[T, nh * hd]``. Grouped-query heads: head ``h`` reads KV
         head ``h // (nh / nkv)``. The pools are float32 ``[slots, nkv, hd]``
         or int8 ``[slots, nkv, hd + 4]`` (dequantized on the fly,
-        :mod:`tartlet.engine.kv_quant`)."""
-        B, L = slots.shape
-        _, nh, hd = q.shape
-        nkv = k_pool.shape[1]
+        :mod:`tartlet.engine.kv_quant`).
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device,
+                ``nh`` not a multiple of the pool's ``nkv``, or rows past ``T``.
+            MemoryError: the per-thread score buffer could not be allocated.
+        """
+        kernel = "paged_decode_attention"
+        qs, qst = q.shape, q.stride()
+        if not (len(qs) == 3 and qst[2] == 1 and qst[1] == qs[2] and q.dtype is F32 and q.is_cpu):
+            bad_tensor(kernel, "q", q, ["T", "nh", "hd"], layout="rows of contiguous heads")
+        T, nh, hd = qs
+        ks = k_pool.shape
+        if not (len(ks) == 3 and ks[1] > 0 and nh % ks[1] == 0):
+            bad_tensor(kernel, "k_pool", k_pool, ["slots", f"a divisor of nh = {nh}", hd], "float32 or int8")
+        nkv = ks[1]
+        _check_pools(kernel, k_pool, v_pool, nkv, hd)
+        ss = slots.shape
+        if not (len(ss) == 2 and slots.dtype is I64 and slots.is_cpu and slots.is_contiguous()):
+            bad_tensor(kernel, "slots", slots, ["B", "L"], "int64")
+        B, L = ss
+        if bias is not None and not (bias.shape == ss and bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()):
+            bad_tensor(kernel, "bias", bias, ss)
+        if rows is None:
+            if row_start < 0 or row_start + B > T:
+                raise ValueError(f"{kernel}: rows {row_start}..{row_start + B - 1} are outside q's {T} rows")
+        elif not (rows.shape == (B,) and rows.dtype is I64 and rows.is_cpu and rows.is_contiguous()):
+            bad_tensor(kernel, "rows", rows, [B], "int64")
+        os_ = (T, nh * hd)
+        if not (out.shape == os_ and out.dtype is F32 and out.is_cpu and out.is_contiguous()):
+            bad_tensor(kernel, "out", out, os_)
         attn = self._attn_q8 if k_pool.dtype == torch.int8 else self._attn
-        attn(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
-             _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale)
+        if attn(q.data_ptr(), qst[0], k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
+                _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale):
+            raise MemoryError(f"{kernel}: cannot allocate the attention scores of {L} positions")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .c_build import compile_library, cpu_flags, open_library
+from .kernel_checks import F32, I64, bad_tensor
 from .quant_formats import BF16, F16, QuantWeight
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _check_rows(kernel: str, name: str, t: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    """``t`` (unless None) is float32 ``shape`` on the CPU with contiguous rows."""
+    if t is not None and not (t.shape == shape and t.dtype is F32 and t.is_cpu and t.stride(1) == 1):
+        bad_tensor(kernel, name, t, shape, layout="rows contiguous")
+
+
+def _check_bias(kernel: str, bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and not (bias.shape == (n,) and bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()):
+        bad_tensor(kernel, "bias", bias, [n])
+
+
 class QuantKernels:
     """Typed wrappers of the compiled kernels. Activations and outputs are
-    float32 CPU tensors with contiguous rows; arguments are checked by the
-    callers (:class:`~tartlet.engine.quant_linear.QuantLinear`)."""
+    float32 CPU tensors with contiguous rows. Shapes, dtypes, layouts and
+    devices of the arguments are checked before each call (:class:`ValueError`
+    naming the argument, :mod:`.kernel_checks`); index values (rows, pool
+    slots) and the weights' own tensors (built by :mod:`.quant_formats`) are not."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -147,7 +161,10 @@ class QuantKernels:
         per half block (interleaved, ``2 * K / 32`` values)."""
         if bits not in (8, 16):
             raise ValueError(f"activations are quantized to 8 or 16 bits, not {bits}")
-        M, K = x.shape
+        xs = x.shape
+        if not (len(xs) == 2 and xs[1] % 32 == 0 and x.dtype is F32 and x.is_cpu and x.stride(1) == 1):
+            bad_tensor("quantize", "x", x, ["M", "K (a multiple of 32)"], layout="rows contiguous")
+        M, K = xs
         qa = torch.empty(M, K, dtype=torch.int8 if bits == 8 else torch.int16)
         fa = torch.empty(M, 4, K // 32, dtype=torch.float32)
         self._lib.tq_quantize(bits, x.data_ptr(), x.stride(0), M, K, qa.data_ptr(), fa.data_ptr())
@@ -162,6 +179,17 @@ class QuantKernels:
         ``out`` and ``residual`` are float32 ``[M, N]`` with contiguous rows
         (``out`` may be a column slice of a wider matrix); ``bias`` float32 ``[N]``."""
         N, K = w.shape
+        qs = qa.shape
+        if not (len(qs) == 2 and qs[1] == K and qa.dtype in (torch.int8, torch.int16) and qa.is_cpu
+                and qa.is_contiguous()):
+            bad_tensor("matmul", "qa", qa, ["M", K], "int8 or int16")
+        M = qs[0]
+        fs = (M, 4, K // 32)
+        if not (fa.shape == fs and fa.dtype is F32 and fa.is_cpu and fa.is_contiguous()):
+            bad_tensor("matmul", "fa", fa, fs)
+        _check_rows("matmul", "out", out, (M, N))
+        _check_bias("matmul", bias, N)
+        _check_rows("matmul", "residual", residual, (M, N))
         self._lib.tq_matmul(w.kind, 8 if qa.dtype == torch.int8 else 16, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
           out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
 
@@ -188,8 +216,17 @@ class QuantKernels:
         contiguous ``[M, N]``, ``residual`` float32 ``[M, N]`` (rows contiguous).
 
         Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device.
             MemoryError: the activation buffer could not be allocated.
         """
+        xs, K, N = x.shape, desc.k, desc.n_total
+        if not (len(xs) == 2 and xs[1] == K and x.dtype is F32 and x.is_cpu and x.stride(1) == 1):
+            bad_tensor("linear", "x", x, ["M", K], layout="rows contiguous")
+        os_ = (xs[0], N)
+        if not (out.shape == os_ and out.dtype is F32 and out.is_cpu and out.is_contiguous()):
+            bad_tensor("linear", "out", out, os_)
+        if residual is not None:
+            _check_rows("linear", "residual", residual, os_)
         if self._linear(desc, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _ptr(residual),
                         0 if residual is None else residual.stride(0)):
             raise MemoryError(f"cannot allocate the quantized activations of a [{x.shape[0]}, {x.shape[1]}] input")
@@ -201,6 +238,12 @@ class QuantKernels:
         """``out = x @ w.T (+ bias) (+ residual)`` for an ``F16``/``BF16``
         ``w``, with float32 ``x`` ``[M, K]`` (shapes as in :meth:`matmul`)."""
         N, K = w.shape
+        xs = x.shape
+        if not (len(xs) == 2 and xs[1] == K and x.dtype is F32 and x.is_cpu and x.stride(1) == 1):
+            bad_tensor("matmul_half", "x", x, ["M", K], layout="rows contiguous")
+        _check_rows("matmul_half", "out", out, (xs[0], N))
+        _check_bias("matmul_half", bias, N)
+        _check_rows("matmul_half", "residual", residual, (xs[0], N))
         self._lib.tq_matmul_half(int(w.kind == BF16), w.q.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.shape[0],
                                  out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual),
                                  0 if residual is None else residual.stride(0))
@@ -211,6 +254,8 @@ class QuantKernels:
         N, K = w.shape
         if w.kind in (F16, BF16):
             return (w.q if rows is None else w.q.index_select(0, rows)).float()
+        if rows is not None and not (rows.dim() == 1 and rows.dtype is I64 and rows.is_cpu and rows.is_contiguous()):
+            bad_tensor("dequantize", "rows", rows, ["R"], "int64")
         R = N if rows is None else rows.numel()
         out = torch.empty(R, K, dtype=torch.float32)
         self._lib.tq_dequantize(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), K, _ptr(rows), R, out.data_ptr())
@@ -239,11 +284,44 @@ class QuantKernels:
             logits: float32 ``[S, vocab]`` contiguous, written.
 
         Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device,
+                or a group's rows past ``T``.
             MemoryError: the scratch buffers could not be allocated.
         """
+        kernel = "decode_layers"
+        xs = x.shape
+        if not (len(xs) == 2 and xs[1] == desc.hidden and x.dtype is F32 and x.is_cpu and x.is_contiguous()):
+            bad_tensor(kernel, "x", x, ["T", desc.hidden])
+        T, cs = xs[0], (xs[0], desc.hd // 2)
+        if not (cos.shape == cs and cos.dtype is F32 and cos.is_cpu and cos.is_contiguous()):
+            bad_tensor(kernel, "cos", cos, cs)
+        if not (sin.shape == cs and sin.dtype is F32 and sin.is_cpu and sin.is_contiguous()):
+            bad_tensor(kernel, "sin", sin, cs)
+        if not (write_slots.shape == (T,) and write_slots.dtype is I64 and write_slots.is_cpu
+                and write_slots.is_contiguous()):
+            bad_tensor(kernel, "write_slots", write_slots, [T], "int64")
         arr = (AttnGroupDesc * len(groups))()
         for i, (rows, row_start, kv, bias) in enumerate(groups):
-            arr[i] = AttnGroupDesc(_ptr(rows), row_start, kv.shape[0], kv.shape[1], kv.data_ptr(), _ptr(bias))
+            ks = kv.shape
+            if not (len(ks) == 2 and kv.dtype is I64 and kv.is_cpu and kv.is_contiguous()):
+                bad_tensor(kernel, f"groups[{i}] kv_slots", kv, ["B", "L"], "int64")
+            if bias is not None and not (bias.shape == ks and bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()):
+                bad_tensor(kernel, f"groups[{i}] bias", bias, ks)
+            if rows is None:
+                if row_start < 0 or row_start + ks[0] > T:
+                    raise ValueError(f"{kernel}: groups[{i}] rows {row_start}..{row_start + ks[0] - 1} are outside x's {T} rows")
+            elif not (rows.shape == (ks[0],) and rows.dtype is I64 and rows.is_cpu and rows.is_contiguous()):
+                bad_tensor(kernel, f"groups[{i}] rows", rows, [ks[0]], "int64")
+            arr[i] = AttnGroupDesc(_ptr(rows), row_start, ks[0], ks[1], kv.data_ptr(), _ptr(bias))
+        if logits is not None:
+            ls = logits.shape
+            vocab = desc.head.contents.n_total if desc.head else "vocab"
+            if not (len(ls) == 2 and (not desc.head or ls[1] == vocab) and logits.dtype is F32 and logits.is_cpu
+                    and logits.is_contiguous()):
+                bad_tensor(kernel, "logits", logits, ["S", vocab])
+            if out_rows is None or not (out_rows.shape == (ls[0],) and out_rows.dtype is I64 and out_rows.is_cpu
+                                        and out_rows.is_contiguous()):
+                bad_tensor(kernel, "out_rows", out_rows, [ls[0]], "int64")
         if self._lib.tq_decode_layers(ctypes.byref(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
                                       write_slots.data_ptr(), arr, len(groups), threads, _ptr(out_rows),
                                       0 if logits is None else logits.shape[0], _ptr(logits)):
