@@ -193,9 +193,10 @@ class Engine:
         return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
 
     def kv_summary(self) -> str:
-        """The page pool's capacity in words, e.g. ``KV pool int8: 1927
-        pages of 16 tokens (30832 tokens) in 64.0 MiB, 2040 bytes per token
-        (68 per token per layer)``."""
+        """The page pool's capacity in words, e.g. for the default model in
+        64 MiB: ``KV pool int8: 342 pages of 16 tokens (5472 tokens) in 63.9
+        MiB, 12240 bytes per token (408 per token per layer)`` (K plus V;
+        float32: 91 pages, 1536 bytes per token per layer)."""
         p, c = self.pool, self.config
         dtype = str(p.k.dtype).replace("torch.", "")
         per_layer = 2 * p.k.shape[2] * p.k.shape[3] * p.k.element_size()

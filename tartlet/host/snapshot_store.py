@@ -3,7 +3,9 @@
 One file per snapshot, in safetensors format (https://github.com/huggingface/safetensors):
 tensors ``k`` and ``v`` of shape ``[num_layers, live_pages * page_size,
 num_kv_heads, head_dim]`` in the pool's dtype (the KV of the snapshot's live
-pages, in page-table order), and string metadata:
+pages, in page-table order; an int8 pool's rows are ``head_dim + 4`` bytes,
+each row's quants then its float32 scale, see :mod:`tartlet.engine.kv_quant`),
+and string metadata:
 
 =============  ===========================================================
 ``format``     ``tartlet-kv-snapshot/1``
