@@ -11,8 +11,11 @@
    server's default for uploads) — and (b) orchestrated by the client over
    the OpenAI API (each step re-sends the conversation). Same prompts, same
    tool latency, same token counts (every thought is exactly
-   ``--agent-tokens`` long: ``eos=False`` / ``ignore_eos``), same run. Each inferlet mode is warmed up once first (the
-   sandboxed upload's first launch builds its component).
+   ``--agent-tokens`` long: ``eos=False`` / ``ignore_eos``), same run. Each
+   inferlet mode is warmed up once first (the sandboxed upload's first
+   launch builds its component). The agent and its drivers are
+   ``bench_agents.py``'s (``react`` workload, loopback); that benchmark
+   alternates the modes over rounds and adds more workloads.
 
     .venv/bin/python benchmarks/bench_server.py            # full run
     .venv/bin/python benchmarks/bench_server.py --quick    # smoke run
@@ -26,82 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.server
 import json
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import textwrap
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tartlet.client import Client  # noqa: E402
-
-MODEL = "smollm2-135m-instruct"
-
-AGENT = """
-from tartlet import Model, http
-
-async def main(args):
-    model = Model.load()
-    with model.new_context() as ctx:
-        ctx.system("You are an agent. Think, then call a tool.")
-        ctx.user(args["task"])
-        for step in range(args["steps"]):
-            thought = await ctx.generate(max_tokens=args["max_tokens"], eos=False).collect_text()
-            r = await http.fetch(args["tool_url"] + f"?step={step}")
-            ctx.user("Observation: " + r.text())
-        return await ctx.generate(max_tokens=args["max_tokens"], eos=False).collect_text()
-"""
-
-
-def start_tools(latency_s: float) -> tuple[http.server.ThreadingHTTPServer, str]:
-    class Tools(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            time.sleep(latency_s)
-            body = json.dumps({"result": f"tool output for {self.path}"}).encode()
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Tools)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}/tool"
-
-
-def start_server(kv_cache_mb: int) -> tuple[subprocess.Popen, str]:
-    """A --no-auth server with the agent installed as ``agent`` (native)."""
-    d = Path(tempfile.mkdtemp(prefix="tartlet-bench-"))
-    (d / "programs").mkdir()
-    (d / "programs" / "agent.py").write_text(textwrap.dedent(AGENT))
-    cfg = d / "config.toml"
-    cfg.write_text(
-        f'data_dir = "{d}"\nprogram_dir = "{d / "programs"}"\n[limits]\nmax_instances_per_user = 1000\n'
-        f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\n'
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth", "--allow-host", "127.0.0.1:*"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = re.search(r"serving on (http://[\d.]+:\d+)", line)
-        if m:
-            return proc, m.group(1)
-    raise RuntimeError("the server did not start")
+from bench_agents import AGENT, Workload, run_client, run_inferlet
+from common import MODEL, start_server, start_tools
 
 
 async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -135,55 +72,17 @@ async def bench_concurrent(url: str, n: int, max_tokens: int) -> dict:
     }
 
 
-async def agent_inferlet(url: str, target: str | Path, tasks: int, steps: int, max_tokens: int, tool_url: str) -> tuple[list[float], float]:
-    """Run ``tasks`` agent inferlets at once (``target``: an installed name,
-    or a local file the client uploads); returns their latencies and the wall
-    time, both after one untimed warm-up launch."""
-    async with await Client.connect(url) as c:
-        warm = await c.launch(target, {"task": "warm-up", "steps": 1, "max_tokens": 2, "tool_url": tool_url})
-        ex = await warm.wait()
-        assert ex.ok, ex.error
-
-        async def one(i: int) -> float:
-            t0 = time.perf_counter()
-            inst = await c.launch(target, {"task": f"Task {i}: find the weather in city {i}.", "steps": steps,
-                                           "max_tokens": max_tokens, "tool_url": tool_url})
-            ex = await inst.wait()
-            assert ex.ok, ex.error
-            return time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        lat = await asyncio.gather(*(one(i) for i in range(tasks)))
-        return lat, time.perf_counter() - t0
-
-
-async def agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_url: str) -> tuple[list[float], float]:
+async def agent_mode(mode: str, url: str, prog: Path, w: Workload, tool_url: str) -> tuple[list[float], float]:
+    """Latencies and wall time of one run of ``w`` in ``mode`` (see
+    bench_agents.py), after one untimed warm-up task of an inferlet mode."""
+    if mode != "client":
+        await run_inferlet(url, "agent" if mode == "native" else prog, Workload("warm-up", 1, 1, 2), tool_url, 0.0, 0)
     t0 = time.perf_counter()
-    lat = await _agent_client(url, tasks, steps, max_tokens, tool_url)
+    if mode == "client":
+        lat = await run_client(url, w, tool_url, 0.0, 1)
+    else:
+        lat = await run_inferlet(url, "agent" if mode == "native" else prog, w, tool_url, 0.0, 1)
     return lat, time.perf_counter() - t0
-
-
-async def _agent_client(url: str, tasks: int, steps: int, max_tokens: int, tool_url: str) -> list[float]:
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * tasks + 4)) as client:
-
-        async def chat(messages: list) -> str:
-            r = await client.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": max_tokens,
-                                                                        "ignore_eos": True})
-            r.raise_for_status()
-            return r.json()["choices"][0]["message"]["content"]
-
-        async def one(i: int) -> float:
-            t0 = time.perf_counter()
-            messages = [{"role": "system", "content": "You are an agent. Think, then call a tool."},
-                        {"role": "user", "content": f"Task {i}: find the weather in city {i}."}]
-            for step in range(steps):
-                messages.append({"role": "assistant", "content": await chat(messages)})
-                obs = (await client.get(tool_url + f"?step={step}")).text
-                messages.append({"role": "user", "content": "Observation: " + obs})
-            await chat(messages)
-            return time.perf_counter() - t0
-
-        return await asyncio.gather(*(one(i) for i in range(tasks)))
 
 
 async def main() -> None:
@@ -204,7 +103,7 @@ async def main() -> None:
     proc = None
     url = a.url
     if url is None:
-        proc, url = start_server(a.kv_cache_mb)
+        proc, url = start_server(a.kv_cache_mb, {"agent": AGENT})
     try:
         print(f"server {url}; chat completions, {a.max_tokens} tokens each")
         print(f"{'concurrent':>10} {'TTFT p50 s':>11} {'TTFT max s':>11} {'TPOT p50 ms':>12} {'tokens/s':>9} {'wall s':>7}")
@@ -214,12 +113,12 @@ async def main() -> None:
             chats.append(r)
             print(f"{n:>10} {r['ttft_p50']:>11.3f} {r['ttft_max']:>11.3f} {r['tpot_p50'] * 1000:>12.1f} {r['tok_s']:>9.1f} {r['wall']:>7.2f}")
         prog = Path(tempfile.mkdtemp(prefix="tartlet-agent-")) / "agent.py"
-        prog.write_text(textwrap.dedent(AGENT))
-        args = (a.tasks, a.steps, a.agent_tokens, tool_url)
+        prog.write_text(AGENT)
+        w = Workload("react", a.tasks, a.steps, a.agent_tokens)
         modes = {
-            "inferlet, native": await agent_inferlet(url, "agent", *args) if a.url is None else None,
-            "inferlet, sandboxed": await agent_inferlet(url, prog, *args),
-            "client over OpenAI API": await agent_client(url, *args),
+            "inferlet, native": await agent_mode("native", url, prog, w, tool_url) if a.url is None else None,
+            "inferlet, sandboxed": await agent_mode("sandboxed", url, prog, w, tool_url),
+            "client over OpenAI API": await agent_mode("client", url, prog, w, tool_url),
         }
         modes = {k: v for k, v in modes.items() if v is not None}
         base_lat, base_wall = modes["client over OpenAI API"]

@@ -1,15 +1,22 @@
 """Shared helpers of the benchmarks: engine and reference loading, timing,
-and printing a table plus one JSON line."""
+a served ``tartlet serve`` process and a local HTTP tool server, and
+printing a table plus one JSON line."""
 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,6 +69,76 @@ def run_inferlets(engine: Any, program: str, args_list: list[dict[str, Any]]) ->
     t0 = time.perf_counter()
     res = asyncio.run(go())
     return res, time.perf_counter() - t0
+
+
+MODEL = "smollm2-135m-instruct"
+
+
+def start_tools(latency_s: float) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """A local HTTP tool server on loopback (a thread per request): ``GET
+    /tool?step=S&call=C&chars=N`` sleeps ``latency_s`` seconds, then answers
+    ``{"result": ...}`` whose text depends only on the query (``chars``:
+    at least that many characters of filler, default none). Returns the
+    server and the tool's URL."""
+
+    class Tools(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            time.sleep(latency_s)
+            q = parse_qs(urlsplit(self.path).query)
+            text = f"tool output for {self.path}"
+            chars = int(q.get("chars", ["0"])[0])
+            words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+            i = 0
+            while len(text) < chars:
+                text += f" {words[i % len(words)]} {i}"
+                i += 1
+            body = json.dumps({"result": text}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Tools)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}/tool"
+
+
+def start_server(kv_cache_mb: int, programs: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None, model_options: dict[str, Any] | None = None,
+                 ) -> tuple[subprocess.Popen, str]:
+    """A ``tartlet serve --no-auth`` process on loopback (the default model,
+    a ``kv_cache_mb`` MiB page pool, HTTP allowed to ``127.0.0.1:*``) with
+    ``programs`` (name -> Python source) installed as native inferlets;
+    ``model_options``: more keys of the model's ``[[models]]`` table
+    (e.g. ``{"batch_wait_ms": 5}``).
+    Returns the process and its base URL; stop it with ``terminate()``."""
+    d = Path(tempfile.mkdtemp(prefix="tartlet-bench-"))
+    (d / "programs").mkdir()
+    for name, source in (programs or {}).items():
+        (d / "programs" / f"{name}.py").write_text(source)
+    cfg = d / "config.toml"
+    cfg.write_text(
+        f'data_dir = "{d}"\nprogram_dir = "{d / "programs"}"\n[limits]\nmax_instances_per_user = 1000\n'
+        f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\n'
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in (model_options or {}).items())
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth",
+         "--allow-host", "127.0.0.1:*", *(extra_args or [])],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"serving on (http://[\d.]+:\d+)", line)
+        if m:
+            # keep reading its output, so that a full pipe never blocks it
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, m.group(1)
+    raise RuntimeError("the server did not start")
 
 
 def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> tuple[float, float, float]:
