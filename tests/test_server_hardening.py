@@ -424,10 +424,10 @@ async def test_builds_are_counted_per_user_and_as_instances(monkeypatch, tmp_pat
     import threading
 
     from tartlet.host.state import HostState
+    from tartlet.protocol import ProtocolError
     from tartlet.runtime import builder
     from tartlet.runtime.config import config_from_dict
     from tartlet.runtime.program import Program
-    from tartlet.server.protocol import ProtocolError
     from tartlet.server.service import Service
 
     cfg = config_from_dict({"data_dir": str(tmp_path), "limits": {"max_builds_per_user": 1, "max_instances_per_user": 2}})

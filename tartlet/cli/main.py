@@ -216,9 +216,12 @@ def version() -> None:
     print(__version__)
 
 
+from .server_commands import register as _register_server_commands  # noqa: E402
+
+_register_server_commands(app)  # serve, install, config, auth
 from .client_commands import register as _register_client_commands  # noqa: E402
 
-_register_client_commands(app)  # serve, submit, list, attach, abort, ping, config, auth, install
+_register_client_commands(app)  # submit, list, attach, abort, ping
 from .build_commands import register as _register_build_commands  # noqa: E402
 
 _register_build_commands(app)  # build, new

@@ -1,5 +1,5 @@
 """Async Python client of ``tartlet serve`` (the WebSocket protocol of
-:mod:`tartlet.server.protocol`).
+:mod:`tartlet.protocol`).
 
 ::
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from ..server.protocol import program_hash
+from ..protocol import program_hash
 
 #: File suffixes uploaded from an inferlet folder.
 UPLOAD_SUFFIXES = {".py", ".toml", ".json", ".txt", ".md"}

@@ -69,7 +69,7 @@ class BuildError(RuntimeError):
 
 
 #: Top-level modules of the ``tartlet`` package that are not SDK: never bundled.
-HOST_ONLY = frozenset({"paths.py"})
+HOST_ONLY = frozenset({"paths.py", "protocol.py"})
 
 
 def sdk_files() -> dict[str, bytes]:

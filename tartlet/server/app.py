@@ -1,5 +1,5 @@
 """The ASGI app (Starlette) and ``serve``: one process, one event loop,
-WebSocket ``/ws`` (:mod:`tartlet.server.protocol`), the OpenAI-compatible
+WebSocket ``/ws`` (:mod:`tartlet.protocol`), the OpenAI-compatible
 ``/v1`` routes, ``/health`` and ``/metrics``, served by uvicorn.
 
 Every HTTP request writes one access-log line (logger ``tartlet.access``:

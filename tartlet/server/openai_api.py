@@ -92,7 +92,7 @@ from ..tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, r
 from ..runtime.instance import Status
 from ..runtime.program import load_program
 from .auth import AuthError
-from .protocol import ProtocolError, parse_json
+from ..protocol import ProtocolError, parse_json
 from .service import Service
 from .ws import bearer
 

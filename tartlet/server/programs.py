@@ -2,7 +2,7 @@
 
 An upload is a dict ``{relative path: text}`` (an inferlet folder, or one
 ``main.py``). It is stored once under ``<upload_dir>/<hex digest>/`` and
-launched by its hash (:func:`tartlet.server.protocol.program_hash`), so a
+launched by its hash (:func:`tartlet.protocol.program_hash`), so a
 client sends a program's bytes only the first time. ``[programs]
 uploaded_runtime`` says how they run: built into a WASM component and
 sandboxed (the default), or natively.
@@ -18,7 +18,7 @@ import unicodedata
 from pathlib import Path
 
 from ..runtime.program import Program, ProgramError, load_program
-from .protocol import ProtocolError, program_hash
+from ..protocol import ProtocolError, program_hash
 
 #: Most files in one upload.
 MAX_FILES = 256

@@ -34,7 +34,7 @@ from ..runtime.native import NativeRuntime
 from ..runtime.program import Program, ProgramError
 from .auth import KeyStore
 from .programs import ProgramCache
-from .protocol import BACKLOG, ProtocolError
+from ..protocol import BACKLOG, ProtocolError
 
 #: Finished instances stay listable (and their exit attachable) this long, seconds.
 RETAIN_FINISHED_S = 600.0

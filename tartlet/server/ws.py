@@ -1,5 +1,5 @@
 """The ``/ws`` endpoint: one :class:`Connection` per WebSocket client,
-speaking :mod:`tartlet.server.protocol`."""
+speaking :mod:`tartlet.protocol`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..errors import LimitError
 from ..host.session import message_bytes
 from .auth import AuthError
-from .protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
+from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
 from .service import Event, Service
 
 log = logging.getLogger(__name__)

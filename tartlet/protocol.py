@@ -1,5 +1,10 @@
 """The WebSocket protocol between clients and ``tartlet serve`` (``/ws``).
 
+Shared by both sides, so it sits below both layers: :mod:`tartlet.server`
+(``ws.py`` speaks it) and :mod:`tartlet.client` (which computes
+:func:`program_hash` of its uploads) import it, and it imports neither.
+Host side only: WASM builds leave it out of the SDK they bundle.
+
 Every frame is a JSON object with a ``type``. Requests carry an ``id``
 (any JSON value chosen by the client) echoed in the reply. Authenticate with
 ``Authorization: Bearer KEY`` on the upgrade request (or ``?key=KEY``).
