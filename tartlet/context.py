@@ -379,6 +379,7 @@ class Context:
         eos: bool = True,
         drafter: Any = None,
         constraint: Any = None,
+        overlap: bool = False,
     ) -> Generator:
         """Generate from the context: ``async for step in ctx.generate(...)``
         or ``await ctx.generate(...).collect_text()``.
@@ -390,11 +391,17 @@ class Context:
             eos: stop at the model's end-of-sequence tokens.
             drafter: speculative-decoding drafter (see :mod:`tartlet.drafter`).
             constraint: grammar constraint whose allowed tokens mask the logits.
+            overlap: queue each next pass before returning a step, so the
+                caller's work on a step overlaps the model's next pass; the
+                context is then busy until the generation ends or
+                ``await gen.aclose()`` (see :mod:`tartlet.generator`).
 
         Raises:
-            ValueError: the context is empty (nothing to condition on).
+            ValueError: the context is empty (nothing to condition on), or
+                ``overlap`` with a ``drafter``.
         """
-        return Generator(self, sampler or Sampler.greedy(), max_tokens=max_tokens, stop=stop, eos=eos, drafter=drafter, constraint=constraint)
+        return Generator(self, sampler or Sampler.greedy(), max_tokens=max_tokens, stop=stop, eos=eos, drafter=drafter,
+                         constraint=constraint, overlap=overlap)
 
     # -- KV management -----------------------------------------------------------------
     def fork(self) -> "Context":

@@ -11,6 +11,15 @@ or bonus token). The KV of rejected guesses is dropped with ``truncate``.
 Every kept token is the sampler's own draw given the kept prefix, so the
 output is exactly what plain decoding with the same sampler gives (token for
 token with greedy sampling); only the number of passes changes.
+
+Overlap (``overlap=True``): once a step's token is accounted and the
+generation goes on, the next pass is queued before the step is returned, so
+what the caller does with a step (detokenized text sent to its client, say)
+runs while the model computes the next one, instead of between passes (the
+idea of SGLang's overlap scheduler and vLLM's asynchronous output
+processing). Same passes, same tokens. The price: while a pass is queued
+ahead the context is busy, so the caller must not use it until the
+generation has ended or :meth:`Generator.aclose` has returned.
 """
 
 from __future__ import annotations
@@ -83,8 +92,14 @@ class Generator:
         eos: bool,
         drafter: Drafter | None,
         constraint: Any,
+        overlap: bool = False,
     ) -> None:
+        if overlap and drafter is not None:
+            raise ValueError("overlap=True cannot be combined with a drafter (a step's draft depends on the last)")
         self.ctx = ctx
+        self.overlap = overlap
+        #: the pass queued ahead with overlap: (host future, its input tokens)
+        self._ahead: tuple[Any, list[int]] | None = None
         self.sampler = sampler
         conds: list[StopCondition] = []
         if max_tokens is not None:
@@ -149,22 +164,33 @@ class Generator:
             raise ValueError(f"the constraint was compiled for model {cmodel!r}, the context is on {ctx.model.name!r}")
         self._decoder = _binding.host().decoder_new(ctx.model.name)
 
-    async def _step(self) -> None:
-        ctx = self.ctx
-        host = _binding.host()
-        inputs = ctx._pending
-        draft = self._draft()
-        kv0 = ctx.kv_len
-        base = len(inputs) - 1
+    def _slots(self, base: int, n: int) -> list[dict]:
         slots = []
-        for i in range(len(draft) + 1):
+        for i in range(n):
             slot = self.sampler.slot(base + i, len(self.tokens) + i)
             if self.constraint is not None:
                 slot.update(slot_fields(self.constraint))
             slots.append(slot)
-        ctx._pending = []
+        return slots
+
+    async def _step(self) -> None:
+        ctx = self.ctx
+        if self._ahead is not None:  # queued by the last step (overlap): no draft
+            fut, inputs = self._ahead
+            self._ahead = None
+            draft: list[int] = []
+            kv0 = -1  # not needed: without a draft nothing is truncated
+        else:
+            inputs = ctx._pending
+            draft = self._draft()
+            kv0 = ctx.kv_len
+            slots = self._slots(len(inputs) - 1, len(draft) + 1)
+            ctx._pending = []
+            fut = None
         try:
-            results = await _binding.wait(host.forward(ctx._h, inputs + draft, None, None, slots))
+            if fut is None:
+                fut = _binding.host().forward(ctx._h, inputs + draft, None, None, slots)
+            results = await _binding.wait(fut)
         except BaseException:
             ctx._pending = inputs
             raise
@@ -184,12 +210,41 @@ class Generator:
                 used = j + 1
                 break
         # keep the KV of the inputs and the used drafts; the last token is pending
-        kept = kv0 + len(inputs) + used - 1
-        if kept < kv0 + len(inputs) + len(draft):
-            ctx._truncate(kept)
+        if used - 1 < len(draft):
+            ctx._truncate(kv0 + len(inputs) + used - 1)
         ctx._pending = [accepted[used - 1]]
         if self.drafter is not None:
             self.drafter.update(accepted[:used])
+        if self.overlap and self.finish_reason is None:
+            self._queue_ahead()
+
+    def _queue_ahead(self) -> None:
+        """Queue the next pass now (overlap). A failure to queue leaves the
+        pending token where it was: the next step submits it again and
+        raises then, where the caller expects errors."""
+        ctx = self.ctx
+        inputs = ctx._pending
+        try:
+            fut = _binding.host().forward(ctx._h, inputs, None, None, self._slots(len(inputs) - 1, 1))
+        except Exception:
+            return
+        ctx._pending = []
+        self._ahead = (fut, inputs)
+
+    async def aclose(self) -> None:
+        """End the generation here: waits for a pass queued ahead (overlap)
+        so the context can be used again. Its token stays in the KV cache
+        and its sampled token is dropped (a later generation recomputes
+        it). Idempotent; a no-op without overlap."""
+        if self._ahead is not None:
+            fut, inputs = self._ahead
+            self._ahead = None
+            try:
+                await _binding.wait(fut)
+            except Exception:
+                self.ctx._pending = inputs + self.ctx._pending  # the pass did not run: its token is pending again
+        if self.finish_reason is None:
+            self._finish("stop")
 
     def _draft(self) -> list[int]:
         if self.drafter is None:

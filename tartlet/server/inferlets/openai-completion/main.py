@@ -231,7 +231,7 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
     want_lp = args.get("logprobs") is not None
     gen = ctx.generate(
         sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
-        eos=not args.get("ignore_eos", False),
+        eos=not args.get("ignore_eos", False), overlap=True,  # the next pass runs while this step is sent
     )
     names: dict[int, str] = {}
 
