@@ -28,10 +28,13 @@ from .quant_formats import BF16, F16, QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM.
-#: Measured on the default model (2 vCPUs, decode steps of B rows): B=16
-#: 88 ms by the integer kernel vs 104 ms by tiles; B=32 200 vs 153 ms; B=64
-#: 415 vs 202 ms.
-DEQUANT_ROWS = 32
+#: Measured on the default model, all projections of a step on one thread
+#: (CPU ms, integer kernel with the AVX-512 16-row groups vs tiles): 16 rows
+#: 77 vs 221, 32 rows 148 vs 209, 48 rows 282 vs 206, 64 rows 343 vs 222
+#: (the tiles cost about the same for any row count: dequantizing them is
+#: most of it). Before the 16-row groups: B=16 88 ms by the integer kernel
+#: vs 104 ms by tiles; B=32 200 vs 153 ms (2 vCPUs, whole decode steps).
+DEQUANT_ROWS = 40
 
 #: Largest float32 tile (elements) dequantized at once on the GEMM path.
 _TILE = 1 << 22
