@@ -34,6 +34,7 @@ from componentize_py_types import Err
 from wit_world.imports import host as _wit
 
 from .errors import ERROR_CODES, HostError, InvalidHandleError, SamplingError
+from .forward import OUTPUT_KINDS, OutputSlot
 
 
 # -- errors ---------------------------------------------------------------------
@@ -218,44 +219,47 @@ class HostLoop(asyncio.BaseEventLoop):
 
 
 # -- the adapter -------------------------------------------------------------------
-def _sampler_params(o: dict) -> Any:
-    top_k, seed = o.get("top_k"), o.get("seed")
+def _sampler_params(o: OutputSlot) -> Any:
+    """WIT ``sampler-params`` of a ``sample`` slot."""
+    if not isinstance(o, OutputSlot) or o.kind != "sample":
+        raise SamplingError(f"sampler parameters are a `sample` tartlet.forward.OutputSlot, got {o!r}")
+    top_k, seed = o.top_k, o.seed
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < _U32):
         raise SamplingError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         raise SamplingError(f"seed must be an int in [0, 2**64), got {seed!r}")
     return _wit.SamplerParams(
-        temperature=_float(o.get("temperature", 0.0), "temperature"),
+        temperature=_float(0.0 if o.temperature is None else o.temperature, "temperature"),
         top_k=top_k,
-        top_p=_float(o.get("top_p", 1.0), "top_p"),
-        min_p=_float(o.get("min_p", 0.0), "min_p"),
+        top_p=_float(o.top_p, "top_p"),
+        min_p=_float(o.min_p, "min_p"),
         seed=seed,
     )
 
 
-def _output_slot(o: Any, n_inputs: int) -> Any:
-    if not isinstance(o, dict):
-        raise SamplingError(f"an output slot is a dict, got {type(o).__name__}")
-    kind = o.get("kind", "sample")
+def _output_slot(o: Any) -> Any:
+    """An :class:`OutputSlot` as the WIT record ``output-slot``."""
+    if not isinstance(o, OutputSlot):
+        raise SamplingError(f"an output slot is a tartlet.forward.OutputSlot, got {type(o).__name__}")
+    kind = o.kind
     if kind == "sample":
         k: Any = _wit.SlotKind_Sample(_sampler_params(o))
     elif kind == "distribution":
-        kk = o.get("k", 1)
+        kk = o.k
         if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk < _U32:
             raise SamplingError(f"distribution k must be an integer >= 1, got {kk!r}")
-        k = _wit.SlotKind_Distribution(_wit.DistributionParams(kk, _float(o.get("temperature", 1.0), "temperature")))
+        k = _wit.SlotKind_Distribution(_wit.DistributionParams(kk, _float(1.0 if o.temperature is None else o.temperature, "temperature")))
     elif kind == "logits":
         k = _wit.SlotKind_Logits()
     elif kind == "logprobs":
-        k = _wit.SlotKind_Logprobs(_u32s(o.get("token_ids", ()), "logprobs token_ids"))
+        k = _wit.SlotKind_Logprobs(_u32s(o.token_ids, "logprobs token_ids"))
     elif kind == "entropy":
         k = _wit.SlotKind_Entropy()
     else:
-        raise SamplingError(f"unknown output kind {kind!r} (sample, distribution, logits, logprobs, entropy)")
-    mask = o.get("logit_mask")
-    index = _u32(o.get("index", n_inputs - 1), "output index")
-    grammar = o.get("grammar")
-    grammar = None if grammar is None else _handle(grammar, "grammar matcher")
+        raise SamplingError(f"unknown output kind {kind!r} ({', '.join(OUTPUT_KINDS)})")
+    mask = o.logit_mask
+    index = _u32(o.index, "output index")
+    grammar = None if o.grammar is None else _handle(o.grammar, "grammar matcher")
     return _wit.OutputSlot(index, k, None if mask is None else _u32s(mask, "logit mask"), grammar)
 
 
@@ -363,19 +367,19 @@ class WasmHost:
         tokens: list[int],
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
-        outputs: list[dict[str, Any]] | None = None,
+        outputs: list[OutputSlot] | None = None,
     ) -> HostFuture:
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("forward needs a non-empty list of input tokens")
         _handle(handle)
         tokens = _u32s(tokens, "input tokens")
-        slots = [_output_slot(o, len(tokens)) for o in (outputs or [])]
+        slots = [_output_slot(o) for o in (outputs or [])]
         pos = None if positions is None else _u32s(positions, "positions")
         attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
         return HostFuture(_call(_wit.forward, handle, tokens, pos, attn, slots))
 
     def generate(
-        self, handle: int, tokens: list[int], sampler: dict[str, Any], first_step: int, max_steps: int, stop_ids: list[int]
+        self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
     ) -> HostFuture:
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("generate needs a non-empty list of input tokens")

@@ -42,8 +42,8 @@ class Constraint(Protocol):
     may follow (the generator then stops with finish_reason
     ``"constraint"``). ``fork()``: an independent copy in the same state.
 
-    Optional: ``slot_fields()`` returning extra output-slot keys (the
-    built-ins return ``{"grammar": handle}`` so the host computes the mask);
+    Optional: ``slot_fields()`` returning extra :class:`~tartlet.forward.OutputSlot`
+    fields (the built-ins return ``{"grammar": handle}`` so the host computes the mask);
     when present it replaces ``mask()`` in the generator.
     """
 
@@ -57,7 +57,8 @@ class Constraint(Protocol):
 
 
 def slot_fields(constraint: Any) -> dict[str, Any]:
-    """Output-slot keys that apply ``constraint`` to one sampled position:
+    """:class:`~tartlet.forward.OutputSlot` fields (for
+    ``dataclasses.replace``) that apply ``constraint`` to one sampled position:
     ``{"grammar": handle}`` for host matchers, ``{"logit_mask": brle}`` for
     Python constraints, ``{}`` when everything is allowed."""
     fields = getattr(constraint, "slot_fields", None)

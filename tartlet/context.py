@@ -11,9 +11,11 @@ snapshots and reopened by later inferlets.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import _binding, brle, tools as _tools
+from .forward import OutputSlot
 from .generator import Generator
 from .sampler import Sampler
 from .stop import StopCondition
@@ -303,7 +305,7 @@ class Context:
         *,
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
-        outputs: list[dict[str, Any]] = (),
+        outputs: list[OutputSlot] = (),
     ) -> list[Any]:
         """One explicit forward pass over pending tokens followed by ``tokens``.
 
@@ -314,7 +316,8 @@ class Context:
             attention: per token of ``tokens``, a BRLE mask over the
                 context's positions (True = may attend); pending tokens attend
                 causally.
-            outputs: slots from :mod:`tartlet.forward`; their ``index`` counts
+            outputs: :class:`~tartlet.forward.OutputSlot` records (helpers in
+                :mod:`tartlet.forward`); their ``index`` counts
                 within ``tokens`` (or within the pending tokens when
                 ``tokens`` is empty).
 
@@ -357,11 +360,13 @@ class Context:
         n_out = len(tokens) if tokens else n0
         slots = []
         for o in outputs:
-            i = o.get("index", 0)
+            if not isinstance(o, OutputSlot):
+                raise ValueError(f"an output is a tartlet.forward.OutputSlot (see the helpers there), got {type(o).__name__}")
+            i = o.index
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_out:
                 where = "`tokens`" if tokens else "the pending tokens"
                 raise ValueError(f"output index {i!r} outside {where} (0..{n_out - 1})")
-            slots.append(dict(o, index=i + shift))
+            slots.append(replace(o, index=i + shift))
         self._pending = []
         try:
             fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots)

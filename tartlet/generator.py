@@ -25,11 +25,12 @@ generation has ended or :meth:`Generator.aclose` has returned.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _binding
 from .constraint import slot_fields
+from .forward import OutputSlot
 from .sampler import Sampler
 from .stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
 
@@ -164,12 +165,12 @@ class Generator:
             raise ValueError(f"the constraint was compiled for model {cmodel!r}, the context is on {ctx.model.name!r}")
         self._decoder = _binding.host().decoder_new(ctx.model.name)
 
-    def _slots(self, base: int, n: int) -> list[dict]:
+    def _slots(self, base: int, n: int) -> list[OutputSlot]:
         slots = []
         for i in range(n):
             slot = self.sampler.slot(base + i, len(self.tokens) + i)
             if self.constraint is not None:
-                slot.update(slot_fields(self.constraint))
+                slot = replace(slot, **slot_fields(self.constraint))
             slots.append(slot)
         return slots
 

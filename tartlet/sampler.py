@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable
 
 from .errors import SamplingError
+from .forward import OutputSlot
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -138,17 +139,13 @@ class Sampler:
         return self._custom is None and self.temperature == 0
 
     # -- wire format -------------------------------------------------------------
-    def slot(self, index: int, step: int = 0) -> dict[str, Any]:
-        """The host output-slot dict asking for this sampler at input
-        ``index``, for generation step ``step`` (used to derive the seed)."""
+    def slot(self, index: int, step: int = 0) -> OutputSlot:
+        """The output slot asking for this sampler at input ``index``, for
+        generation step ``step`` (used to derive the seed)."""
         if self._custom is not None:
-            return {"index": index, "kind": "distribution", "k": self._custom_k, "temperature": self.temperature}
-        slot: dict[str, Any] = {"index": index, "kind": "sample", "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p}
-        if self.top_k is not None:
-            slot["top_k"] = self.top_k
-        if self.seed is not None:
-            slot["seed"] = step_seed(self.seed, step)
-        return slot
+            return OutputSlot(index, "distribution", temperature=self.temperature, k=self._custom_k)
+        seed = None if self.seed is None else step_seed(self.seed, step)
+        return OutputSlot(index, "sample", temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed)
 
     def pick(self, result: Any) -> int:
         """The token id from the slot's result (runs the custom function).

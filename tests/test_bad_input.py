@@ -14,6 +14,7 @@ from tartlet.engine.loader import ModelLoadError
 from tartlet.engine.model_store import DEFAULT_MODEL
 from tartlet.host.api import HostApi
 from tartlet.errors import InvalidHandleError
+from tartlet.forward import OutputSlot
 from tartlet.runtime.instance import Status
 
 
@@ -183,6 +184,7 @@ async def test_sampler_parameters_out_of_range(runtime, args, name):
 async def test_bad_sampler_slot_on_the_host_path(runtime, tmp_path):
     code = """
     from tartlet import Model
+    from tartlet.forward import OutputSlot
 
     async def main(args):
         model = Model.load()
@@ -192,7 +194,7 @@ async def test_bad_sampler_slot_on_the_host_path(runtime, tmp_path):
         errors = []
         for bad in ({"top_p": 0.0}, {"temperature": -2.0}, {"top_k": 0}, {"min_p": 2.0}):
             try:
-                await ctx.forward(outputs=[{"index": 0, "kind": "sample", **bad}])
+                await ctx.forward(outputs=[OutputSlot(0, "sample", **bad)])
             except ValueError as e:
                 errors.append(str(e))
         # the failed passes put nothing into the KV cache; the tokens are still pending
@@ -313,7 +315,7 @@ async def test_token_ids_outside_the_vocabulary(runtime, engine, tmp_path):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             api.forward(h, bad)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        api.forward(h, [1], outputs=[{"index": 0, "kind": "logprobs", "token_ids": [v + 3]}])
+        api.forward(h, [1], outputs=[OutputSlot(0, "logprobs", token_ids=[v + 3])])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         api.detokenize(None, [v])
     assert api.context_len(h) == 0
@@ -394,11 +396,12 @@ async def test_host_rejects_malformed_calls(runtime):
         (lambda: api.forward(h, [1, 2], positions=[0, -1]), "positions must be 2"),
         (lambda: api.forward(h, [1], attention=[[1], [1]]), "one mask per input token"),
         (lambda: api.forward(h, [1], attention=[[0, 5]]), "covers 5 positions"),
-        (lambda: api.forward(h, [1], outputs=["sample"]), "output slot is a dict"),
-        (lambda: api.forward(h, [1], outputs=[{"kind": "magic"}]), "unknown probe kind 'magic'"),
-        (lambda: api.forward(h, [1], outputs=[{"kind": "distribution", "k": 0}]), "k >= 1"),
-        (lambda: api.forward(h, [1], outputs=[{"logit_mask": [-1]}]), "logit mask"),
-        (lambda: api.forward(h, [1], outputs=[{"index": "0"}]), "output index"),
+        (lambda: api.forward(h, [1], outputs=["sample"]), "output slot is a tartlet.forward.OutputSlot"),
+        (lambda: api.forward(h, [1], outputs=[{"index": 0}]), "output slot is a tartlet.forward.OutputSlot, got dict"),
+        (lambda: api.forward(h, [1], outputs=[OutputSlot(0, "magic")]), "unknown probe kind 'magic'"),
+        (lambda: api.forward(h, [1], outputs=[OutputSlot(0, "distribution", k=0)]), "k >= 1"),
+        (lambda: api.forward(h, [1], outputs=[OutputSlot(0, logit_mask=[-1])]), "logit mask"),
+        (lambda: api.forward(h, [1], outputs=[OutputSlot("0")]), "output index"),
         (lambda: api.context_truncate(h, 3), "truncate to 3"),
         (lambda: api.context_mask(h, 0, 1, True), "mask range"),
         (lambda: api.forward(h + 100, [1]), "no context with handle"),
@@ -407,7 +410,7 @@ async def test_host_rejects_malformed_calls(runtime):
         with pytest.raises(ValueError, match=msg):
             call()
     assert api.context_len(h) == 0
-    res = await asyncio.wrap_future(api.forward(h, [1, 2, 3], outputs=[{"index": 2}]))
+    res = await asyncio.wrap_future(api.forward(h, [1, 2, 3], outputs=[OutputSlot(2)]))
     assert len(res) == 1 and isinstance(res[0], int)
     with pytest.raises(InvalidHandleError):
         api.context_free(h + 100)

@@ -39,7 +39,7 @@ async def main(args):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = await mod.main(args["args"])
-    res["live_matchers"] = len(_binding.host()._matchers())
+    res["live_matchers"] = len(_binding.host()._matchers)
     return res
 """
 

@@ -18,6 +18,7 @@ import pytest
 from harness import inline_program, run, run_ok
 from tartlet.host.api import HostApi
 from tartlet.errors import InvalidHandleError
+from tartlet.forward import OutputSlot
 from tartlet.host.grammar import GrammarError
 from tartlet.runtime.instance import Status
 
@@ -282,7 +283,7 @@ def test_bad_specs_fail_at_construction_naming_the_problem(host_state, kind, spe
     with pytest.raises(GrammarError) as err:
         api.grammar_new(None, kind, spec)
     assert needle in str(err.value)
-    assert not api._matchers()
+    assert not api._matchers
     api.close()
 
 
@@ -335,10 +336,10 @@ def test_host_matcher_calls(host_state):
     # a grammar slot with a foreign handle is refused before anything is queued
     c = api.context_new(None)
     with pytest.raises(InvalidHandleError):
-        api.forward(c, [1, 2], outputs=[{"grammar": 999}])
+        api.forward(c, [1, 2], outputs=[OutputSlot(1, grammar=999)])
     assert api.context_len(c) == 0
     api.close()  # frees contexts and matchers
-    assert not api._matchers()
+    assert not api._matchers
 
 
 DEAD_END = """

@@ -109,8 +109,8 @@ def test_seed_reproducibility():
     assert len(set(draw({"temperature": 1.0}, n=50))) > 1
     # the SDK derives a different seed per step from one sampler seed
     sampler = tartlet.Sampler(temperature=1.0, seed=7)
-    seeds = [sampler.slot(0, step)["seed"] for step in range(4)]
-    assert len(set(seeds)) == 4 and seeds == [tartlet.Sampler(temperature=1.0, seed=7).slot(0, i)["seed"] for i in range(4)]
+    seeds = [sampler.slot(0, step).seed for step in range(4)]
+    assert len(set(seeds)) == 4 and seeds == [tartlet.Sampler(temperature=1.0, seed=7).slot(0, i).seed for i in range(4)]
 
 
 def test_logit_mask():
@@ -201,8 +201,8 @@ def test_sdk_sampler_presets_validate():
         tartlet.Sampler(temperature=1.0, seed="x")
     with pytest.raises(ValueError, match="k >= 1"):
         tartlet.Sampler.custom(lambda ids, probs: ids[0], k=0)
-    assert tartlet.Sampler.top_k_top_p(5, 0.9).slot(3) == {
-        "index": 3, "kind": "sample", "temperature": 1.0, "top_p": 0.9, "min_p": 0.0, "top_k": 5}
+    assert tartlet.Sampler.top_k_top_p(5, 0.9).slot(3) == tartlet.forward.OutputSlot(
+        3, "sample", temperature=1.0, top_k=5, top_p=0.9, min_p=0.0)
 
 
 @pytest.mark.parametrize(("kw", "name"), BAD_PARAMS + [({"seed": "abc"}, "seed")])
@@ -211,7 +211,7 @@ def test_host_forward_rejects_bad_params(host_state, kw, name):
 
     api = HostApi(host_state)
     h = api.context_new(None)
-    slot = {"index": 0, "kind": "sample", "temperature": 1.0, **kw}
+    slot = tartlet.forward.OutputSlot(0, "sample", **{"temperature": 1.0, **kw})
     with pytest.raises(ValueError, match=name):
         api.forward(h, [1, 2, 3], outputs=[slot])
     assert api.context_len(h) == 0 and api.context_tokens(h) == []

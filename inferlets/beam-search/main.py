@@ -51,6 +51,7 @@ parsed value, or None for an unfinished beam.
 """
 
 import asyncio
+import dataclasses
 import json
 import math
 
@@ -107,10 +108,10 @@ async def main(args: dict) -> dict:
         while beams and len(finished) < k and steps < max_tokens:
             steps += 1
 
-            def probe(b: Beam) -> dict:
+            def probe(b: Beam) -> forward.OutputSlot:
                 slot = forward.distribution(len(b.ctx.pending) - 1, k=2 * k)
-                if b.matcher is not None:
-                    slot.update(slot_fields(b.matcher))  # the host masks with this beam's state
+                if b.matcher is not None:  # the host masks with this beam's state
+                    slot = dataclasses.replace(slot, **slot_fields(b.matcher))
                 return slot
 
             probes = await asyncio.gather(*(b.ctx.forward(outputs=[probe(b)]) for b in beams))

@@ -3,9 +3,10 @@
 One :class:`HostApi` object serves one inferlet instance. The native runtime
 calls it directly (through :mod:`tartlet._binding`); the WASM runtime calls it
 from its WIT host functions. Arguments are plain data (ints, strings, lists,
-dicts) so the same calls map onto WIT types. Every argument is validated here,
-because a sandboxed caller is untrusted: a bad call raises a ``ValueError``
-subclass naming the problem and changes nothing.
+dicts) and the SDK's typed records (:class:`tartlet.forward.OutputSlot`), so
+the same calls map onto WIT types. Every argument is validated here, because
+a sandboxed caller is untrusted: a bad call raises a ``ValueError`` subclass
+naming the problem and changes nothing.
 
 Handles are small integers private to the instance. Calls that wait on the
 engine return a :class:`concurrent.futures.Future`; the runtime turns it into
@@ -23,19 +24,22 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..engine.engine import Engine
 from ..engine.kv_accounting import PageAccount
-from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
+from ..engine.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
 from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
+from ..forward import OutputSlot
 from ..sampler import step_seed
+from .grammar import Matcher
 from .grammar_api import GrammarHostMixin
-from .io_api import IoHostMixin
+from .io_api import ChildLauncher, IoHostMixin
 from .session import Session
 from .state import HostState, ModelSlot
 
@@ -64,16 +68,40 @@ class HostApi(IoHostMixin, GrammarHostMixin):
     here; I/O in :class:`IoHostMixin`, grammar matchers in
     :class:`GrammarHostMixin`).
 
+    Everything an instance's calls depend on is given here, once; nothing
+    is set on it afterwards.
+
     Args:
         state: the engines and registries shared by all instances.
         session: this instance's client session.
-        instance_id: shown in errors and logs.
+        instance_id: shown in errors and logs, names its page account.
+        owner: the instance's user: scopes snapshots, messaging, the store,
+            code runs and KV quotas ("" locally).
+        runtime: launches the instance's children (``child_launch``;
+            None: children are refused).
+        max_pages: distinct KV pages the instance's contexts may hold per
+            model (None: unlimited; its page account enforces it, see
+            :mod:`tartlet.host.kv_quotas`).
     """
 
-    def __init__(self, state: HostState, session: Session | None = None, instance_id: str = "") -> None:
+    def __init__(
+        self,
+        state: HostState,
+        session: Session | None = None,
+        *,
+        instance_id: str = "",
+        owner: str = "",
+        runtime: ChildLauncher | None = None,
+        max_pages: int | None = None,
+    ) -> None:
         self.state = state
         self.session = session or Session()
         self.instance_id = instance_id
+        self.owner = owner
+        self.runtime = runtime
+        self.max_pages = max_pages
+        self._init_io()
+        self._matchers: dict[int, Matcher] = {}
         self._contexts: dict[int, HostContext] = {}
         self._accounts: dict[int, PageAccount] = {}  # id(slot) -> this instance's page account there
         self._decoders: dict[int, Any] = {}
@@ -378,7 +406,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         tokens: list[int],
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
-        outputs: list[dict[str, Any]] | None = None,
+        outputs: list[OutputSlot] | None = None,
     ) -> Future:
         """Append ``tokens`` to the context and run them through the model.
 
@@ -390,8 +418,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             attention: per token, a BRLE mask over the context's logical
                 positions after this pass (True = may attend); shorter masks
                 are padded with False. Default: causal.
-            outputs: output slots, each a dict with ``index`` (input token
-                whose logits are used), ``kind`` (``sample``,
+            outputs: :class:`tartlet.forward.OutputSlot` records: ``index``
+                (input token whose logits are used), ``kind`` (``sample``,
                 ``distribution``, ``logits``, ``logprobs``, ``entropy``), the
                 kind's parameters (``temperature``, ``top_k``, ``top_p``,
                 ``min_p``, ``seed``; ``k``; ``token_ids``) and an optional
@@ -452,7 +480,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self,
         handle: int,
         tokens: list[int],
-        sampler: dict[str, Any],
+        sampler: OutputSlot,
         first_step: int,
         max_steps: int,
         stop_ids: list[int],
@@ -468,9 +496,9 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         Args:
             handle: the context.
             tokens: the pending input tokens of the first pass (>= 1).
-            sampler: ``sample`` slot parameters (``temperature``, ``top_k``,
-                ``top_p``, ``min_p``, ``seed``); ``index`` and ``kind`` are
-                set here. With a ``seed``, step ``first_step + i`` samples
+            sampler: a ``sample`` :class:`~tartlet.forward.OutputSlot`
+                (``Sampler.slot``): its ``temperature``, ``top_k``, ``top_p``,
+                ``min_p`` and ``seed`` apply; ``index`` is set here. With a ``seed``, step ``first_step + i`` samples
                 with the seed the SDK's ``Sampler.slot`` derives for it.
             first_step: generation step of the first sampled token.
             max_steps: most tokens to sample (>= 1).
@@ -490,19 +518,16 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
             raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
-        if not isinstance(sampler, dict):
-            raise ValueError(f"sampler parameters are a dict, got {type(sampler).__name__}")
-        params = {k: v for k, v in sampler.items() if k not in ("index", "kind", "seed", "logit_mask", "grammar")}
-        seed = sampler.get("seed")
+        if not isinstance(sampler, OutputSlot) or sampler.kind != "sample":
+            raise ValueError(f"sampler is a `sample` tartlet.forward.OutputSlot (Sampler.slot), got {sampler!r}")
+        seed = sampler.seed
         stop = frozenset(int(t) for t in stop_ids)
         out: list[int] = []
         result: Future = Future()
 
-        def slot(n_inputs: int) -> dict[str, Any]:
-            s = {**params, "index": n_inputs - 1, "kind": "sample"}
-            if seed is not None:
-                s["seed"] = step_seed(seed, first_step + len(out))
-            return s
+        def slot(n_inputs: int) -> OutputSlot:
+            step = None if seed is None else step_seed(seed, first_step + len(out))
+            return replace(sampler, index=n_inputs - 1, seed=step)
 
         def done(f: Future) -> None:  # on the scheduler thread
             if result.done():  # cancelled by the caller
@@ -526,28 +551,28 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self.forward(handle, list(tokens), None, None, [slot(len(tokens))]).add_done_callback(done)
         return result
 
-    def _slot(self, e: Engine, o: dict[str, Any], n_inputs: int) -> OutputSlot:
-        if not isinstance(o, dict):
-            raise ValueError(f"an output slot is a dict, got {type(o).__name__}")
-        idx = o.get("index", n_inputs - 1)
-        if not isinstance(idx, int) or not 0 <= idx < n_inputs:
+    def _slot(self, e: Engine, o: OutputSlot, n_inputs: int) -> EngineSlot:
+        """The engine's slot for output request ``o`` (validated here)."""
+        if not isinstance(o, OutputSlot):
+            raise ValueError(f"an output slot is a tartlet.forward.OutputSlot, got {type(o).__name__}")
+        idx = o.index
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_inputs:
             raise ValueError(f"output index {idx!r} outside the {n_inputs} input tokens")
-        kind = o.get("kind", "sample")
         try:
-            if kind == "sample":
+            if o.kind == "sample":
                 spec: SamplerSpec | ProbeSpec = SamplerSpec(
-                    temperature=float(o.get("temperature", 0.0)),
-                    top_k=o.get("top_k"),
-                    top_p=float(o.get("top_p", 1.0)),
-                    min_p=float(o.get("min_p", 0.0)),
-                    seed=o.get("seed"),
+                    temperature=float(0.0 if o.temperature is None else o.temperature),
+                    top_k=o.top_k,
+                    top_p=float(o.top_p),
+                    min_p=float(o.min_p),
+                    seed=o.seed,
                 )
             else:
                 spec = ProbeSpec(
-                    kind=kind,
-                    k=o.get("k", 1),
-                    token_ids=tuple(o.get("token_ids", ())),
-                    temperature=float(o.get("temperature", 1.0)),
+                    kind=o.kind,
+                    k=o.k,
+                    token_ids=tuple(o.token_ids),
+                    temperature=float(1.0 if o.temperature is None else o.temperature),
                 )
         except (TypeError, ValueError) as err:
             raise SamplingError(str(err)) from None
@@ -555,11 +580,10 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             self._check_ids(e, list(spec.token_ids))
         if isinstance(spec, SamplerSpec) and spec.seed is not None and not isinstance(spec.seed, int):
             raise SamplingError(f"seed must be an int, got {spec.seed!r}")
-        mask = o.get("logit_mask")
-        allowed = None if mask is None else _brle_tensor(mask, e.config.vocab_size, "logit mask")
-        if o.get("grammar") is not None:  # mask computed by the host from a matcher
-            return self._grammar_output_slot(e, idx, spec, o["grammar"], allowed)
-        return OutputSlot(idx, spec, allowed)
+        allowed = None if o.logit_mask is None else _brle_tensor(o.logit_mask, e.config.vocab_size, "logit mask")
+        if o.grammar is not None:  # mask computed by the host from a matcher
+            return self._grammar_output_slot(e, idx, spec, o.grammar, allowed)
+        return EngineSlot(idx, spec, allowed)
 
     @staticmethod
     def _check_ids(e: Engine, ids: list[int]) -> None:

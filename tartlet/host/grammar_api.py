@@ -15,7 +15,8 @@ contexts); :meth:`_grammar_close` drops them all when the instance ends.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,32 +24,35 @@ from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
 from ..errors import GrammarError, InvalidHandleError
 from .grammar import GRAMMAR_KINDS, GrammarOutputSlot, Matcher, bits_to_brle
 
+if TYPE_CHECKING:
+    from .state import HostState
+
 #: Most live matchers one instance may hold.
 MAX_MATCHERS = 4096
 
 
 class GrammarHostMixin:
-    """Grammar matcher host calls (``grammar_*``)."""
+    """Grammar matcher host calls (``grammar_*``) over ``_matchers`` (handle
+    -> matcher, made by ``HostApi.__init__``); handles come from HostApi's
+    shared ``_ids`` counter."""
 
-    def _matchers(self) -> dict[int, Matcher]:
-        m = self.__dict__.get("_grammar_matchers")
-        if m is None:
-            m = self.__dict__["_grammar_matchers"] = {}
-        return m
+    state: HostState
+    _matchers: dict[int, Matcher]
+    _ids: Iterator[int]
 
     def _matcher(self, handle: Any) -> Matcher:
         if isinstance(handle, bool) or not isinstance(handle, int):
             raise InvalidHandleError(f"a grammar handle is an int, got {type(handle).__name__}")
-        m = self._matchers().get(handle)
+        m = self._matchers.get(handle)
         if m is None:
             raise InvalidHandleError(f"no grammar matcher with handle {handle!r} (freed, or never created)")
         return m
 
     def _grammar_add(self, m: Matcher) -> int:
-        ms = self._matchers()
+        ms = self._matchers
         if len(ms) >= MAX_MATCHERS:
             raise GrammarError(f"this instance already holds {MAX_MATCHERS} grammar matchers; free some (grammar_free)")
-        h = next(self._ids)  # type: ignore[attr-defined]
+        h = next(self._ids)
         ms[h] = m
         return h
 
@@ -70,7 +74,7 @@ class GrammarHostMixin:
         """
         if not isinstance(kind, str) or kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
-        engine = self.state.model(model).engine  # type: ignore[attr-defined]
+        engine = self.state.model(model).engine
         return self._grammar_add(Matcher.compile(engine, kind, spec))
 
     def grammar_mask(self, handle: int, form: str = "brle") -> list[int] | bytes:
@@ -129,7 +133,7 @@ class GrammarHostMixin:
             InvalidHandleError: unknown handle.
         """
         self._matcher(handle)
-        self._matchers().pop(handle).close()
+        self._matchers.pop(handle).close()
 
     def _grammar_output_slot(self, engine: Any, index: int, spec: SamplerSpec | ProbeSpec, handle: Any, allowed: torch.Tensor | None) -> OutputSlot:
         """An output slot masked by matcher ``handle`` (and ``allowed`` when
@@ -147,7 +151,7 @@ class GrammarHostMixin:
 
     def _grammar_close(self) -> None:
         """Drop every matcher of this instance (the instance ended)."""
-        ms = self._matchers()
+        ms = self._matchers
         for m in ms.values():
             m.close()
         ms.clear()

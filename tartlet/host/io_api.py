@@ -2,41 +2,51 @@
 inferlets, the key-value store, HTTP, sandboxed code runs, and child
 inferlets.
 
-Mixed into :class:`tartlet.host.api.HostApi`. The instance's ``owner`` (its
-user) scopes messaging topics and store keys. ``runtime`` (set by the
-runtime that launched the instance) launches children. Everything an
-instance opened here (subscriptions, pending pulls, running children) is
-closed by :meth:`IoHostMixin.close_io` when the instance ends.
+Mixed into :class:`tartlet.host.api.HostApi`, which gives it, at
+construction, the instance's ``owner`` (its user: scopes messaging topics,
+store keys and code runs) and ``runtime`` (a :class:`ChildLauncher`, the
+runtime that launched the instance: launches children). Everything an
+instance opened here (subscriptions, pending pulls, running children, code
+runs) is closed by :meth:`IoHostMixin.close_io` when the instance ends.
 """
 
 from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import HttpError, InvalidHandleError
 
+if TYPE_CHECKING:
+    from .state import HostState
+
+
+class ChildLauncher(Protocol):
+    """What launches an instance's children: the runtime that launched the
+    instance (:class:`tartlet.runtime.base.BaseRuntime`, a layer above)."""
+
+    def launch_child(self, parent: Any, name: str, args: dict[str, Any]) -> Any:
+        """Start inferlet ``name`` for ``parent`` (a HostApi); returns its
+        :class:`~tartlet.runtime.instance.Instance`."""
+        ...
+
 
 class IoHostMixin:
-    """I/O host calls. Expects ``self.state`` (HostState) and
-    ``self.instance_id``; ``owner``, ``runtime`` and ``on_limit`` are set
-    by the runtime."""
+    """I/O host calls over ``state`` (the bus, store, HTTP fetcher, code
+    sandbox), scoped by ``owner``; :meth:`_init_io` sets them up."""
 
-    owner: str = ""
-    runtime: Any = None
-    #: called with a message when this instance passes a limit (the runtime ends it)
-    on_limit: Any = None
-    #: distinct KV pages the instance's contexts may hold, per model (None:
-    #: unlimited; enforced by its page account, tartlet.host.kv_quotas)
-    max_pages: int | None = None
+    state: HostState
+    owner: str
+    runtime: ChildLauncher | None
 
-    def _io(self) -> dict[str, Any]:
-        io = self.__dict__.get("_io_state")
-        if io is None:
-            io = {"subs": set(), "pulls": set(), "children": {}, "ids": itertools.count(1)}
-            self.__dict__["_io_state"] = io
-        return io
+    def _init_io(self) -> None:
+        """Empty I/O tables (called by ``HostApi.__init__``)."""
+        self._subs: set[int] = set()  # subscription ids
+        self._pulls: set[Future] = set()  # pending messaging pulls
+        self._children: dict[int, Any] = {}  # child handle -> Instance
+        self._child_ids = itertools.count(1)
+        self._code_runs: set[Future] = set()  # queued or running code_run calls
 
     # -- messaging -------------------------------------------------------------------
     def messaging_push(self, topic: str, msg: str | bytes) -> None:
@@ -47,12 +57,12 @@ class IoHostMixin:
             LimitError: the owner's waiting bytes or topics would pass
                 ``[limits] max_messaging_bytes_per_user`` / ``max_topics_per_user``.
         """
-        self.state.bus.push(self.owner, topic, msg)  # type: ignore[attr-defined]
+        self.state.bus.push(self.owner, topic, msg)
 
     def messaging_pull(self, topic: str) -> Future:
         """Future of the next message pushed on ``topic``."""
-        fut = self.state.bus.pull(self.owner, topic)  # type: ignore[attr-defined]
-        pulls = self._io()["pulls"]
+        fut = self.state.bus.pull(self.owner, topic)
+        pulls = self._pulls
         if not fut.done():
             pulls.add(fut)
             fut.add_done_callback(pulls.discard)
@@ -66,12 +76,12 @@ class IoHostMixin:
             LimitError: the copies waiting in subscriptions would pass the
                 owner's ``max_messaging_bytes_per_user`` (none is delivered).
         """
-        return self.state.bus.broadcast(self.owner, topic, msg)  # type: ignore[attr-defined]
+        return self.state.bus.broadcast(self.owner, topic, msg)
 
     def messaging_subscribe(self, topic: str) -> int:
         """Open a subscription to ``topic``; returns its handle."""
-        sid = self.state.bus.subscribe(self.owner, topic)  # type: ignore[attr-defined]
-        self._io()["subs"].add(sid)
+        sid = self.state.bus.subscribe(self.owner, topic)
+        self._subs.add(sid)
         return sid
 
     def messaging_next(self, sid: int) -> Future:
@@ -80,19 +90,19 @@ class IoHostMixin:
         Raises:
             InvalidHandleError: not a subscription of this instance.
         """
-        if sid not in self._io()["subs"]:
+        if sid not in self._subs:
             raise InvalidHandleError(f"no subscription with handle {sid!r}")
-        return self.state.bus.next(sid)  # type: ignore[attr-defined]
+        return self.state.bus.next(sid)
 
     def messaging_unsubscribe(self, sid: int) -> None:
-        subs = self._io()["subs"]
+        subs = self._subs
         if sid in subs:
             subs.discard(sid)
-            self.state.bus.unsubscribe(sid)  # type: ignore[attr-defined]
+            self.state.bus.unsubscribe(sid)
 
     # -- store ---------------------------------------------------------------------
     def _store(self) -> Any:
-        st = self.state  # type: ignore[attr-defined]
+        st = self.state
         if st.store is None:
             from .store import Store
 
@@ -120,7 +130,7 @@ class IoHostMixin:
         Raises:
             HttpError: HTTP is off, or the request is refused.
         """
-        fetcher = self.state.http  # type: ignore[attr-defined]
+        fetcher = self.state.http
         if fetcher is None:
             raise HttpError("HTTP from inferlets is disabled on this host (configure [http] allow_hosts)")
         return fetcher.fetch(url, method, headers, body)
@@ -130,7 +140,7 @@ class IoHostMixin:
         (``[mcp.servers.NAME] url``; each URL is on every instance's HTTP
         allowlist). The SDK's :mod:`tartlet.mcp` speaks to them over
         :meth:`http_fetch`."""
-        return dict(self.state.mcp_servers)  # type: ignore[attr-defined]
+        return dict(self.state.mcp_servers)
 
     # -- sandboxed code ----------------------------------------------------------------
     def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> Future:
@@ -155,7 +165,7 @@ class IoHostMixin:
         if sandbox is None:
             raise RuntimeError("running code is disabled on this host ([code] enabled = false)")
         fut = sandbox.run(code, setup, time_limit_s, memory_mb, owner=self.owner)
-        runs = self._io().setdefault("code", set())
+        runs = self._code_runs
         runs.add(fut)
         fut.add_done_callback(runs.discard)
         return fut
@@ -174,13 +184,12 @@ class IoHostMixin:
         if self.runtime is None:
             raise RuntimeError("this host cannot launch child inferlets (no runtime)")
         child = self.runtime.launch_child(self, name, args or {})
-        io = self._io()
-        h = next(io["ids"])
-        io["children"][h] = child
+        h = next(self._child_ids)
+        self._children[h] = child
         return h
 
     def _child(self, h: int) -> Any:
-        child = self._io()["children"].get(h)
+        child = self._children.get(h)
         if child is None:
             raise InvalidHandleError(f"no child inferlet with handle {h!r}")
         return child
@@ -214,15 +223,14 @@ class IoHostMixin:
     # -- end -------------------------------------------------------------------------
     def close_io(self) -> None:
         """Close subscriptions, forget pending pulls, abort running children."""
-        io = self._io()
-        bus = self.state.bus  # type: ignore[attr-defined]
-        for sid in list(io["subs"]):
+        bus = self.state.bus
+        for sid in list(self._subs):
             bus.unsubscribe(sid)
-        io["subs"].clear()
-        for fut in list(io["pulls"]):
+        self._subs.clear()
+        for fut in list(self._pulls):
             bus.cancel_pull(fut)
-        io["pulls"].clear()
-        for child in io["children"].values():
+        self._pulls.clear()
+        for child in self._children.values():
             child.abort("its parent ended")
-        for fut in list(io.get("code", ())):
+        for fut in list(self._code_runs):
             fut.cancel()  # queued runs are dropped; a running one ends at its time limit

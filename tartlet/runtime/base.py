@@ -16,7 +16,7 @@ from typing import Any
 from ..host.api import HostApi
 from ..errors import LimitError
 from ..host.session import Session
-from .instance import Instance, Status
+from .instance import Instance, Status, new_instance_id
 from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program
 
 
@@ -73,29 +73,13 @@ class BaseRuntime:
         if cap is not None and len(self.running(owner)) >= cap:
             raise LimitError(f"user {owner or '(local)'!r} already runs {cap} instances, the limit (max_instances_per_user)")
 
-    def new_api(self, session: Session) -> HostApi:
-        """A host API for a new instance."""
-        return HostApi(self.state, session)
-
-    def attach_api(self, inst: Instance, owner: str) -> None:
-        """Wire ``inst.api`` to this runtime: id, owner, children, page limit."""
-        inst.runtime = self.kind
-        api = inst.api
-        api.instance_id = inst.id
-        api.owner, api.runtime, api.max_pages = owner, self, self.max_pages
-        api.on_limit = lambda msg, inst=inst: self.kill_for_limit(inst, msg)
-
-    def kill_for_limit(self, inst: Instance, msg: str) -> None:
-        """End ``inst`` as failed with ``msg`` (callable from any thread)."""
-        inst.limit_error = msg  # type: ignore[attr-defined]
-        task = inst.task
-        if task is None:
-            return
-        loop = task.get_loop()
-        if _on_loop(loop):
-            inst.abort(msg)
-        else:
-            loop.call_soon_threadsafe(inst.abort, msg)
+    def new_instance(self, program: Program, args: dict[str, Any], session: Session, owner: str) -> Instance:
+        """A new (not yet started) instance of ``program`` with its host API,
+        built with everything it needs: the instance's id, its owner, this
+        runtime (for children) and the page limit."""
+        iid = new_instance_id()
+        api = HostApi(self.state, session, instance_id=iid, owner=owner, runtime=self, max_pages=self.max_pages)
+        return Instance(program, args, session, api, owner=owner, runtime=self.kind, id=iid)
 
     def find_program(self, name: str) -> Program:
         """A program by *name* only (no paths): ``program_dirs`` first, then

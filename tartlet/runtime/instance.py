@@ -21,6 +21,11 @@ class Status(str, enum.Enum):
     ABORTED = "aborted"
 
 
+def new_instance_id() -> str:
+    """A fresh instance id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
 @dataclass
 class Instance:
     """One launch of a program.
@@ -44,7 +49,7 @@ class Instance:
     api: HostApi
     owner: str = ""
     runtime: str = "native"
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    id: str = field(default_factory=lambda: new_instance_id())
     status: Status = Status.RUNNING
     result: Any = None
     error: str | None = None

@@ -52,8 +52,7 @@ class NativeRuntime(BaseRuntime):
         self.check_user_cap(owner)
         main = program.load_main()
         session = session or Session()
-        inst = Instance(program, args, session, self.new_api(session), owner=owner)
-        self.attach_api(inst, owner)
+        inst = self.new_instance(program, args, session, owner)
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         self.loop = asyncio.get_running_loop()
         inst.task = self.loop.create_task(self._run(inst, main, limit), name=f"inferlet-{inst.id}")
@@ -82,9 +81,8 @@ class NativeRuntime(BaseRuntime):
             inst.result = await (asyncio.wait_for(coro, limit) if limit else coro)
             inst.status = Status.FINISHED
         except asyncio.CancelledError:
-            limit_error = getattr(inst, "limit_error", None)
-            inst.status = Status.FAILED if limit_error else Status.ABORTED
-            inst.error = limit_error or inst.error or "aborted"
+            inst.status = Status.ABORTED
+            inst.error = inst.error or "aborted"
         except TimeoutError:
             inst.status = Status.FAILED
             inst.error = f"time limit of {limit:g} s exceeded"

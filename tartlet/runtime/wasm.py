@@ -178,8 +178,7 @@ class WasmRuntime(BaseRuntime):
         component = self.wasm.load(path)
         lim = limits or self.limits
         session = session or Session()
-        inst = Instance(prog, args, session, self.new_api(session), owner=owner)
-        self.attach_api(inst, owner)
+        inst = self.new_instance(prog, args, session, owner)
         host = InstanceHost(inst.api)
         output = bytearray()
         scratch = Path(tempfile.mkdtemp(prefix=f"tartlet-scratch-{inst.id}-")) if lim.scratch else None
@@ -240,11 +239,10 @@ class WasmRuntime(BaseRuntime):
             try:
                 outcome = await (asyncio.wait_for(asyncio.shield(done), limit) if limit else asyncio.shield(done))
             except asyncio.CancelledError:
-                limit_error = getattr(inst, "limit_error", None)
-                host.stop_reason = limit_error or inst.error or "aborted"
+                host.stop_reason = inst.error or "aborted"
                 await done
-                inst.status = Status.FAILED if limit_error else Status.ABORTED
-                inst.error = limit_error or inst.error or "aborted"
+                inst.status = Status.ABORTED
+                inst.error = inst.error or "aborted"
                 return
             except TimeoutError:
                 host.stop_reason = f"time limit of {limit:g} s exceeded"

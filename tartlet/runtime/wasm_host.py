@@ -31,6 +31,7 @@ from wasmtime.component import Linker, Record, Variant
 
 from ..host.api import HostApi
 from ..errors import InvalidHandleError, error_code
+from ..forward import OutputSlot
 
 #: The imported interface, as the component names it.
 INTERFACE = "tartlet:inferlet/host@0.1.0"
@@ -126,33 +127,26 @@ def _record(**fields: Any) -> Record:
 
 
 
-def _sampler(p: Any) -> dict[str, Any]:
-    """WIT ``sampler-params`` -> the HostApi sample-slot parameters."""
-    d = {"temperature": p.temperature, "top_p": getattr(p, "top-p"), "min_p": getattr(p, "min-p")}
-    if getattr(p, "top-k") is not None:
-        d["top_k"] = getattr(p, "top-k")
-    if p.seed is not None:
-        d["seed"] = p.seed
-    return d
+def _sampler(p: Any, index: int = 0) -> OutputSlot:
+    """WIT ``sampler-params`` -> a ``sample`` :class:`OutputSlot` at ``index``."""
+    return OutputSlot(
+        index, "sample", temperature=p.temperature, top_k=getattr(p, "top-k"), top_p=getattr(p, "top-p"),
+        min_p=getattr(p, "min-p"), seed=p.seed,
+    )  # fmt: skip
 
 
-def _slot(o: Any) -> dict[str, Any]:
-    """WIT ``output-slot`` -> the HostApi slot dict."""
+def _slot(o: Any) -> OutputSlot:
+    """WIT ``output-slot`` -> the SDK's :class:`OutputSlot` HostApi takes."""
     kind: Variant = o.kind
-    d: dict[str, Any] = {"index": o.index, "kind": kind.tag}
     p = kind.payload
-    if kind.tag == "sample":
-        d.update(_sampler(p))
-    elif kind.tag == "distribution":
-        d.update(k=p.k, temperature=p.temperature)
-    elif kind.tag == "logprobs":
-        d["token_ids"] = list(p)
     mask = getattr(o, "logit-mask")
-    if mask is not None:
-        d["logit_mask"] = list(mask)
-    if o.grammar is not None:
-        d["grammar"] = o.grammar
-    return d
+    slot = _sampler(p, o.index) if kind.tag == "sample" else OutputSlot(o.index, kind.tag)
+    slot.logit_mask, slot.grammar = None if mask is None else list(mask), o.grammar
+    if kind.tag == "distribution":
+        slot.k, slot.temperature = p.k, p.temperature
+    elif kind.tag == "logprobs":
+        slot.token_ids = list(p)
+    return slot
 
 
 def _slot_result(r: Any) -> Any:

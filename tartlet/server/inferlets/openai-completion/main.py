@@ -87,7 +87,7 @@ import json
 import math
 import random
 
-from tartlet import AnyJson, JsonSchema, Model, Sampler, session
+from tartlet import AnyJson, JsonSchema, Model, Sampler, forward, session
 from tartlet.tools import ForcedToolCall, ReasoningSplitter, ToolCallStream, prompt_opens_reasoning, tool_format
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -116,8 +116,8 @@ class BiasedSampler(Sampler):
     def is_greedy(self) -> bool:
         return False
 
-    def slot(self, index: int, step: int = 0) -> dict:
-        return {"index": index, "kind": "logits"}
+    def slot(self, index: int, step: int = 0) -> forward.OutputSlot:
+        return forward.logits(index)
 
     def pick(self, result) -> int:
         logits = list(result)
