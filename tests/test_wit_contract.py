@@ -6,6 +6,13 @@ needs a HostApi method, except the explicit allow-lists below. The host's
 import table (tartlet.runtime.wasm_host.IMPORTS) and the guest binding
 (tartlet/_wasm_binding.py, parsed, since it only imports inside a
 component) must cover the same functions.
+
+Types are compared too: each WIT function's parameter and result types,
+mapped to Python by :func:`py_type` (the few JSON-text parameters by
+:data:`JSON_TEXT`), must equal the annotations of the HostApi method and of
+the guest binding's method; the host's result mode (how wasmtime-py is
+handed the ``result``) must fit the WIT result type; and the ``error-code``
+enum must list :data:`tartlet.errors.ERROR_CODES` in order.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import inspect
 import re
 from pathlib import Path
 
+from tartlet.errors import ERROR_CODES
 from tartlet.host.api import HostApi
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,3 +87,158 @@ def test_guest_binding_covers_the_host_api():
         if isinstance(f, ast.FunctionDef) and f.name in guest:
             native = list(inspect.signature(getattr(HostApi, f.name)).parameters)
             assert [a.arg for a in f.args.args] == native, f.name
+
+
+# -- types ------------------------------------------------------------------------------
+_SCALARS = {"u8": "int", "u16": "int", "u32": "int", "u64": "int", "s32": "int", "s64": "int",
+            "f32": "float", "f64": "float", "bool": "bool", "string": "str"}  # fmt: skip
+#: WIT records and variants -> the Python type both HostApi and the guest
+#: binding use for them (the transports convert between the two).
+NAMED = {
+    "output-slot": "OutputSlot",  # tartlet.forward.OutputSlot
+    "sampler-params": "OutputSlot",  # a `sample` slot (Sampler.slot)
+    "message": "str | bytes",
+    "chat-message": "dict[str, Any]",
+    "model-details": "dict[str, Any]",
+    "pool-stats": "dict[str, int]",
+    "stored-value": "str | None",  # a record only because of wasmtime-py (see the WIT)
+    "token-mask": "list[int] | bytes",
+}
+#: parameters that cross as JSON text: (function, parameter) -> Python type
+JSON_TEXT = {
+    ("apply-chat-template", "tools"): "list[dict[str, Any]] | None",
+    ("child-launch", "args-json"): "dict[str, Any]",
+    ("grammar-new", "spec-json"): "Any",
+}
+#: parameters where HostApi takes more than the WIT carries, and the guest converts
+WIDER = {
+    ("http-fetch", "body"): "bytes | str | None",  # a str body is sent UTF-8 encoded
+}
+
+
+def _split(args: str) -> list[str]:
+    """Split ``args`` at top-level commas (not inside ``<...>``)."""
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [a for a in [*out, cur.strip()] if a]
+
+
+def py_type(wit: str) -> str:
+    """The Python annotation for a WIT type (as HostApi writes it)."""
+    wit = wit.strip()
+    if wit in _SCALARS:
+        return _SCALARS[wit]
+    if wit in NAMED:
+        return NAMED[wit]
+    m = re.fullmatch(r"(option|list)<(.*)>", wit)
+    if m and m[1] == "option":
+        return f"{py_type(m[2])} | None"
+    if m and m[2] == "u8":
+        return "bytes"
+    if m and m[2] == "tuple<string, string>":
+        return "dict[str, str]"
+    if m:
+        return f"list[{py_type(m[2])}]"
+    raise AssertionError(f"no Python type for WIT type {wit!r}: extend NAMED or py_type")
+
+
+def wit_signatures() -> dict[str, tuple[list[tuple[str, str]], str | None]]:
+    """name -> ([(param, WIT type)], WIT result type or None), interface host."""
+    text = WIT.read_text()
+    body = text[text.index("interface host {") : text.index("world inferlet")]
+    sigs = {}
+    for name, params, result in re.findall(r"^\s*([a-z][a-z0-9-]*):\s*func\((.*)\)(?:\s*->\s*(.*?))?;\s*$", body, re.M):
+        sigs[name] = ([tuple(p.split(":", 1)) for p in _split(params)], result or None)  # type: ignore[misc]
+    return sigs
+
+
+def wit_records() -> set[str]:
+    text = WIT.read_text()
+    return set(re.findall(r"^\s*record ([a-z][a-z0-9-]*) \{", text, re.M))
+
+
+def expected_signature(name: str, params: list, result: str | None) -> tuple[list[str], str]:
+    """The Python (parameter annotations, return annotation) of WIT function ``name``."""
+    types = []
+    for pname, wtype in params:
+        key = (name, pname.strip())
+        types.append(JSON_TEXT.get(key) or WIDER.get(key) or py_type(wtype))
+    if result is None:
+        ret = "None"
+    else:
+        m = re.fullmatch(r"result<(.*), call-error>", result)
+        ok = m[1] if m else result
+        ret = "None" if ok == "_" else "Future" if ok == "u64" else py_type(ok)  # u64 results are future handles
+    return types, ret
+
+
+def _norm(annotation: str) -> str:
+    return annotation.replace(" ", "").replace("typing.", "")
+
+
+def _fits(expected: str, actual: str, default_none: bool) -> bool:
+    """``actual`` is ``expected``, or ``expected | None`` for a parameter
+    whose default None means "none given" (``outputs``, ``headers``)."""
+    e, a = _norm(expected), _norm(actual)
+    return a == e or (default_none and a == e + "|None")
+
+
+def test_host_api_types_match_the_wit():
+    sigs = wit_signatures()
+    for method in sorted(host_methods() - NATIVE_ONLY):
+        name = method.replace("_", "-")
+        params, result = sigs[name]
+        types, ret = expected_signature(name, params, result)
+        sig = inspect.signature(getattr(HostApi, method))
+        actual = list(sig.parameters.values())[1:]
+        assert len(actual) == len(types), f"{method}: {len(actual)} parameters, the WIT has {len(types)}"
+        for p, t in zip(actual, types):
+            assert _fits(t, str(p.annotation), p.default is None), f"{method}({p.name}): HostApi says {p.annotation}, the WIT means {t}"
+        assert _norm(str(sig.return_annotation)) == _norm(ret), f"{method} returns {sig.return_annotation}, the WIT means {ret}"
+
+
+def test_guest_binding_types_match_the_host_api():
+    tree = ast.parse((ROOT / "tartlet" / "_wasm_binding.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "WasmHost")
+    for f in cls.body:
+        if not isinstance(f, ast.FunctionDef) or f.name.startswith("_"):
+            continue
+        native = inspect.signature(getattr(HostApi, f.name))
+        guest = [ast.unparse(a.annotation) if a.annotation else "" for a in f.args.args[1:]]
+        assert [_norm(g) for g in guest] == [_norm(str(p.annotation)) for p in list(native.parameters.values())[1:]], f.name
+        ret = _norm(ast.unparse(f.returns)) if f.returns else ""
+        want = _norm(str(native.return_annotation))
+        assert ret == ("HostFuture" if want == "Future" else want), f"{f.name}: guest returns {ret}, HostApi {want}"
+
+
+def test_host_result_modes_fit_the_wit():
+    """wasmtime-py lowers a ``result`` untagged when its cases differ by
+    Python class; an ok record (like the ``call-error`` record) needs the
+    tagged form, so each import's mode must follow the WIT result type."""
+    from tartlet.runtime.wasm_host import IMPORTS
+
+    records = wit_records()
+    for name, (params, result) in wit_signatures().items():
+        mode = IMPORTS[name][1]
+        if result is None or not result.startswith("result<"):
+            want = "plain"  # cannot fail
+        else:
+            ok = re.fullmatch(r"result<(.*), call-error>", result)
+            assert ok, f"{name}: a call that can fail returns result<T, call-error>, got {result}"
+            want = "unit" if ok[1] == "_" else "tagged" if ok[1] in records else "untagged"
+        assert mode == want, f"{name}: IMPORTS mode {mode!r}, the WIT result {result} needs {want!r}"
+
+
+def test_error_codes_are_the_wit_enum():
+    text = WIT.read_text()
+    enum = re.search(r"enum error-code \{(.*?)\}", text, re.S)
+    assert enum, "the WIT declares enum error-code"
+    cases = [c.strip() for c in re.sub(r"///.*", "", enum[1]).split(",") if c.strip()]
+    assert cases == list(ERROR_CODES)
+    assert re.search(r"record call-error \{\s*code: error-code,\s*message: string,\s*\}", text)
