@@ -55,10 +55,7 @@ from typing import Any
 
 from ..paths import cache_dir
 
-try:  # the error classes are moving from tartlet.host.errors to tartlet.errors
-    from ..errors import LimitError  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - before the move
-    from .errors import LimitError
+from ..errors import LimitError
 
 #: Seconds per epoch tick of the sandbox engine (the resolution of time limits).
 TICK_S = 0.01
