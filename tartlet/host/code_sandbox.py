@@ -53,9 +53,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
-
 from ..errors import LimitError
+from ..paths import cache_dir
 
 #: Seconds per epoch tick of the sandbox engine (the resolution of time limits).
 TICK_S = 0.01
