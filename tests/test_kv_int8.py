@@ -229,13 +229,15 @@ def test_pool_geometry_and_capacity(q8_engine, quant_engine):
     assert "1536 per token per layer" in quant_engine.kv_summary()
 
 
-def test_fused_decode_declines_int8_pools(q8_engine):
+def test_fused_decode_takes_int8_pools(q8_engine):
+    """Decode steps with an int8 pool run in the fused step too (its
+    results: tests/test_fused_decode.py::test_int8_kv_pool_matches_op_by_op)."""
     from tartlet.engine.batch import AttentionGroup, BatchInputs
 
     one = torch.zeros(1, dtype=torch.long)
     batch = BatchInputs(one, one, one, [AttentionGroup(None, 0, 1, torch.zeros(1, 1, dtype=torch.long), None)], one)
     fused = q8_engine.model.fused
-    assert fused is None or not fused.accepts(batch, q8_engine.pool.k)
+    assert fused is not None and fused.accepts(batch, q8_engine.pool.k)
 
 
 def test_logits_close_to_float32_pool(q8_engine, quant_engine):
@@ -285,8 +287,13 @@ def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
     """Without the C kernels the PyTorch path writes and reads the same
     format. Its float keys differ from the kernels' in their last bits (RoPE
     and projections in another order), which flips a few quants by one step,
-    so the logits agree to within 1.0 (0.77 measured), not to float rounding,
-    with the same argmax at >= 95% of the positions."""
+    and 30 layers amplify such flips as they amplify the int8 rounding
+    itself (test_logits_close_to_float32_pool: up to 2.5 from a float32
+    pool). So the logits agree to within 3.0 at most and 0.3 on average
+    (measured 0.78 max when the 34-token prefill ran through dequantized
+    tiles, 2.50 max / 42 of 42 argmax through the integer kernel), not to
+    float rounding, with the same argmax at >= 95% of the positions; a row
+    written in another layout would be off by far more."""
     eng = make_engine(gguf_path, kv_cache_mb=8, kv_dtype="int8", cpu_kernels=False)
     try:
         assert eng.model.kernels is None
@@ -295,9 +302,9 @@ def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
     finally:
         eng.close()
     diff = float((torch_path - kernels).abs().max())
+    mean = float((torch_path - kernels).abs().mean())
     agree = int((torch_path.argmax(-1) == kernels.argmax(-1)).sum())
-    print(f"PyTorch vs C int8 path: max abs logit diff {diff:.3f}, argmax equal at {agree}/{len(ids)}")
-    assert diff <= 1.0 and agree >= 0.95 * len(ids)
+    assert diff <= 3.0 and mean <= 0.3 and agree >= 0.95 * len(ids), (diff, mean, agree)
 
 
 def test_kv_dtype_option_is_validated():

@@ -51,6 +51,8 @@ typedef struct {
     /* the final RMSNorm weight [H] and the LM head, or NULL: no head here */
     const float *final_norm;
     const tq_linear_desc *head;
+    /* 1: the KV pools are int8 rows [slots, nkv, hd + 4] (kv_int8.h), not float32 */
+    int64_t kv_int8;
 } tq_decoder_desc;
 
 /* Seconds spent per phase kind by thread 0 (tq_decode_profile), while
@@ -199,14 +201,15 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     }
     const int nt_max = nthreads > 0 ? nthreads : omp_get_max_threads();
     const int64_t n_phases = 1 + 6 * D->n_layers + head, silu_w = 256, silu_per_row = (F + silu_w - 1) / silu_w;
-    /* float scratch: xn [T, kmax], qkv [T, qkv_w], q [T, nh hd], attn [T, nh hd], gu [T, 2F], scores per thread */
-    const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax);
+    /* float scratch: xn [T, kmax], qkv [T, qkv_w], q [T, nh hd], attn [T, nh hd], gu [T, 2F], scores per
+     * thread, hd for the int8 key row being written */
+    const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax + hd);
     const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
     const size_t cbytes = (size_t)n_phases * sizeof(phase_ctr);
     char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes);
     if (!buf) return -1;
     float *xn = (float *)buf, *qkv = xn + T * kmax, *q = qkv + T * qkv_w, *attn = q + T * nh * hd;
-    float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F;
+    float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F, *ktmp = scores + (int64_t)nt_max * g * Lmax;
     void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
     phase_ctr *ctr = (phase_ctr *)((char *)fa + fbytes);
@@ -257,9 +260,14 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
                     const tq_attn_group *G = &groups[gi];
                     const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
-                    attend_kv_head(q + r * nh * hd + kh * g * hd, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L,
-                                   G->bias ? G->bias + b * G->L : NULL, G->L, g, hd, nkv * hd, kh, D->scale, sc,
-                                   attn + r * nh * hd + kh * g * hd);
+                    const float *qh = q + r * nh * hd + kh * g * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
+                    float *oh = attn + r * nh * hd + kh * g * hd;
+                    if (D->kv_int8)
+                        attend_kv_head_q8(qh, (const int8_t *)ly->k_pool, (const int8_t *)ly->v_pool, G->kv_slots + b * G->L,
+                                          bb, G->L, g, hd, nkv, kh, D->scale, sc, oh);
+                    else
+                        attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd, kh,
+                                       D->scale, sc, oh);
                 } else if (ph > 0 && kind == 4) { /* SiLU(gate) * up into xn [T, F], silu_w columns a chunk */
                     const int64_t t = c / silu_per_row, j = c % silu_per_row * silu_w;
                     silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < silu_w ? F - j : silu_w);
@@ -278,8 +286,12 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     }
                 } else if (kind == 0) {
                     for (int64_t t = 0; t < T; t++)
-                        rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
-                                       ly->v_pool, write_slots[t], nh, nkv, hd);
+                        if (D->kv_int8)
+                            rope_store_row_q8(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd,
+                                              (int8_t *)ly->k_pool, (int8_t *)ly->v_pool, write_slots[t], nh, nkv, hd, ktmp);
+                        else
+                            rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
+                                           ly->v_pool, write_slots[t], nh, nkv, hd);
                 } else if (kind == 1) {
                     quantize_for(ly->o, attn, T, qa, fa);
                 } else if (kind == 2) {

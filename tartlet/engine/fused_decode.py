@@ -17,7 +17,7 @@ layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
 no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
 Qwen2). A batch runs fused when every row is a single-token query
 (decode), fewer than :data:`~tartlet.engine.quant_linear.DEQUANT_ROWS` rows,
-and the KV pool is float32.
+and the KV pool is float32 or int8 (``kv_int8.h`` rows).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class FusedDecoder:
         c = model.config
         self._ffn = model.layers[0]["down"].in_features
         self._dims = (c.hidden_size, model.nh, model.nkv, model.hd, self._ffn, c.rms_norm_eps, model.scale)
-        self._pool: tuple[int, int] | None = None  # data pointers the layer descriptors were built for
+        self._pool: tuple | None = None  # data pointers (and dtype) the layer descriptors were built for
         self._desc = None
         self._keep: list[object] = []
         #: False turns the fused path off (tests and benchmarks compare both)
@@ -76,14 +76,14 @@ class FusedDecoder:
 
     def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
         """Whether ``batch`` can run fused: decode rows only, few enough
-        for the integer kernels, float32 pool."""
+        for the integer kernels, a float32 or int8 pool."""
         T = batch.input_ids.shape[0]
-        if not self.enabled or T >= DEQUANT_ROWS or k_cache.dtype != torch.float32:
+        if not self.enabled or T >= DEQUANT_ROWS or k_cache.dtype not in (torch.float32, torch.int8):
             return False
         return sum(g.kv_slots.shape[0] for g in batch.groups) == T and all(g.num_queries == 1 for g in batch.groups)
 
     def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        key = (k_cache.data_ptr(), v_cache.data_ptr())
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype)
         if self._pool != key:
             layers = []
             for layer, kc, vc in zip(self.model.layers, k_cache.unbind(0), v_cache.unbind(0)):
@@ -91,7 +91,8 @@ class FusedDecoder:
                 layers.append(LayerDesc(layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *descs, kc.data_ptr(), vc.data_ptr()))
             m = self.model
             head = m.lm_head._desc if self.has_head else None
-            self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head)
+            self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head,
+                                           kv_int8=k_cache.dtype == torch.int8)
             self._keep = [arr]
             self._pool = key
         return self._desc
@@ -106,7 +107,8 @@ class FusedDecoder:
 
         Args:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
-            k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32.
+            k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32
+                or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
             groups: the model's per-group plans ``(group, bias, by_kernel,
                 rows_bias)``, ``rows_bias`` the additive mask ``[B, L]`` or None.
 

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
-_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "float_kernels.h", "decode_step.h"))
+_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "float_kernels.h", "kv_int8.h",
+                                    "decode_step.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | bool" = False  # False: not tried yet
 
@@ -72,7 +73,7 @@ class DecoderDesc(ctypes.Structure):
 
     _fields_ = [("n_layers", _I), ("hidden", _I), ("nh", _I), ("nkv", _I), ("hd", _I), ("ffn", _I),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)),
-                ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc))]
+                ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_int8", _I)]
 
 
 def load() -> "QuantKernels | None":
@@ -343,12 +344,14 @@ class QuantKernels:
 
 def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
                  scale: float, final_norm: torch.Tensor | None = None,
-                 head: LinearDesc | None = None) -> tuple[DecoderDesc, ctypes.Array]:
+                 head: LinearDesc | None = None, kv_int8: bool = False) -> tuple[DecoderDesc, ctypes.Array]:
     """A :class:`DecoderDesc` over ``layers`` and the array holding them
     (keep both alive, and ``final_norm`` float32 ``[hidden]`` and ``head``,
-    the LM head's descriptor, when given: then the step computes logits too)."""
+    the LM head's descriptor, when given: then the step computes logits too).
+    ``kv_int8``: the layers' pools hold int8 rows (``kv_int8.h``), not float32."""
     arr = (LayerDesc * len(layers))(*layers)
     desc = DecoderDesc(len(layers), hidden, nh, nkv, hd, ffn, eps, scale, arr)
+    desc.kv_int8 = int(kv_int8)
     if head is not None and final_norm is not None:
         desc.final_norm, desc.head = final_norm.data_ptr(), ctypes.pointer(head)
     return desc, arr
