@@ -72,7 +72,8 @@ def close_writer(w: gguf.GGUFWriter) -> None:
     w.close()
 
 
-def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", seed: int = 0) -> Path:
+def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", seed: int = 0, arch: str = "llama",
+                     qkv_bias: bool = False) -> Path:
     """A 2-layer Llama GGUF (hidden 256, FFN 512, 4 heads, 2 KV heads).
 
     Args:
@@ -81,11 +82,14 @@ def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", s
             ``"ffn_down"``, ``"output"``, ``"token_embd"`` ...), e.g. the mix
             of a ``Q4_K_M`` file; norms are always F32.
         default: type of the other matrices.
+        arch: ``general.architecture`` (``"qwen2"``: the same layout, Q/K rows
+            not permuted, as Qwen2.5 GGUFs are).
+        qkv_bias: add F32 ``attn_{q,k,v}.bias`` tensors (Qwen2).
     """
     rng = np.random.default_rng(seed)
     tokens = byte_tokens()
     vocab = len(tokens)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
@@ -124,6 +128,9 @@ def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", s
         matrix(p + "attn_q.weight", HEADS * hd, HIDDEN)
         matrix(p + "attn_k.weight", KV_HEADS * hd, HIDDEN)
         matrix(p + "attn_v.weight", KV_HEADS * hd, HIDDEN)
+        if qkv_bias:
+            for x, n in (("q", HEADS * hd), ("k", KV_HEADS * hd), ("v", KV_HEADS * hd)):
+                w.add_tensor(f"{p}attn_{x}.bias", (0.5 * rng.standard_normal(n)).astype(np.float32))
         matrix(p + "attn_output.weight", HIDDEN, HEADS * hd)
         matrix(p + "ffn_gate.weight", FFN, HIDDEN)
         matrix(p + "ffn_up.weight", FFN, HIDDEN)
