@@ -93,6 +93,24 @@ static void weighted_values(const float *p, const int64_t *sl, int64_t L, const 
     }
 }
 
+/* ph [L] <- softmax(ph), the running maximum subtracted (exact, not online);
+ * -inf entries (masked) become 0; at least one entry must be finite. */
+static inline void softmax_row(float *ph, int64_t L)
+{
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < L; j++)
+        m = ph[j] > m ? ph[j] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < L; j++) {
+        ph[j] = exp_nonpositive(ph[j] - m);
+        sum += ph[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < L; j++)
+        ph[j] *= inv;
+}
+
 /* One attention task: the g query heads sharing KV head kh of one decode
  * query (qh: those heads, [g, hd]) over L pool slots sl (additive mask bb, or
  * NULL), written to out [g, hd]; p: scratch of g * L floats. Softmax with
@@ -111,19 +129,8 @@ static void attend_kv_head(const float *qh, const float *k_pool, const float *v_
             p[h * L + j] = dot(qh + h * hd, k, hd) * scale + (bb ? bb[j] : 0.f);
     }
     for (int64_t h = 0; h < g; h++) {
-        float *ph = p + h * L, m = -INFINITY, sum = 0.f;
-        for (int64_t j = 0; j < L; j++)
-            m = ph[j] > m ? ph[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < L; j++) {
-            ph[j] = exp_nonpositive(ph[j] - m);
-            sum += ph[j];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < L; j++)
-            ph[j] *= inv;
-        weighted_values(ph, sl, L, v_pool, row, kh * hd, hd, out + h * hd);
+        softmax_row(p + h * L, L);
+        weighted_values(p + h * L, sl, L, v_pool, row, kh * hd, hd, out + h * hd);
     }
 }
 

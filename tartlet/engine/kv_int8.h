@@ -1,6 +1,6 @@
 /* int8 KV rows for cpu_kernels.c: the quantizing RoPE + KV write and the
  * dequantizing inner loops of paged decode attention. Include after
- * float_kernels.h (exp_nonpositive, TARTLET_AVX2).
+ * float_kernels.h (exp_nonpositive, softmax_row, TARTLET_AVX2).
  *
  * Row format (tartlet/engine/kv_quant.py, which is the PyTorch twin): each
  * (token, KV head) row of hd values is hd int8 quants q followed by a float32
@@ -134,19 +134,8 @@ static void attend_kv_head_q8(const float *qh, const int8_t *k_pool, const int8_
             p[h * L + j] = dot_q8(qh + h * hd, k, hd) * ks + (bb ? bb[j] : 0.f);
     }
     for (int64_t h = 0; h < g; h++) {
-        float *ph = p + h * L, m = -INFINITY, sum = 0.f;
-        for (int64_t j = 0; j < L; j++)
-            m = ph[j] > m ? ph[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < L; j++) {
-            ph[j] = exp_nonpositive(ph[j] - m);
-            sum += ph[j];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < L; j++)
-            ph[j] *= inv;
-        weighted_values_q8(ph, sl, L, v_pool, nkv, kh, hd, out + h * hd);
+        softmax_row(p + h * L, L);
+        weighted_values_q8(p + h * L, sl, L, v_pool, nkv, kh, hd, out + h * hd);
     }
 }
 
