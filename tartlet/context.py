@@ -402,9 +402,11 @@ class Context:
                 ``await gen.aclose()`` (see :mod:`tartlet.generator`).
 
         Raises:
+            ContextClosedError: the context was closed.
             ValueError: the context is empty (nothing to condition on), or
                 ``overlap`` with a ``drafter``.
         """
+        self._check_open("generate")
         return Generator(self, sampler or Sampler.greedy(), max_tokens=max_tokens, stop=stop, eos=eos, drafter=drafter,
                          constraint=constraint, overlap=overlap)
 
