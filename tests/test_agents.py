@@ -20,7 +20,7 @@ pytest.importorskip("mcp")
 
 from harness import run_ok  # noqa: E402
 from mcp_harness import start_mcp_server  # noqa: E402
-from tartlet.runtime.config import config_from_dict  # noqa: E402
+from tartlet.server.config import config_from_dict  # noqa: E402
 from tartlet.server.app import configure_http  # noqa: E402
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Oslo", "Lima"]}}, "required": ["city"]}

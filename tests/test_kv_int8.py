@@ -311,7 +311,7 @@ def test_kv_dtype_option_is_validated():
     """A bad value fails before any model is resolved or loaded, naming the
     choices; the config file accepts int8 and refuses others by key path."""
     from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.runtime.config import ConfigError, config_from_dict
+    from tartlet.server.config import ConfigError, config_from_dict
 
     with pytest.raises(ValueError, match=r"unknown kv_dtype 'int4' \(choose from auto, float32, bfloat16, float16, int8\)"):
         Engine.load(EngineConfig(model="no-such-model-is-resolved", kv_dtype="int4"))

@@ -17,7 +17,7 @@ from harness import run_ok  # noqa: E402
 from mcp_harness import start_mcp_server  # noqa: E402
 from tartlet.host.http import HttpPolicy  # noqa: E402
 from tartlet.mcp import parse_sse  # noqa: E402
-from tartlet.runtime.config import config_from_dict  # noqa: E402
+from tartlet.server.config import config_from_dict  # noqa: E402
 from tartlet.runtime.program import load_program  # noqa: E402
 from tartlet.server.app import configure_http  # noqa: E402
 

@@ -11,7 +11,7 @@ from harness import run_ok
 from prometheus_client.parser import text_string_to_metric_families
 
 from tartlet.host.state import HostState
-from tartlet.runtime.config import config_from_dict
+from tartlet.server.config import config_from_dict
 from tartlet.server.app import build_app
 from tartlet.server.service import Service
 

@@ -35,7 +35,7 @@ def test_models_dir_variable_wins(clean_env, tmp_path):
 
 
 def test_data_dir_and_config_path(clean_env, tmp_path):
-    from tartlet.runtime.config import ServerConfig, default_config_path
+    from tartlet.server.config import ServerConfig, default_config_path
 
     clean_env.setenv("TARTLET_DATA_DIR", str(tmp_path / "data"))
     clean_env.setenv("TARTLET_CONFIG", "~/x.toml")

@@ -426,7 +426,7 @@ async def test_builds_are_counted_per_user_and_as_instances(monkeypatch, tmp_pat
     from tartlet.host.state import HostState
     from tartlet.protocol import ProtocolError
     from tartlet.runtime import builder
-    from tartlet.runtime.config import config_from_dict
+    from tartlet.server.config import config_from_dict
     from tartlet.runtime.program import Program
     from tartlet.server.service import Service
 

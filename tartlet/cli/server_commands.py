@@ -3,7 +3,7 @@
 :func:`register`.
 
 Each reads the server config (``--config``, env ``TARTLET_CONFIG``, default
-the user config file; :mod:`tartlet.runtime.config`); none talks to a running
+the user config file; :mod:`tartlet.server.config`); none talks to a running
 server (that is :mod:`.client_commands`).
 """
 
@@ -30,7 +30,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _load(config: Optional[Path]) -> Any:
-    from ..runtime.config import ConfigError, load_config
+    from ..server.config import ConfigError, load_config
 
     try:
         return load_config(config)
@@ -55,7 +55,7 @@ def serve(
     from pydantic import ValidationError
 
     from ..engine.loader import ModelLoadError
-    from ..runtime.config import format_errors
+    from ..server.config import format_errors
     from ..server.app import serve as run_server
 
     cfg = _load(config)
@@ -138,7 +138,7 @@ def config_init(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Write a default config file."""
-    from ..runtime.config import ServerConfig, default_config_path, render_config
+    from ..server.config import ServerConfig, default_config_path, render_config
 
     p = path or default_config_path()
     if p.exists() and not force:
@@ -151,7 +151,7 @@ def config_init(
 @config_app.command("show")
 def config_show(config: Optional[Path] = CONFIG) -> None:
     """Print the effective config (defaults filled in)."""
-    from ..runtime.config import render_config
+    from ..server.config import render_config
 
     print(render_config(_load(config)), end="")
 

@@ -19,7 +19,7 @@ from ..engine.kv_accounting import PageAccount
 @dataclass
 class KvLimits:
     """KV and snapshot limits (None: unlimited). Filled from ``[limits]``
-    of the server config (``tartlet.runtime.config.LimitsConfig``).
+    of the server config (``tartlet.server.config.LimitsConfig``).
 
     Attributes:
         max_pages_per_user: distinct KV pages one user's live contexts and

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from ..runtime.config import ServerConfig
+from .config import ServerConfig
 from . import metrics
 from .openai_api import ApiError, OpenAiRoutes
 from .service import Service

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..errors import LimitError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
-from ..runtime.config import ServerConfig
+from .config import ServerConfig
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
 from ..runtime.program import Program, ProgramError
