@@ -1,0 +1,116 @@
+"""Batch-1 decode against the weight-bandwidth roofline (issue 11: >= 70%).
+
+One decode step of one sequence reads every weight it multiplies (each
+layer's projections and norms, and the output head; of the embedding only
+one row, unless the head is tied to it and so reads it all), so its time is
+bounded below by
+
+    roofline = weight bytes read per token / the machine's read bandwidth.
+
+Measured in one run, in alternating rounds (these VMs drift): the read
+bandwidth (``torch.sum`` over a float32 buffer much larger than the
+last-level cache, on the engine's threads), the copy bandwidth (bytes read
+plus written by ``Tensor.copy_``), and the batch-1 step of the default model
+as the engine runs it (greedy one-token passes submitted straight to the
+scheduler: no inferlet, no server). Prints both bandwidths, the roofline,
+the step and their ratio (the fraction of the roofline reached), then one
+``JSON:`` line. Usage::
+
+    .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_wasm import PROMPT, direct_tpot
+from common import load_engine, report
+
+
+def read_bytes_per_token(model) -> int:
+    """Weight bytes one decode step reads: every weight storage of the model,
+    less the embedding's when the output head does not share it (a step reads
+    one embedding row then)."""
+    from tartlet.engine.quant_formats import QuantWeight
+    from tartlet.engine.quant_linear import QuantLinear
+
+    total = model.weight_bytes()
+    embed, head = model.embed, model.lm_head
+    parts = [embed.q, embed.d, embed.m] if isinstance(embed, QuantWeight) else [embed]
+    tied = isinstance(head, QuantLinear) and isinstance(embed, QuantWeight) and head.parts[0].q is embed.q
+    if not tied and getattr(head, "weight", None) is not embed:
+        total -= sum(t.untyped_storage().nbytes() for t in parts if t is not None)
+    return total
+
+
+def read_gbs(buf) -> float:
+    """Bytes per second ``buf.sum()`` reads (best of 3)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / best / 1e9
+
+
+def copy_gbs(dst, src) -> float:
+    """Bytes per second ``dst.copy_(src)`` reads plus writes (best of 3)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small buffer, few steps (checks the script runs)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per round")
+    ap.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth buffer (MiB; >> last-level cache)")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.steps, a.buffer_mb = 1, 8, 64
+
+    import torch
+
+    engine = load_engine(threads=a.threads)
+    try:
+        model = engine.model
+        weight = read_bytes_per_token(model)
+        ids = engine.tokenizer.encode(PROMPT)
+        n = a.buffer_mb * 2**20 // 4
+        buf, dst = torch.ones(n), torch.empty(n)
+        reads, copies, steps = [], [], []
+        direct_tpot(engine, ids, 4)  # warm-up
+        for _ in range(a.rounds):
+            reads.append(read_gbs(buf))
+            copies.append(copy_gbs(dst, buf))
+            steps.append(direct_tpot(engine, ids, a.steps))
+        read, copy, step = statistics.median(reads), statistics.median(copies), statistics.median(steps)
+        roofline = weight / (read * 1e9)
+        rows = [
+            ["weight bytes read per token", f"{weight / 2**20:.1f} MiB"],
+            ["read bandwidth (sum)", f"{read:.1f} GB/s"],
+            ["copy bandwidth (read + write)", f"{copy:.1f} GB/s"],
+            ["roofline step (weights / read bandwidth)", f"{roofline * 1e3:.2f} ms"],
+            ["measured batch-1 step", f"{step * 1e3:.2f} ms"],
+            ["fraction of the roofline", f"{roofline / step:.0%}"],
+        ]
+        title = (f"batch-1 decode vs the weight-bandwidth roofline: default model "
+                 f"({model.weight_summary()}), {torch.get_num_threads()} threads, median of {a.rounds} rounds")
+        report(title, ["quantity", "value"], rows, {
+            "weight_bytes_per_token": weight, "read_gbs": read, "copy_gbs": copy, "roofline_ms": roofline * 1e3,
+            "step_ms": step * 1e3, "fraction": roofline / step, "threads": torch.get_num_threads(),
+            "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps]},
+        })
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
