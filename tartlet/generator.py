@@ -236,7 +236,8 @@ class Generator:
         """End the generation here: waits for a pass queued ahead (overlap)
         so the context can be used again. Its token stays in the KV cache
         and its sampled token is dropped (a later generation recomputes
-        it). Idempotent; a no-op without overlap."""
+        it). An unfinished generation ends with ``finish_reason`` ``"stop"``
+        (its text so far is the assistant turn). Idempotent."""
         if self._ahead is not None:
             fut, inputs = self._ahead
             self._ahead = None
