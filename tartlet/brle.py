@@ -66,6 +66,25 @@ def from_ranges(size: int, ranges: Iterable[tuple[int, int]]) -> list[int]:
     return runs
 
 
+def excluding(size: int, ids: Iterable[int]) -> list[int]:
+    """Mask of ``size`` bits that are True except at ``ids`` (any order,
+    repeats allowed), e.g. a logit mask banning some token ids.
+
+    Raises:
+        ValueError: an id outside ``[0, size)``.
+    """
+    ranges, lo = [], 0
+    for i in sorted(set(ids)):
+        if not 0 <= i < size:
+            raise ValueError(f"id {i} is outside [0, {size})")
+        if i > lo:
+            ranges.append((lo, i))
+        lo = i + 1
+    if lo < size:
+        ranges.append((lo, size))
+    return from_ranges(size, ranges)
+
+
 def all_true(size: int) -> list[int]:
     """A mask of ``size`` True bits."""
     return [0, size]

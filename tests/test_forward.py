@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from harness import inline_program, run_ok
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
@@ -298,3 +300,13 @@ async def test_bad_forward_input_is_rejected_and_leaves_the_context_usable(runti
     assert "empty context" in e["generate on empty"]
     assert out["kv_after"] == out["n"], "a rejected call must not change the context"
     assert out["text"] == out["ref"]
+
+
+def test_brle_excluding_bans_exactly_the_ids():
+    from tartlet import brle
+
+    assert brle.decode(brle.excluding(6, [4, 0, 4])) == [False, True, True, True, False, True]
+    assert brle.decode(brle.excluding(3, [])) == [True, True, True]
+    assert brle.decode(brle.excluding(2, [0, 1])) == [False, False]
+    with pytest.raises(ValueError, match="outside"):
+        brle.excluding(3, [3])

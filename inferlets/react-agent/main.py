@@ -168,14 +168,8 @@ def end_line(ctx, gen, start):
 async def first_token(ctx, sampler, banned):
     """Run the pending tokens and sample the next token with ``banned`` ids
     masked out of the logits; it is left pending. Returns it."""
-    vocab, ranges, lo = ctx.model.vocab_size, [], 0
-    for b in sorted(set(banned)):
-        if b > lo:
-            ranges.append((lo, b))
-        lo = b + 1
-    if lo < vocab:
-        ranges.append((lo, vocab))
-    [tok] = await ctx.forward(outputs=[forward.sample(len(ctx.pending) - 1, sampler, logit_mask=brle.from_ranges(vocab, ranges))])
+    mask = brle.excluding(ctx.model.vocab_size, banned)
+    [tok] = await ctx.forward(outputs=[forward.sample(len(ctx.pending) - 1, sampler, logit_mask=mask)])
     ctx.fill_tokens([tok])
     return tok
 
