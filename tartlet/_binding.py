@@ -11,13 +11,19 @@ functions, blocking ``wait-any`` underneath), so inferlet code is unchanged.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
-_host: contextvars.ContextVar[Any] = contextvars.ContextVar("tartlet_host")
+if TYPE_CHECKING:  # the contract only; the SDK does not import the host at run time
+    from .host.api import HostApi
+
+T = TypeVar("T")
+
+_host: contextvars.ContextVar[HostApi] = contextvars.ContextVar("tartlet_host")
 
 
-def host() -> Any:
+def host() -> HostApi:
     """The host API of the running inferlet.
 
     Raises:
@@ -32,15 +38,15 @@ def host() -> Any:
         ) from None
 
 
-def bind(api: Any) -> contextvars.Token:
+def bind(api: HostApi) -> contextvars.Token[HostApi]:
     """Make ``api`` the host of the current context (and of tasks it starts)."""
     return _host.set(api)
 
 
-def unbind(token: contextvars.Token) -> None:
+def unbind(token: contextvars.Token[HostApi]) -> None:
     _host.reset(token)
 
 
-async def wait(fut: Any) -> Any:
+async def wait(fut: concurrent.futures.Future[T]) -> T:
     """Await a host future (a ``concurrent.futures.Future``)."""
     return await asyncio.wrap_future(fut)

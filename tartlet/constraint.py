@@ -63,7 +63,8 @@ def slot_fields(constraint: Any) -> dict[str, Any]:
     Python constraints, ``{}`` when everything is allowed."""
     fields = getattr(constraint, "slot_fields", None)
     if fields is not None:
-        return fields()
+        out: dict[str, Any] = fields()
+        return out
     mask = constraint.mask()
     return {} if mask is None else {"logit_mask": list(mask)}
 

@@ -11,6 +11,7 @@ snapshots and reopened by later inferlets.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -229,7 +230,7 @@ class Context:
     def _render(self, add_generation_prompt: bool) -> str:
         return _tools.render_chat(self.model, self._messages, add_generation_prompt, self._tools)
 
-    def _chat(self, role: str, content: str) -> None:
+    def _chat(self, role: str, content: str | None) -> None:
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
         self._messages.append({"role": role, "content": content})
@@ -305,7 +306,7 @@ class Context:
         *,
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
-        outputs: list[OutputSlot] = (),
+        outputs: Sequence[OutputSlot] = (),
     ) -> list[Any]:
         """One explicit forward pass over pending tokens followed by ``tokens``.
 

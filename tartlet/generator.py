@@ -265,6 +265,7 @@ class Generator:
         """Account one generated token; True when generation must end."""
         is_eos = any(tok in e.ids for e in self._eos)
         if not is_eos:
+            assert self._decoder is not None  # open from start() until _finish()
             self._raw += _binding.host().decoder_push(self._decoder, [tok])
         if self.constraint is not None:
             self.constraint.advance(tok)
@@ -347,6 +348,7 @@ class Generator:
         self.tokens.extend(toks)
         text = [t for t in toks if t not in stop_ids]
         if text:
+            assert self._decoder is not None  # open from start() until _finish()
             self._raw += _binding.host().decoder_push(self._decoder, text)
         # in the order _step keeps: the turn ends before the last token is pending
         self._finish("eos" if toks[-1] in stop_ids else "length")

@@ -49,7 +49,7 @@ import asyncio
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from . import _binding, http
 from .errors import HttpError
@@ -231,7 +231,9 @@ def parse_sse(body: str) -> list[str]:
     with CRLF, LF or CR; ``data:`` lines of one event are joined with
     ``\\n``; a blank line ends an event; ``:`` lines are comments; one
     space after the colon is dropped. Events without data are skipped."""
-    events, data, pending = [], [], False
+    events: list[str] = []
+    data: list[str] = []
+    pending = False
     for line in body.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         if not line:
             if pending:
@@ -317,7 +319,7 @@ class McpClient:
         self.capabilities = dict(result.get("capabilities") or {})
         self.instructions = result.get("instructions")
         await self._post({"jsonrpc": "2.0", "method": "notifications/initialized"}, "notifications/initialized")
-        return result
+        return cast(dict[str, Any], result)  # a dict: its protocolVersion passed the check above
 
     async def close(self) -> None:
         """End the session (HTTP DELETE with the session id; best effort:
@@ -351,7 +353,8 @@ class McpClient:
         for t in items:
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
                 raise McpError(f"MCP server {self.name!r} listed a tool without a name: {str(t)[:200]}")
-            schema = t.get("inputSchema") if isinstance(t.get("inputSchema"), dict) else {"type": "object"}
+            given = t.get("inputSchema")
+            schema: dict[str, Any] = given if isinstance(given, dict) else {"type": "object"}
             out.append(Tool(t["name"], str(t.get("description") or ""), schema, t.get("title"),
                             t.get("outputSchema"), t.get("annotations"), t))
         return out

@@ -76,9 +76,12 @@ class Sampler:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.temperature = float(temperature)
-        self.top_k = top_k
-        self.top_p = float(top_p)
-        self.min_p = float(min_p)
+        # These instance attributes shadow the presets of the same name
+        # (Sampler.top_k(k) builds one, sampler.top_k reads the value), which
+        # mypy cannot express: it types the names as the classmethods.
+        self.top_k = top_k  # type: ignore[method-assign, assignment]
+        self.top_p = float(top_p)  # type: ignore[method-assign, assignment]
+        self.min_p = float(min_p)  # type: ignore[method-assign, assignment]
         self.seed = seed
         self._custom: CustomFn | None = None
         self._custom_k = 0
@@ -145,7 +148,8 @@ class Sampler:
         if self._custom is not None:
             return OutputSlot(index, "distribution", temperature=self.temperature, k=self._custom_k)
         seed = None if self.seed is None else step_seed(self.seed, step)
-        return OutputSlot(index, "sample", temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed)
+        return OutputSlot(index, "sample", temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,  # type: ignore[arg-type]  # the values (see __init__)
+                          seed=seed)
 
     def pick(self, result: Any) -> int:
         """The token id from the slot's result (runs the custom function).

@@ -7,7 +7,9 @@ does. :class:`StopStrings` also tells the generator where to cut the text.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, TypeVar
+
+C = TypeVar("C")
 
 
 class StopCondition:
@@ -31,7 +33,7 @@ class AnyOf(StopCondition):
     def should_stop(self, tokens: list[int], text: str) -> bool:
         return any(c.should_stop(tokens, text) for c in self.conditions)
 
-    def find(self, kind: type) -> list:
+    def find(self, kind: type[C]) -> list[C]:
         return [c for c in self.conditions if isinstance(c, kind)]
 
 

@@ -57,7 +57,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 # A renderer: (messages, add_generation_prompt, tools) -> prompt text.
-Render = Callable[[list, bool, "list | None"], str]
+Render = Callable[[list[dict[str, Any]], bool, "list[dict[str, Any]] | None"], str]
 
 
 class ToolSpecError(ValueError):
@@ -177,7 +177,7 @@ def _args_object(value: Any) -> dict[str, Any] | None:
 def _call_from(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not NAME_RE.fullmatch(obj["name"]):
         return None
-    raw = next((obj[k] for k in args_keys if k in obj), {})
+    raw: Any = next((obj[k] for k in args_keys if k in obj), {})
     args = _args_object(raw)
     if args is None:
         return None
@@ -424,7 +424,7 @@ HERMES_TOOLS_PROMPT = (
 )
 
 
-def uses_tools(messages: list[dict[str, Any]], tools: list | None) -> bool:
+def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
     """True when rendering needs this module: tools given, a tool message
     or an assistant message with tool calls."""
     return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
@@ -474,12 +474,12 @@ def template_messages(
                 content = m.get("content")
                 out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
         elif m.get("role") == "tool":
-            cid = m.get("tool_call_id")
+            tool_cid = m.get("tool_call_id")
             if fmt.native:
                 msg = {"role": "tool", "content": m.get("content") or ""}
-                if cid is not None:
-                    msg["tool_call_id"] = _mistral_id(cid) if fmt.name == "mistral" else cid
-                name = m.get("name") or names.get(cid or "")
+                if tool_cid is not None:
+                    msg["tool_call_id"] = _mistral_id(tool_cid) if fmt.name == "mistral" else tool_cid
+                name = m.get("name") or names.get(tool_cid or "")
                 if name:
                     msg["name"] = name
                 out.append(msg)
@@ -669,6 +669,7 @@ class ForcedToolCall:
                 start, end = len(fmt.body_prefix(name)), len(text) - len(fmt.body_suffix)
                 piece = text[start + sent: end] if end > start + sent else ""
                 if piece:
+                    assert self.call is not None  # set when the name was found
                     sent += len(piece)
                     self.call.arguments += piece
                     yield {"index": 0, "arguments": piece}
@@ -682,6 +683,7 @@ class ForcedToolCall:
                 self.call.arguments += rest
                 yield {"index": 0, "arguments": rest}
         if self.finish_reason == "tool_calls":
+            assert self.call is not None  # the grammar ends only after a complete call
             if fmt.close:
                 ctx.fill(fmt.close)
             ctx._replace_assistant_turn(

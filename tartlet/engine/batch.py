@@ -14,6 +14,7 @@ The scheduler decides *what* runs; this module decides how it is laid out.
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,7 @@ class BatchInputs:
         return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows))
 
 
-def build_batch(items: list[BatchItem], indexes: bool = False) -> BatchInputs:
+def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = False) -> BatchInputs:
     """The tensors of one model call over ``items`` (in order): flat rows,
     one attention group per multi-token item and one for all single-token
     (decode) items. ``indexes``: fill ``q_index``/``kv_index`` (models with

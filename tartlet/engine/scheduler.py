@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ from .kv_cache import PagePool
 from .llama import LlamaModel
 from .sampler import OutputSlot, SamplerSpec, SlotSampler
 from .sequence import Sequence
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class ForwardRequest:
     positions: list[int] | None = None
     attention: list[torch.Tensor] | None = None
     outputs: list[OutputSlot] = field(default_factory=list)
-    future: Future = field(default_factory=Future)
+    future: Future[list[object]] = field(default_factory=Future)
     # progress of a chunked prefill
     started: bool = False
     done: int = 0
@@ -92,10 +94,10 @@ class ForwardRequest:
 
 
 @dataclass
-class Command:
-    fn: Callable[[], object]
+class Command(Generic[T]):
+    fn: Callable[[], T]
     touches: tuple[Sequence, ...]
-    future: Future = field(default_factory=Future)
+    future: Future[T] = field(default_factory=Future)
 
 
 @dataclass
@@ -129,7 +131,7 @@ class SchedulerStats:
     queue_wait_seconds: float = 0.0
     batch_wait_seconds: float = 0.0
     overhead_seconds: float = 0.0
-    batch_sizes: collections.Counter = field(default_factory=collections.Counter)
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 @dataclass
@@ -175,14 +177,14 @@ class Scheduler:
         # every layer slides: sequences release the pages before the window (sequence.py)
         pool.window = model.config.uniform_window()
         self.stats = SchedulerStats()
-        self._queue: collections.deque[ForwardRequest | Command] = collections.deque()
+        self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._expected: set[int] = set()
         self._running = False
         self._thread: threading.Thread | None = None
 
     # -- submission (any thread) -------------------------------------------
-    def submit(self, req: ForwardRequest) -> Future:
+    def submit(self, req: ForwardRequest) -> Future[list[object]]:
         """Queue a forward request; returns its future.
 
         Raises:
@@ -197,7 +199,7 @@ class Scheduler:
         self._put(req, req.seq)
         return req.future
 
-    def command(self, fn: Callable[[], object], *touches: Sequence) -> Future:
+    def command(self, fn: Callable[[], T], *touches: Sequence) -> Future[T]:
         """Queue ``fn`` to run on the scheduler thread, ordered after earlier
         forward passes of the sequences in ``touches``; returns a future of
         its return value (or exception)."""
@@ -205,7 +207,7 @@ class Scheduler:
         self._put(cmd, *touches)
         return cmd.future
 
-    def _put(self, item: ForwardRequest | Command, *seqs: Sequence) -> None:
+    def _put(self, item: ForwardRequest | Command[Any], *seqs: Sequence) -> None:
         with self._cond:
             if not self._running:
                 raise RuntimeError("the scheduler is not running")
@@ -267,7 +269,7 @@ class Scheduler:
         items: list[_Item] = []
         busy: set[int] = set()
         waiting: set[int] = set()  # sequences with a request waiting for pages
-        left: list[ForwardRequest | Command] = []  # what waits, in queue order
+        left: list[ForwardRequest | Command[Any]] = []  # what waits, in queue order
         budget = self.max_batch_tokens
         q = self._queue
         try:
@@ -276,8 +278,8 @@ class Scheduler:
             q.extendleft(reversed(left))
         return items
 
-    def _drain(self, q: collections.deque, items: list[_Item], busy: set[int], waiting: set[int],
-               left: list[ForwardRequest | Command], budget: int) -> None:  # fmt: skip
+    def _drain(self, q: collections.deque[ForwardRequest | Command[Any]], items: list[_Item], busy: set[int], waiting: set[int],
+               left: list[ForwardRequest | Command[Any]], budget: int) -> None:  # fmt: skip
         users = {r.user for r in q if isinstance(r, ForwardRequest)}
         share = max(1, self.max_batch_tokens // len(users)) if len(users) > 1 else self.max_batch_tokens
         used: dict[str, int] = {}  # tokens of each user in this round

@@ -25,7 +25,7 @@ import itertools
 import threading
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import torch
 
@@ -42,6 +42,11 @@ from .grammar_api import GrammarHostMixin
 from .io_api import ChildLauncher, IoHostMixin
 from .session import Session
 from .state import HostState, ModelSlot
+
+if TYPE_CHECKING:
+    from .messaging import Message
+
+T = TypeVar("T")
 
 #: Largest number of input tokens in one forward call.
 MAX_FORWARD_TOKENS = 65536
@@ -255,7 +260,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         _pending(seq.account, fresh, lambda: self._fork_later(parent.engine, parent.seq, child.seq))
         return self._add(child)
 
-    def _fork_later(self, engine: Engine, src: Sequence, dst: Sequence) -> Future:
+    def _fork_later(self, engine: Engine, src: Sequence, dst: Sequence) -> Future[None]:
         def run() -> None:
             if src.freed:
                 dst.free(src.error or "forked from a destroyed context")
@@ -315,13 +320,13 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             raise ValueError(f"mask range [{start!r}, {end!r}) outside the context's [0, {n})")
         ctx.engine.scheduler.command(lambda: ctx.seq.mask_range(start, end, bool(masked)), ctx.seq)
 
-    def context_drop_masked_pages(self, handle: int) -> Future:
+    def context_drop_masked_pages(self, handle: int) -> Future[int]:
         """Release full pages whose tokens are all masked; future of the
         number of pages dropped."""
         ctx = self._ctx(handle)
         return ctx.engine.scheduler.command(ctx.seq.drop_masked_pages, ctx.seq)
 
-    def context_stats(self, handle: int) -> Future:
+    def context_stats(self, handle: int) -> Future[dict[str, int]]:
         """Future of ``{"tokens", "pages", "live_pages", "shared_pages"}``
         of a context, after its queued passes (``shared_pages``: pages also
         referenced by another context or snapshot)."""
@@ -407,7 +412,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
         outputs: list[OutputSlot] | None = None,
-    ) -> Future:
+    ) -> Future[list[object]]:
         """Append ``tokens`` to the context and run them through the model.
 
         Args:
@@ -467,7 +472,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
-        def on_done(f: Future) -> None:
+        def on_done(f: Future[list[object]]) -> None:
             if f.cancelled() or f.exception() is not None:
                 with ctx.lock:  # the scheduler rolled the sequence back
                     if len(ctx.tokens) == end:
@@ -484,7 +489,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         first_step: int,
         max_steps: int,
         stop_ids: list[int],
-    ) -> Future:
+    ) -> Future[list[int]]:
         """Decode up to ``max_steps`` tokens host-side: the same passes that
         ``max_steps`` calls of :meth:`forward` with one ``sample`` slot each
         would run (``tokens``, then each sampled token in turn), without a
@@ -523,13 +528,13 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         seed = sampler.seed
         stop = frozenset(int(t) for t in stop_ids)
         out: list[int] = []
-        result: Future = Future()
+        result: Future[list[int]] = Future()
 
         def slot(n_inputs: int) -> OutputSlot:
             step = None if seed is None else step_seed(seed, first_step + len(out))
             return replace(sampler, index=n_inputs - 1, seed=step)
 
-        def done(f: Future) -> None:  # on the scheduler thread
+        def done(f: Future[list[object]]) -> None:  # on the scheduler thread
             if result.done():  # cancelled by the caller
                 return
             if f.cancelled():
@@ -538,7 +543,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             if f.exception() is not None:
                 result.set_exception(f.exception())
                 return
-            tok = int(f.result()[0])
+            tok = int(cast(int, f.result()[0]))  # a `sample` slot yields its token id
             out.append(tok)
             if len(out) >= max_steps or tok in stop:
                 result.set_result(out)
@@ -602,7 +607,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
     def session_send(self, msg: str | bytes) -> None:
         self.session.send(msg)
 
-    def session_receive(self) -> Future:
+    def session_receive(self) -> Future[Message]:
         return self.session.receive()
 
     # -- end of instance -----------------------------------------------------------
@@ -619,7 +624,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._grammar_close()
 
 
-def _pending(acc: PageAccount | None, fresh: int, queue: Any) -> Future:
+def _pending(acc: PageAccount | None, fresh: int, queue: Callable[[], Future[T]]) -> Future[T]:
     """Pre-check ``fresh`` new pages against ``acc`` (counting calls still
     queued), then call ``queue()`` and count the pages as pending until its
     future is done.

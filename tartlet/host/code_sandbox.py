@@ -51,7 +51,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..errors import LimitError
 from ..paths import cache_dir
@@ -142,6 +142,16 @@ class WitWorld(wit_world.WitWorld):
 class CodeSandboxError(RuntimeError):
     """The sandbox itself is unavailable (wasmtime or componentize-py
     missing, or the runner component failed to build)."""
+
+
+class SandboxResult(TypedDict):
+    """The result of :meth:`CodeSandbox.run` (see there)."""
+
+    status: str  # ok | error | timeout | memory | crashed
+    stdout: str
+    error: str | None
+    truncated: bool
+    elapsed_ms: int
 
 
 class CodeSandbox:
@@ -247,7 +257,7 @@ class CodeSandbox:
 
     def run(
         self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None, owner: str = "",
-    ) -> Future:  # fmt: skip
+    ) -> Future[SandboxResult]:  # fmt: skip
         """Run ``setup`` (output discarded) then ``code`` in a fresh sandbox,
         for user ``owner``. Cancelling the future before it starts drops it.
 
@@ -287,7 +297,7 @@ class CodeSandbox:
             else:
                 self._pending.pop(owner, None)
 
-    def _run(self, code: str, setup: str, time_limit_s: float, memory_mb: int) -> dict[str, Any]:
+    def _run(self, code: str, setup: str, time_limit_s: float, memory_mb: int) -> SandboxResult:
         from wasmtime import Store, WasiConfig, WasmtimeError
         from wasmtime.component import Variant
 
@@ -313,7 +323,8 @@ class CodeSandbox:
         store.set_limits(memory_size=memory_mb << 20)
         store.set_epoch_deadline(max(1, math.ceil(time_limit_s / TICK_S)))
         t0 = time.monotonic()
-        status, error = "ok", None
+        status = "ok"
+        error: str | None = None
         try:
             instance = linker.instantiate(store, component)
             run = instance.get_func(store, "run")
@@ -322,7 +333,7 @@ class CodeSandbox:
                 status, error = "error", str(r.payload)
             elif r is not None and not (isinstance(r, Variant) and r.tag == "ok"):
                 status, error = "error", str(r)
-            if status == "error" and error.rstrip().splitlines()[-1].startswith("MemoryError"):
+            if status == "error" and error is not None and error.rstrip().splitlines()[-1].startswith("MemoryError"):
                 status, error = "memory", f"{error}\n(the sandbox's memory limit is {memory_mb} MiB)"
         except WasmtimeError as e:
             text = str(e)

@@ -35,15 +35,19 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
+import numpy.typing as npt
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
 from ..errors import GrammarError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stub's TypedDict, not exported at run time
 
 #: Constraint kinds a host accepts in ``grammar_new``.
 GRAMMAR_KINDS = ("json_schema", "any_json", "regex", "grammar")
@@ -59,7 +63,7 @@ MASK_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), 
 #: JSON compile options: compact separators (``,`` and ``:``), no free
 #: whitespace. Flexible whitespace lets a small model pad with newlines
 #: forever; compact output is also fewer tokens.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass
@@ -89,7 +93,7 @@ class GrammarStats:
 STATS = GrammarStats()
 
 _tokenizers: "weakref.WeakKeyDictionary[Any, llg.LLTokenizer]" = weakref.WeakKeyDictionary()
-_templates: "collections.OrderedDict[tuple, llg.LLMatcher]" = collections.OrderedDict()
+_templates: "collections.OrderedDict[tuple[int, str], llg.LLMatcher]" = collections.OrderedDict()
 _lock = threading.Lock()
 
 
@@ -186,7 +190,7 @@ class Matcher:
         self.vocab_size = vocab_size
         self._m = ll
         self._lock = threading.Lock()
-        self._pending: Future | None = None
+        self._pending: Future[torch.Tensor] | None = None
         self.consumed = 0
         self.error: str | None = None
 
@@ -299,7 +303,7 @@ class Matcher:
             return self._m.is_accepting()
 
     # -- masks --------------------------------------------------------------
-    def bits(self) -> np.ndarray:
+    def bits(self) -> npt.NDArray[np.uint8]:
         """Packed allowed-token bits of the current state: uint8
         ``[ceil(V / 8)]``, little-endian bit order.
 
@@ -313,7 +317,7 @@ class Matcher:
             self._check()
             return out
 
-    def _compute(self) -> np.ndarray:
+    def _compute(self) -> npt.NDArray[np.uint8]:
         t0 = time.perf_counter()
         words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
@@ -321,7 +325,7 @@ class Matcher:
         STATS.mask_seconds += time.perf_counter() - t0
         return words.view(np.uint8)[: (self.vocab_size + 7) // 8]
 
-    def mask_async(self) -> Future:
+    def mask_async(self) -> Future[torch.Tensor]:
         """Start computing the bool ``[V]`` mask tensor of the current state
         on :data:`MASK_POOL`; a future of it. A failed matcher gives an
         all-False mask (the sampler then fails that slot alone) and the error
@@ -355,19 +359,19 @@ class Matcher:
         self._settle()
 
 
-def bits_to_tensor(packed: np.ndarray, size: int) -> torch.Tensor:
+def bits_to_tensor(packed: npt.NDArray[np.uint8], size: int) -> torch.Tensor:
     """Packed little-endian bits -> bool tensor ``[size]``."""
     bits = np.unpackbits(packed, count=size, bitorder="little").view(np.bool_)
     return torch.from_numpy(bits)
 
 
-def bits_to_brle(packed: np.ndarray, size: int) -> list[int]:
+def bits_to_brle(packed: npt.NDArray[np.uint8], size: int) -> list[int]:
     """Packed little-endian bits -> BRLE run lengths (first run False) over
     ``size`` bits (:mod:`tartlet.brle` format)."""
     bits = np.unpackbits(packed, count=size, bitorder="little")
     edges = np.flatnonzero(bits[1:] != bits[:-1]) + 1
     bounds = np.concatenate(([0], edges, [size]))
-    runs = np.diff(bounds).tolist()
+    runs: list[int] = np.diff(bounds).tolist()
     return ([0] + runs) if size and bits[0] else runs
 
 
@@ -379,13 +383,13 @@ class GrammarOutputSlot(OutputSlot):
     (counted in :attr:`GrammarStats.wait_seconds`).
     """
 
-    def __init__(self, index: int, spec: SamplerSpec | ProbeSpec, mask: Future, extra: torch.Tensor | None) -> None:
+    def __init__(self, index: int, spec: SamplerSpec | ProbeSpec, mask: Future[torch.Tensor], extra: torch.Tensor | None) -> None:
         self._mask = mask
         self._extra = extra
         self._resolved: torch.Tensor | None = None
         super().__init__(index, spec, None)
 
-    @property  # type: ignore[override]
+    @property
     def allowed(self) -> torch.Tensor:
         if self._resolved is None:
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ contexts); :meth:`_grammar_close` drops them all when the instance ends.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -77,6 +77,12 @@ class GrammarHostMixin:
         engine = self.state.model(model).engine
         return self._grammar_add(Matcher.compile(engine, kind, spec))
 
+    @overload
+    def grammar_mask(self, handle: int, form: Literal["brle"] = ...) -> list[int]: ...
+    @overload
+    def grammar_mask(self, handle: int, form: Literal["bits"]) -> bytes: ...
+    @overload
+    def grammar_mask(self, handle: int, form: str) -> list[int] | bytes: ...
     def grammar_mask(self, handle: int, form: str = "brle") -> list[int] | bytes:
         """The allowed tokens of the matcher's current state.
 

@@ -18,7 +18,7 @@ import fnmatch
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 from ..errors import HttpError
@@ -83,6 +83,14 @@ def endpoint_key(url: str) -> tuple[str, str, int, str] | None:
     return parts.scheme, parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/") or "/"
 
 
+class HttpResponse(TypedDict):
+    """The result of :meth:`HttpFetcher.fetch`."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
 class HttpFetcher:
     """Runs fetches on a small thread pool (``httpx`` underneath)."""
 
@@ -91,7 +99,7 @@ class HttpFetcher:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tartlet-http")
         self._client: Any = None
 
-    def fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> Future:
+    def fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> Future[HttpResponse]:
         """Start a request; a future of ``{"status": int, "headers": {str: str},
         "body": bytes}``.
 
@@ -128,7 +136,7 @@ class HttpFetcher:
             raise HttpError(f"request body of {len(data)} bytes is larger than {self.policy.max_request_bytes}")
         return self._pool.submit(self._do, url, method, headers, data)
 
-    def _do(self, url: str, method: str, headers: dict[str, str], data: bytes | None) -> dict[str, Any]:
+    def _do(self, url: str, method: str, headers: dict[str, str], data: bytes | None) -> HttpResponse:
         import httpx
 
         if self._client is None:

@@ -12,24 +12,57 @@ runs) is closed by :meth:`IoHostMixin.close_io` when the instance ends.
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import itertools
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from ..errors import HttpError, InvalidHandleError
 
 if TYPE_CHECKING:
+    from .code_sandbox import CodeSandbox, SandboxResult
+    from .http import HttpResponse
+    from .messaging import Message
     from .state import HostState
+    from .store import Store
+
+
+class ChildInstance(Protocol):
+    """What the host reads of a child inferlet: a
+    :class:`tartlet.runtime.instance.Instance` (a layer above)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def status(self) -> enum.Enum: ...
+    @property
+    def result(self) -> Any: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def task(self) -> asyncio.Task[Any] | None: ...
+    def abort(self, reason: str = ...) -> None: ...
 
 
 class ChildLauncher(Protocol):
     """What launches an instance's children: the runtime that launched the
     instance (:class:`tartlet.runtime.base.BaseRuntime`, a layer above)."""
 
-    def launch_child(self, parent: Any, name: str, args: dict[str, Any]) -> Any:
+    def launch_child(self, parent: Any, name: str, args: dict[str, Any]) -> ChildInstance:
         """Start inferlet ``name`` for ``parent`` (a HostApi); returns its
         :class:`~tartlet.runtime.instance.Instance`."""
         ...
+
+
+class ChildResult(TypedDict):
+    """The result of :meth:`IoHostMixin.child_wait`."""
+
+    id: str
+    status: str
+    result: Any
+    error: str | None
+    output: list[str]
 
 
 class IoHostMixin:
@@ -43,10 +76,10 @@ class IoHostMixin:
     def _init_io(self) -> None:
         """Empty I/O tables (called by ``HostApi.__init__``)."""
         self._subs: set[int] = set()  # subscription ids
-        self._pulls: set[Future] = set()  # pending messaging pulls
-        self._children: dict[int, Any] = {}  # child handle -> Instance
+        self._pulls: set[Future[Message]] = set()  # pending messaging pulls
+        self._children: dict[int, ChildInstance] = {}  # child handle -> Instance
         self._child_ids = itertools.count(1)
-        self._code_runs: set[Future] = set()  # queued or running code_run calls
+        self._code_runs: set[Future[SandboxResult]] = set()  # queued or running code_run calls
 
     # -- messaging -------------------------------------------------------------------
     def messaging_push(self, topic: str, msg: str | bytes) -> None:
@@ -59,7 +92,7 @@ class IoHostMixin:
         """
         self.state.bus.push(self.owner, topic, msg)
 
-    def messaging_pull(self, topic: str) -> Future:
+    def messaging_pull(self, topic: str) -> Future[Message]:
         """Future of the next message pushed on ``topic``."""
         fut = self.state.bus.pull(self.owner, topic)
         pulls = self._pulls
@@ -84,7 +117,7 @@ class IoHostMixin:
         self._subs.add(sid)
         return sid
 
-    def messaging_next(self, sid: int) -> Future:
+    def messaging_next(self, sid: int) -> Future[Message]:
         """Future of the subscription's next message.
 
         Raises:
@@ -101,7 +134,7 @@ class IoHostMixin:
             self.state.bus.unsubscribe(sid)
 
     # -- store ---------------------------------------------------------------------
-    def _store(self) -> Any:
+    def _store(self) -> Store:
         st = self.state
         if st.store is None:
             from .store import Store
@@ -124,7 +157,7 @@ class IoHostMixin:
         return self._store().keys(self.owner, prefix)
 
     # -- http ------------------------------------------------------------------------
-    def http_fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> Future:
+    def http_fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> Future[HttpResponse]:
         """Future of ``{"status", "headers", "body"}`` (see :mod:`tartlet.host.http`).
 
         Raises:
@@ -143,7 +176,7 @@ class IoHostMixin:
         return dict(self.state.mcp_servers)
 
     # -- sandboxed code ----------------------------------------------------------------
-    def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> Future:
+    def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> Future[SandboxResult]:
         """Run Python ``code`` (after ``setup``, whose output is discarded) in
         a fresh WebAssembly sandbox of the host (:mod:`tartlet.host.code_sandbox`):
         no files, no sockets, at most ``time_limit_s`` seconds of wall time
@@ -161,7 +194,7 @@ class IoHostMixin:
 
         Runs still queued when the instance ends are dropped.
         """
-        sandbox = getattr(self.state, "code_sandbox", None)
+        sandbox: CodeSandbox | None = getattr(self.state, "code_sandbox", None)
         if sandbox is None:
             raise RuntimeError("running code is disabled on this host ([code] enabled = false)")
         fut = sandbox.run(code, setup, time_limit_s, memory_mb, owner=self.owner)
@@ -188,17 +221,17 @@ class IoHostMixin:
         self._children[h] = child
         return h
 
-    def _child(self, h: int) -> Any:
+    def _child(self, h: int) -> ChildInstance:
         child = self._children.get(h)
         if child is None:
             raise InvalidHandleError(f"no child inferlet with handle {h!r}")
         return child
 
-    def child_wait(self, h: int) -> Future:
+    def child_wait(self, h: int) -> Future[ChildResult]:
         """Future of ``{"id", "status", "result", "error", "output"}`` once
         the child ends (``output``: its session sends, text only)."""
         child = self._child(h)
-        fut: Future = Future()
+        fut: Future[ChildResult] = Future()
 
         def finish(_: Any = None) -> None:
             if not fut.done():
@@ -232,5 +265,5 @@ class IoHostMixin:
         self._pulls.clear()
         for child in self._children.values():
             child.abort("its parent ended")
-        for fut in list(self._code_runs):
-            fut.cancel()  # queued runs are dropped; a running one ends at its time limit
+        for run in list(self._code_runs):
+            run.cancel()  # queued runs are dropped; a running one ends at its time limit

@@ -64,7 +64,7 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self.items: collections.deque[tuple[Message, int]] = collections.deque()
-        self.waiters: collections.deque[Future] = collections.deque()
+        self.waiters: collections.deque[Future[Message]] = collections.deque()
 
     def hand_over(self, msg: Message) -> bool:
         """Give ``msg`` to the first live waiter; False when none waits."""
@@ -154,8 +154,8 @@ class MessageBus:
             box = self._queues[key] = _Mailbox()
         return box
 
-    def _take(self, key: tuple[str, str], box: _Mailbox) -> Future:
-        fut: Future = Future()
+    def _take(self, key: tuple[str, str], box: _Mailbox) -> Future[Message]:
+        fut: Future[Message] = Future()
         if box.items:
             msg, size = box.items.popleft()
             self._release(key[0], size)
@@ -188,7 +188,7 @@ class MessageBus:
             finally:
                 self._maybe_forget(key)
 
-    def pull(self, user: str, topic: str) -> Future:
+    def pull(self, user: str, topic: str) -> Future[Message]:
         """A future of the next message pushed on ``topic`` (FIFO).
 
         Raises:
@@ -248,7 +248,7 @@ class MessageBus:
                 self._release(user, size * charged)
             return len(sids)
 
-    def next(self, sid: int) -> Future:
+    def next(self, sid: int) -> Future[Message]:
         """A future of the subscription's next message.
 
         Raises:
@@ -278,7 +278,7 @@ class MessageBus:
             self._maybe_forget(key)
         box.fail_waiters(EOFError(f"subscription {sid} was closed"))
 
-    def cancel_pull(self, fut: Future) -> None:
+    def cancel_pull(self, fut: Future[Message]) -> None:
         """Forget a pending pull (its instance ended) so no message is lost to it."""
         with self._lock:
             for key, box in list(self._queues.items()):

@@ -111,7 +111,7 @@ class Session:
         self.owner = owner
         self._lock = threading.Lock()
         self._inbox: collections.deque[tuple[Message, int]] = collections.deque()
-        self._waiters: collections.deque[Future] = collections.deque()
+        self._waiters: collections.deque[Future[Message]] = collections.deque()
         self._listeners: list[Listener] = []
         self._closed = False
         self._ended = False
@@ -140,9 +140,9 @@ class Session:
         for listener in list(self._listeners):
             listener(msg)
 
-    def receive(self) -> Future:
+    def receive(self) -> Future[Message]:
         """A future of the next incoming message (str or bytes)."""
-        fut: Future = Future()
+        fut: Future[Message] = Future()
         size = 0
         with self._lock:
             if self._inbox:

@@ -4,12 +4,17 @@ users' KV page accounts and their named snapshots."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..engine.engine import Engine
 from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import MessageBus
 from .snapshot_manager import SnapshotManager
+
+if TYPE_CHECKING:
+    from .http import HttpFetcher
+    from .store import Store
 
 
 class ModelSlot:
@@ -33,8 +38,8 @@ class HostState:
         self.models: dict[str, ModelSlot] = {}
         self.default_model: str | None = None
         self.bus = MessageBus()  # inferlet messaging (tartlet.host.messaging)
-        self.store = None  # tartlet.host.store.Store; None: an in-memory one on first use
-        self.http = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
+        self.store: Store | None = None  # tartlet.host.store.Store; None: an in-memory one on first use
+        self.http: HttpFetcher | None = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
         self.mcp_servers: dict[str, str] = {}  # configured MCP servers: name -> endpoint URL
         self.kv_limits = KvLimits()
         #: runs Python snippets in WASM for inferlets (``code-run``); builds nothing until first used
@@ -63,6 +68,8 @@ class HostState:
     def model(self, name: str | None) -> ModelSlot:
         key = name or self.default_model
         try:
+            if key is None:  # no model added yet
+                raise KeyError(name)
             return self.models[key]
         except KeyError:
             served = ", ".join(self.models) or "none"
