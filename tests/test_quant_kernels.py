@@ -137,25 +137,52 @@ def test_matmul_matches_dequantized_product(kern, isa, type_name):
     kern.set_isa(-1)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_one_row_every_block_tail(kern, type_name):
+    """One activation row of 16-bit values (decode at batch 1, its own
+    AVX-512 kernel that takes blocks four at a time): every block count
+    1..9 (so every tail of 1-3 blocks), activations with large values (both
+    bytes of each 16-bit value matter), against the quantized activations
+    times the dequantized weight, on every instruction set."""
+    for isa in isa_levels():
+        kern.set_isa(isa)
+        for nb in range(1, 10):
+            k = 32 * nb
+            raw = random_gguf(type_name, 19, k, seed=nb)
+            w = from_gguf(raw, type_name, 19, k)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(nb)) * 50
+            x[0, ::7] *= -3
+            qa, fa = kern.quantize(x, 16)
+            out = torch.empty(1, 19)
+            kern.matmul(w, qa, fa, out)
+            xq = (qa.view(1, -1, 32).float() * fa[:, 0, :, None]).view(1, k)
+            assert rel_err(out, xq @ kern.dequantize(w).T) < 1e-5, (type_name, isa, nb)
+    kern.set_isa(-1)
+
+
 @pytest.mark.parametrize("isa", isa_levels())
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
-    """From 2 rows up, each output row is computed with the same arithmetic
-    whatever else shares the call (how many rows, which weight rows share a
-    group of 16 in the AVX-512 16-bit kernel): bitwise equal, so batching
-    decode steps of several sequences does not change any one of them."""
+    """Each output row is computed with the same arithmetic whatever else
+    shares the call (how many rows, which weight rows share a group of 16
+    in the AVX-512 16-bit kernel, which rows share an unpacked block):
+    bitwise equal, so batching decode steps of several sequences does not
+    change any one of them. The AVX-512 16-bit path has two kernels, one
+    below 16 rows (one row alone included) and one from 16: equal within
+    each range."""
     kern.set_isa(isa)
     n, k = (37, 256) if type_name in K_QUANTS else (37, 96)
     w = from_gguf(random_gguf(type_name, n, k, seed=3), type_name, n, k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
     for bits in (8, 16):
         qa, fa = kern.quantize(x, bits)
-        full = torch.empty(40, n)
-        kern.matmul(w, qa, fa, full)
-        for lo, hi in ((0, 2), (3, 8), (5, 22), (1, 34), (6, 40)):
-            part = torch.empty(hi - lo, n)
-            kern.matmul(w, qa[lo:hi].contiguous(), fa[lo:hi].contiguous(), part)
-            assert torch.equal(part, full[lo:hi]), (type_name, isa, bits, lo, hi)
+        for m, slices in ((15, ((0, 1), (7, 8), (0, 2), (3, 8), (2, 15))), (40, ((5, 22), (1, 34), (6, 40), (0, 16)))):
+            full = torch.empty(m, n)
+            kern.matmul(w, qa[:m].contiguous(), fa[:m].contiguous(), full)
+            for lo, hi in slices:
+                part = torch.empty(hi - lo, n)
+                kern.matmul(w, qa[lo:hi].contiguous(), fa[lo:hi].contiguous(), part)
+                assert torch.equal(part, full[lo:hi]), (type_name, isa, bits, lo, hi)
     kern.set_isa(-1)
 
 

@@ -1,9 +1,10 @@
 /* 512-bit AVX-512 VNNI kernels of quant_kernels.c: 8-bit activations take two
  * weight blocks per vpdpbusd, 16-bit activations one block per vpdpwssd; up
- * to four activation rows share each unpacked weight block. From two
- * activation rows, 16-bit activations against one-scale blocks (Q8, Q4, Q5
- * layouts) go through rows16_a16 instead (16 weight rows per register, see
- * there). Included after
+ * to four activation rows share each unpacked weight block (tile_avx512).
+ * 16-bit activations against one-scale blocks (Q8, Q4, Q5 layouts) go
+ * through one16_kind below 16 activation rows (each 16-bit value split
+ * into two bytes, two blocks per vpdpbusd) and through rows16_a16 from 16
+ * (16 weight rows per register); see there. Included after
  * the _vnni instance of quant_kernels_isa.h (whose helpers it uses), inside
  * the same "#pragma GCC target" region. */
 
@@ -140,10 +141,15 @@ INLINE void rows16_add(float *acc, __m512i p, __m512 dv, __m512 mv, const float 
     _mm512_store_ps(acc, _mm512_fmadd_ps(mv, _mm512_set1_ps(f[nb + b]), t));
 }
 
+/* activation rows per pass over a group's blocks (accumulators in L1) */
 #define ROWS16_M 32
-/* Fewer activation rows than this take the tile kernel: with one row the
- * unpack and transpose of 16 weight rows cost more than they save. */
-#define ROWS16_MIN 2 /* activation rows per pass over a group's blocks (accumulators in L1) */
+/* Fewer activation rows than this take one16_kind (below): for them the
+ * unpack and transpose of 16 weight rows cost more than they save. One
+ * thread, all projections of a default-model step, CPU ms rows16 vs one16
+ * (2026-11-23, machine under load, +-15%): 1 row (tile kernel) 9.3 vs 5.6,
+ * 2 rows 13.3 vs 8.5, 4 rows 21.1 vs 14.1, 8 rows 42 vs 33, 12 rows 73 vs
+ * 70, 16 rows 86 vs 83, 24 rows 104 vs 116, 32 rows 134 vs 170. */
+#define ROWS16_MIN 16
 
 /* Outputs n0 .. n0 + nr - 1 (nr <= 16) of y for all M activation rows. */
 INLINE void rows16_a16(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t n0,
@@ -210,9 +216,185 @@ INLINE void matmul16_kind_avx512(const int kind, const uint8_t *wq, const uint16
                    ldy, bias, res, ldr);
 }
 
+/* ---- 16-bit activations, ONE activation row (decode at batch 1), Q8, Q4
+ * and Q5 layouts.
+ *
+ * vpdpwssd multiplies 32 16-bit pairs per instruction and needs the weights
+ * widened to 16 bits (a cross-lane shuffle per block). Instead each
+ * activation a = 256 hi + lo is split once per call into its unsigned low
+ * byte and signed high byte, and two vpdpbusd per PAIR of blocks give the
+ * exact int32 dot products: w . a = 256 (w . hi) + (w . lo), w taken as the
+ * unsigned operand against hi and, since q < 128, as the signed one against
+ * lo. Q8's unsigned q + 128 does not fit a signed byte: there the signed
+ * value s = q - 128 meets lo as is and hi + 128 (unsigned), and
+ * s . hi = s . (hi + 128) - 128 sum(s) is a third vpdpbusd; all in int32,
+ * exact, so Q8 needs no minimum term. Per pair of blocks that is 3 (Q4)
+ * vector operations to unpack, 3 for the products and 3 for the scaling
+ * (the weight scales of 4 blocks converted and spread at once), against ~12
+ * per block in tile_avx512. */
+
+/* lo / hi planes of one row of int16 activations (nb blocks, zero-padded to
+ * a multiple of 4), in the byte order the weights of `kind` unpack to in
+ * one16_weights: per pair of blocks (b, b + 1), Q4: values 0-15 of b, 0-15 of
+ * b + 1, 16-31 of b, 16-31 of b + 1 (nibble order); Q8, Q5: b, then b + 1.
+ * Q8's hi bytes are stored + 128 (unsigned). */
+INLINE void one16_split(const int kind, const int16_t *a, int64_t nb, uint8_t *lo, uint8_t *hi) {
+    const int64_t nb4 = (nb + 3) & ~(int64_t)3;
+    for (int64_t b = 0; b < nb4; b += 2) {
+        const __m512i v0 = b < nb ? _mm512_loadu_si512((const void *)(a + b * QK)) : _mm512_setzero_si512();
+        const __m512i v1 = b + 1 < nb ? _mm512_loadu_si512((const void *)(a + (b + 1) * QK)) : _mm512_setzero_si512();
+        __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)), _mm512_cvtepi16_epi8(v1), 1);
+        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v0, 8))),
+                                       _mm512_cvtepi16_epi8(_mm512_srai_epi16(v1, 8)), 1);
+        if (kind == K_Q4) { /* 128-bit lanes 0, 2, 1, 3 */
+            l = _mm512_shuffle_i64x2(l, l, 0xd8);
+            h = _mm512_shuffle_i64x2(h, h, 0xd8);
+        } else if (kind == K_Q8) {
+            h = _mm512_xor_si512(h, _mm512_set1_epi8((char)0x80));
+        }
+        _mm512_store_si512((void *)(lo + b * QK), l);
+        _mm512_store_si512((void *)(hi + b * QK), h);
+    }
+}
+
+/* The weights of blocks b, b + 1 of one weight row (nvalid of them inside
+ * the row, 0-2; the others read as zero) as vpdpbusd operands, lanes as in
+ * one16_split: Q4/Q5 the unsigned values, Q8 the signed q - 128. */
+INLINE __m512i one16_weights(const int kind, const uint8_t *w, int64_t b, const int nvalid) {
+    if (kind == K_Q8) {
+        const uint8_t *q = w + b * 32;
+        const __m512i x = nvalid == 2 ? _mm512_loadu_si512((const void *)q)
+                                      : _mm512_maskz_loadu_epi8(nvalid ? 0xffffffffu : 0u, q);
+        return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
+    }
+    if (kind == K_Q4) {
+        const uint8_t *q = w + b * 16;
+        const __m256i x = nvalid == 2 ? _mm256_loadu_si256((const __m256i *)q)
+                                      : _mm256_maskz_loadu_epi8(nvalid ? 0xffffu : 0u, q);
+        return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(x), _mm256_srli_epi16(x, 4), 1),
+                                _mm512_set1_epi8(0x0f));
+    }
+    const __m256i u0 = nvalid >= 1 ? unpack_vnni(kind, w + b * 20) : _mm256_setzero_si256();
+    const __m256i u1 = nvalid >= 2 ? unpack_vnni(kind, w + (b + 1) * 20) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+}
+
+/* Exact int32 dot products (as floats) of the weights wv of a pair of
+ * blocks with the split activations lo, hi of the same pair. */
+INLINE __m512 one16_dot(const int kind, __m512i wv, const uint8_t *lo, const uint8_t *hi) {
+    const __m512i l = _mm512_load_si512((const void *)lo), h = _mm512_load_si512((const void *)hi);
+    __m512i ph;
+    if (kind == K_Q8) /* s . hi = s . (hi + 128) - 128 sum(s) */
+        ph = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), h, wv),
+                              _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
+    else
+        ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, h);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_slli_epi32(ph, 8), l, wv));
+}
+
+/* Block-scale lanes of a pair of blocks (b, b + 1) from a vector of the
+ * scales of blocks b .. b + 3; the pair (b + 2, b + 3) adds 2. */
+static const int32_t ONE16_SPREAD_Q4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};
+
+/* Activation rows that share each unpacked weight block (accumulators in
+ * registers: 8 of the 32) */
+#define ONE16_MAXM 4
+
+/* The dot products of one weight row (nb blocks at w, scales d, minimums
+ * m) with R split activation rows (row r: planes at lo + r * ps, hi + r * ps;
+ * fa planes at fa + r * FA * nb) into out [R]. The unpacked weights of
+ * each pair of blocks are shared by the R rows. */
+INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t nb,
+                      const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa, float *out) {
+    const __m512i sp0 = kind == K_Q4 ? _mm512_loadu_si512((const void *)ONE16_SPREAD_Q4)
+                                     : _mm512_loadu_si512((const void *)SPREAD2),
+                  sp1 = _mm512_add_epi32(sp0, _mm512_set1_epi32(2));
+    __m512 acc0[ONE16_MAXM], acc1[ONE16_MAXM];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d + b)));
+        const __m512i w0 = one16_weights(kind, w, b, 2), w1 = one16_weights(kind, w, b + 2, 2);
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(fa + r * FA * nb + b)));
+            const uint8_t *l = lo + r * ps + b * QK, *h = hi + r * ps + b * QK;
+            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
+                                      acc1[r]);
+        }
+    }
+    if (b < nb) { /* 1-3 last blocks: the padding reads as zero weights, scales and activations */
+        const int t = (int)(nb - b);
+        const __mmask8 mk = (__mmask8)((1u << t) - 1u);
+        const __m128 dw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(mk, d + b));
+        const __m512i w0 = one16_weights(kind, w, b, t < 2 ? t : 2), w1 = one16_weights(kind, w, b + 2, t > 2 ? t - 2 : 0);
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_maskz_loadu_ps(mk, fa + r * FA * nb + b)));
+            const uint8_t *l = lo + r * ps + b * QK, *h = hi + r * ps + b * QK;
+            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
+            if (t > 2)
+                acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
+                                          acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+        out[r] = kind == K_Q8 ? sum : sum + min_term_vnni(kind, 0, d, m, fa + r * FA * nb, nb);
+    }
+}
+
+static _Thread_local uint8_t *one16_buf;
+static _Thread_local size_t one16_cap;
+
+/* y = x @ W^T for M < ROWS16_MIN activation rows; returns 0, or -1 (nothing
+ * done) when the activation planes cannot be allocated. */
+INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                      const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                      const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, ps = ((nb + 3) & ~(int64_t)3) * QK, qb = KIND_QBYTES(kind);
+    const size_t bytes = (size_t)(2 * M * ps);
+    if (bytes > one16_cap) {
+        free(one16_buf);
+        one16_buf = aligned_alloc(64, bytes);
+        one16_cap = one16_buf ? bytes : 0;
+        if (!one16_buf) return -1;
+    }
+    uint8_t *const lo = one16_buf, *const hi = one16_buf + M * ps;
+    for (int64_t r = 0; r < M; r++) one16_split(kind, qa + r * K, nb, lo + r * ps, hi + r * ps);
+#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float s[ONE16_MAXM];
+        const uint8_t *w = wq + n * nb * qb;
+        const uint16_t *d = wd + n * nb, *m = wm ? wm + n * nb : 0;
+        for (int64_t r0 = 0; r0 < M; r0 += ONE16_MAXM) {
+            const int64_t R = M - r0 < ONE16_MAXM ? M - r0 : ONE16_MAXM;
+            const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
+            const float *f = fa + r0 * FA * nb;
+            switch (R) { /* R a constant in each instance */
+            case 1: one16_row(kind, 1, w, d, m, nb, l, h, ps, f, s); break;
+            case 2: one16_row(kind, 2, w, d, m, nb, l, h, ps, f, s); break;
+            case 3: one16_row(kind, 3, w, d, m, nb, l, h, ps, f, s); break;
+            default: one16_row(kind, 4, w, d, m, nb, l, h, ps, f, s); break;
+            }
+            for (int64_t r = 0; r < R; r++) y[(r0 + r) * ldy + n] = finish(s[r], r0 + r, n, bias, res, ldr);
+        }
+    }
+    return 0;
+}
+
 static void matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
                           int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
+    if (bits == 16 && M < ROWS16_MIN && kind != K_Q6) {
+        const int16_t *a = (const int16_t *)qa;
+        int rc;
+        switch (kind) {
+        case K_Q8: rc = one16_kind(K_Q8, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
+        case K_Q4: rc = one16_kind(K_Q4, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
+        default: rc = one16_kind(K_Q5, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
+        }
+        if (rc == 0) return;
+    }
     if (bits == 16 && kind != K_Q6 && M >= ROWS16_MIN) {
         switch (kind) {
         case K_Q8: matmul16_kind_avx512(K_Q8, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr); return;
