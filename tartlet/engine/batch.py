@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections.abc
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -105,6 +106,10 @@ class BatchInputs:
         if device.type == "cpu":
             return self
 
+        @overload
+        def mv(t: torch.Tensor) -> torch.Tensor: ...
+        @overload
+        def mv(t: None) -> None: ...
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
@@ -204,9 +209,9 @@ def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> Attenti
         return g
     views, masks, idx = [], [], []
     for _, it in decode:
-        slots, mask, logical = _kv_and_mask(it)
+        slots, item_mask, logical = _kv_and_mask(it)
         views.append(slots)
-        masks.append(mask)
+        masks.append(item_mask)
         idx.append(torch.arange(slots.shape[0]) if logical is None else logical)
     L = max(v.shape[0] for v in views)
     kv = torch.zeros(B, L, dtype=torch.long)

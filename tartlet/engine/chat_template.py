@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import jinja2.ext
@@ -35,7 +35,7 @@ class _GenerationBlock(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
-    def _render(self, caller: Any) -> str:
+    def _render(self, caller: Callable[[], str]) -> str:
         return caller()
 
 

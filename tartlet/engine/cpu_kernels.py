@@ -24,6 +24,7 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _lock = threading.Lock()
-_loaded: "CpuKernels | None | bool" = False  # False: not tried yet
+_loaded: "CpuKernels | None | Literal[False]" = False  # False: not tried yet
 
 
 _cpu_flags = cpu_flags  # module attribute, so tests can pretend a CPU without AVX2

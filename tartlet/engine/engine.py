@@ -20,6 +20,7 @@ import torch
 from .config import ModelConfig
 from .kv_cache import PagePool
 from .llama import LlamaModel
+from .quant_formats import QuantWeight
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -146,7 +147,7 @@ class Engine:
         scheduler: the running scheduler.
     """
 
-    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight], tokenizer: Tokenizer) -> None:
         if cfg.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {cfg.page_size}")
         if cfg.threads:

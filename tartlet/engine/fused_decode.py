@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .quant_kernels import LayerDesc, decoder_desc
+from .quant_kernels import DecoderDesc, LayerDesc, decoder_desc
 from .quant_linear import DEQUANT_ROWS, QuantLinear
 
 if TYPE_CHECKING:
     from .batch import BatchInputs
-    from .llama import LlamaModel
+    from .llama import GroupPlan, LlamaModel
 
 _LAYER_KEYS = {"ln1", "qkv", "o", "ln2", "gate_up", "down"}
 
@@ -45,12 +45,13 @@ class FusedDecoder:
 
     def __init__(self, model: "LlamaModel") -> None:
         self.model = model
+        assert model.quant is not None  # build() checked
         self.kernels = model.quant
         c = model.config
         self._ffn = model.layers[0]["down"].in_features
         self._dims = (c.hidden_size, model.nh, model.nkv, model.hd, self._ffn, c.rms_norm_eps, model.scale)
-        self._pool: tuple | None = None  # data pointers (and dtype) the layer descriptors were built for
-        self._desc = None
+        self._pool: tuple[int, int, torch.dtype] | None = None  # data pointers (and dtype) the layer descriptors were built for
+        self._desc: DecoderDesc | None = None
         self._keep: list[object] = []
         #: False turns the fused path off (tests and benchmarks compare both)
         self.enabled = os.environ.get("TARTLET_FUSED_DECODE", "1") != "0"
@@ -82,24 +83,25 @@ class FusedDecoder:
             return False
         return sum(g.kv_slots.shape[0] for g in batch.groups) == T and all(g.num_queries == 1 for g in batch.groups)
 
-    def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> DecoderDesc:
         key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype)
         if self._pool != key:
             layers = []
             for layer, kc, vc in zip(self.model.layers, k_cache.unbind(0), v_cache.unbind(0)):
-                descs = [ctypes.pointer(layer[k]._desc) for k in ("qkv", "o", "gate_up", "down")]
+                descs = [ctypes.pointer(cast(QuantLinear, layer[k])._desc) for k in ("qkv", "o", "gate_up", "down")]  # build() checked
                 layers.append(LayerDesc(layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *descs, kc.data_ptr(), vc.data_ptr()))
             m = self.model
-            head = m.lm_head._desc if self.has_head else None
+            head = cast(QuantLinear, m.lm_head)._desc if self.has_head else None
             self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head,
                                            kv_int8=k_cache.dtype == torch.int8)
             self._keep = [arr]
             self._pool = key
+        assert self._desc is not None  # built above for this pool
         return self._desc
 
     def run(
         self, x: torch.Tensor, batch: "BatchInputs", cos: torch.Tensor, sin: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[tuple],
+        k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[GroupPlan],
     ) -> torch.Tensor | None:
         """Every layer over ``x`` float32 ``[T, H]`` (updated in place), then
         (when :attr:`has_head`) the final norm and LM head of

@@ -395,8 +395,10 @@ def _split_experts(name: str, t: Any, kind: str, shape: list[int], quantized: bo
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     if quantized and kind in GGUF_TYPES:
         q = from_gguf(t.data, kind, E * n, k)
-        rows = lambda x, j: None if x is None else x[j * n : (j + 1) * n]  # noqa: E731  (views, contiguous)
-        return {f"{base.format(j)}.weight": QuantWeight(q.kind, (n, k), rows(q.q, j), rows(q.d, j), rows(q.m, j), q.source)
+        def rows(x: torch.Tensor | None, j: int) -> torch.Tensor | None:  # views, contiguous
+            return None if x is None else x[j * n : (j + 1) * n]
+
+        return {f"{base.format(j)}.weight": QuantWeight(q.kind, (n, k), q.q[j * n : (j + 1) * n], rows(q.d, j), rows(q.m, j), q.source)
                 for j in range(E)}
     full = torch.from_numpy(read_tensor(t)).to(dtype)
     return {f"{base.format(j)}.weight": full[j] for j in range(E)}

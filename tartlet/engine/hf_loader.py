@@ -36,7 +36,7 @@ def _rope(cfg: dict[str, Any], key: str | None = None) -> tuple[float, dict[str,
     """``(theta, scaling)`` of ``config.json``: the 4.x ``rope_theta`` and
     ``rope_scaling`` keys or the 5.x ``rope_parameters`` dict (per layer
     type, ``key``, for Gemma 3); ``scaling`` is ``None`` for plain RoPE."""
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
     if key is not None and isinstance(rope.get(key), dict):
         rope = dict(rope[key])
     theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
@@ -179,7 +179,7 @@ def config_from_hf(path: Path, cfg: dict[str, Any], tokenizer: Tokenizer) -> Mod
             or a missing required key.
     """
     mt = cfg.get("model_type")
-    arch = HF_MODEL_TYPES.get(mt)
+    arch = None if mt is None else HF_MODEL_TYPES.get(mt)
     if arch is None:
         raise ModelLoadError(f"{path}: unsupported model_type {mt!r} "
                              f"(supported: {', '.join(HF_MODEL_TYPES)})")

@@ -141,7 +141,7 @@ class PagePool:
                     p = self._free.pop()
                 else:
                     p, _ = self._lru.popitem(last=False)
-                    del self._by_key[self._key[p]]
+                    del self._by_key[self._key[p]]  # type: ignore[arg-type]  # a cached page has a key
                     self._key[p] = None
                 self._refcount[p] = 1
                 pages.append(p)
@@ -250,7 +250,7 @@ class PagePool:
             n = len(self._lru)
             while self._lru:
                 p, _ = self._lru.popitem(last=False)
-                del self._by_key[self._key[p]]
+                del self._by_key[self._key[p]]  # type: ignore[arg-type]  # a cached page has a key
                 self._key[p] = None
                 self._free.append(p)
             return n

@@ -36,7 +36,7 @@ _PACK_ROWS = 16
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights for ``device``/``dtype`` can be prepacked for oneDNN
     (CPU, float32, a PyTorch built with oneDNN)."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 class Linear:
@@ -91,8 +91,10 @@ class Linear:
             y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
         elif self.packed is not None:
             if residual is not None and self.bias is None:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+                fused: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+                return fused
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
+            assert self.weight is not None  # kept when not packed
             y = F.linear(x, self.weight, self.bias)
         return y if residual is None else y.add_(residual)

@@ -47,6 +47,7 @@ adds fused in) or :class:`~tartlet.engine.quant_linear.QuantLinear`.
 from __future__ import annotations
 
 import math
+from typing import Required, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,32 @@ from .moe import SparseMoe, build_sparse_moe
 from .quant_formats import F16, KIND_NAMES, QuantWeight
 from .quant_linear import QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
+
+#: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
+Projection = Linear | QuantLinear
+
+#: One attention group of a pass as the layers use it: the group, its mask
+#: as an additive float mask (or None), whether the decode kernel runs it,
+#: and that mask as ``[B, L]`` rows for the kernel (or None).
+GroupPlan = tuple[AttentionGroup, "torch.Tensor | None", bool, "torch.Tensor | None"]
+
+
+class Layer(TypedDict, total=False):
+    """One decoder layer's weights (:attr:`LlamaModel.layers`): RMSNorm
+    scales and projections; the MLP is dense (``gate_up``, ``down``) or a
+    sparse MoE (``moe``)."""
+
+    ln1: Required[torch.Tensor]
+    qkv: Required[Projection]
+    o: Required[Projection]
+    ln2: Required[torch.Tensor]
+    gate_up: Projection
+    down: Projection
+    moe: SparseMoe
+    q_norm: torch.Tensor  # QK-norm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor
+    post_attn: torch.Tensor  # Gemma: norms after attention and MLP
+    post_ff: torch.Tensor
 
 
 class LlamaModel:
@@ -91,7 +118,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantWeight],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         gemv_copy: bool = True,
@@ -124,6 +151,7 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             t = raw(name)
             if isinstance(t, QuantWeight):
+                assert self.quant is not None  # loaded above when a weight is quantized
                 t = self.quant.dequantize(t)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
@@ -132,7 +160,7 @@ class LlamaModel:
         def float_part(t: torch.Tensor) -> QuantWeight:
             # a float matrix beside quantized ones (e.g. an F32 tensor in a GGUF): kept as float16
             # rather than float32 in its own kernel; exact for GGUF F16 tensors
-            return QuantWeight(F16, tuple(t.shape), t.to(torch.float16).contiguous(), source="F32")
+            return QuantWeight(F16, cast(tuple[int, int], tuple(t.shape)), t.to(torch.float16).contiguous(), source="F32")
 
         if act_bits not in (8, 16, "auto"):
             raise ValueError(f"act_bits must be 8, 16 or 'auto', got {act_bits!r}")
@@ -142,7 +170,7 @@ class LlamaModel:
             parts = [raw(n) for n in names]
             if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
                 quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
-                bits = act_bits if act_bits != "auto" else (16 if normed else 8)
+                bits = act_bits if isinstance(act_bits, int) else (16 if normed else 8)  # act_bits: 8, 16 or "auto"
                 return QuantLinear(quant, bias, self.quant, act_bits=bits)
             return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
 
@@ -162,11 +190,11 @@ class LlamaModel:
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.lm_head = linear(head, copy=False)
         self.norm = norm("model.norm.weight")
-        self.layers = []
+        self.layers: list[Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if c.attention_bias else None
-            layer = dict(
+            layer = Layer(
                 ln1=norm(p + "input_layernorm.weight"),
                 qkv=fused(p, "self_attn.qkv_proj.weight", *[f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
                 o=linear(p + "self_attn.o_proj.weight", normed=False),
@@ -175,13 +203,13 @@ class LlamaModel:
             if c.is_sparse_layer(i):
                 layer["moe"] = build_sparse_moe(c, p, weights, linear, w, lambda g: self.act(g))
             else:
-                layer.update(gate_up=fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                             down=linear(p + "mlp.down_proj.weight", normed=False))
+                layer.update({"gate_up": fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                              "down": linear(p + "mlp.down_proj.weight", normed=False)})
             if c.qk_norm:
-                layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
+                layer.update({"q_norm": norm(p + "self_attn.q_norm.weight"), "k_norm": norm(p + "self_attn.k_norm.weight")})
             if c.gemma_norms:
-                layer.update(post_attn=norm(p + "post_attention_layernorm.weight"),
-                             post_ff=norm(p + "post_feedforward_layernorm.weight"))
+                layer.update({"post_attn": norm(p + "post_attention_layernorm.weight"),
+                              "post_ff": norm(p + "post_feedforward_layernorm.weight")})
             self.layers.append(layer)
         weights.clear()
         # RoPE per layer: Gemma 3's sliding layers have their own base and no scaling
@@ -304,9 +332,8 @@ class LlamaModel:
             cols = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]  # kept columns first
             kv_slots, kv_index = kv_slots.gather(1, cols), kv_index.gather(1, cols)
             mask = mask.gather(2, cols[:, None, :].expand(B, g.num_queries, width))
-        if g.num_queries == 1 and bool(mask.all()):
-            mask = None
-        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), mask, g.q_index, kv_index)
+        visible = None if g.num_queries == 1 and bool(mask.all()) else mask
+        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), visible, g.q_index, kv_index)
 
     def _attend(
         self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
@@ -370,6 +397,7 @@ class LlamaModel:
         # the C kernels read and write float32 and int8 pages (kv_quant.py); a 16-bit pool takes the PyTorch path
         kern = self.kernels if k_cache.dtype in (torch.float32, torch.int8) else None
         if isinstance(self.embed, QuantWeight):
+            assert self.quant is not None  # loaded with the quantized weights
             x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
             x = self.embed.index_select(0, batch.input_ids)
@@ -387,15 +415,15 @@ class LlamaModel:
         # the decode kernel) and per-layer cache views; sliding layers get their own
         soft = c.attn_logit_softcapping is not None  # the decode kernel does not soft-cap
 
-        def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> tuple:
+        def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> GroupPlan:
             bias = None if mask is None else self._additive(mask)
             by_kernel = kern is not None and g.num_queries == 1 and not soft
             return g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)
 
-        plans = {}
+        plans: dict[int | None, list[GroupPlan]] = {}
         if None in self.windows:
             plans[None] = [prepared(g, g.mask) for g in batch.groups]
-        for win in set(self.windows) - {None}:  # groups cut to the window's columns
+        for win in {w for w in self.windows if w is not None}:  # groups cut to the window's columns
             plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
             logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
@@ -422,7 +450,7 @@ class LlamaModel:
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             for g, bias, by_kernel, rows_bias in plans[self.windows[i]]:
-                if by_kernel:
+                if by_kernel and kern is not None:  # by_kernel: kern is not None
                     kern.paged_decode_attention(q, kc, vc, g.kv_slots, rows_bias, g.rows, g.row_start, attn_out, self.scale)
                 else:
                     self._attend(q, attn_out, g, bias, kc, vc)

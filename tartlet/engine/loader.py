@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tartlet.engine.config import ModelConfig
 
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
     from tartlet.engine.quant_formats import QuantWeight
     from tartlet.engine.tokenizer import Tokenizer
+
+#: A loaded weight: float, or quantized when kept in its blocks.
+W = TypeVar("W", bound="torch.Tensor | QuantWeight")
 
 #: Our architecture names, one per model family the decoder (:mod:`tartlet.engine.llama`) runs.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
@@ -126,8 +129,8 @@ def moe_weight_names(config: ModelConfig, prefix: str) -> list[str]:
 
 
 def check_weights(
-    path: Path, config: ModelConfig, weights: dict[str, "torch.Tensor"]
-) -> dict[str, "torch.Tensor"]:
+    path: Path, config: ModelConfig, weights: dict[str, W]
+) -> dict[str, W]:
     """Keep exactly the expected weights, checking presence and the embedding shape.
 
     Raises:

@@ -37,12 +37,15 @@ each over its own rows of the file's 3-D expert tensor: no float copy).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .quant_formats import QuantWeight
 
 Projection = Callable[..., torch.Tensor]
 
@@ -155,7 +158,7 @@ class SparseMoe:
 def build_sparse_moe(
     config: ModelConfig,
     prefix: str,
-    weights: dict,
+    weights: dict[str, torch.Tensor | QuantWeight],
     linear: Callable[..., Projection],
     dense: Callable[[str], torch.Tensor],
     act: Callable[[torch.Tensor], torch.Tensor],

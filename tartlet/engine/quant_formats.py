@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 QK = 32
@@ -79,8 +80,10 @@ class QuantWeight:
 
     def select_rows(self, index: torch.Tensor) -> "QuantWeight":
         """The matrix made of rows ``index`` (int64 ``[n]``), in that order."""
-        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
-        return QuantWeight(self.kind, (len(index), self.shape[1]), pick(self.q), pick(self.d), pick(self.m), self.source)
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index).contiguous()
+
+        return QuantWeight(self.kind, (len(index), self.shape[1]), self.q.index_select(0, index).contiguous(), pick(self.d), pick(self.m), self.source)
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
@@ -92,8 +95,10 @@ class QuantWeight:
         first = parts[0]
         if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only weights of one kind and width can be stacked")
-        join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-        return QuantWeight(first.kind, (sum(p.shape[0] for p in parts), first.shape[1]), join([p.q for p in parts]),
+        def join(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]  # all None or none (one kind)
+
+        return QuantWeight(first.kind, (sum(p.shape[0] for p in parts), first.shape[1]), torch.cat([p.q for p in parts]),
                            join([p.d for p in parts]), join([p.m for p in parts]), first.source)
 
 
@@ -147,16 +152,16 @@ def from_gguf(data: np.ndarray, type_name: str, n: int, k: int, chunk_elements: 
     Raises:
         ValueError: an unsupported type, or a size that does not match.
     """
-    import gguf.quants as gq
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if type_name in ("F16", "BF16"):
-        raw = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
-        t = torch.from_numpy(raw.copy()).view(torch.float16 if type_name == "F16" else torch.bfloat16)
+        halves = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
+        t = torch.from_numpy(halves.copy()).view(torch.float16 if type_name == "F16" else torch.bfloat16)
         return QuantWeight(F16 if type_name == "F16" else BF16, (n, k), t, source=type_name)
     if type_name not in GGUF_TYPES:
         raise ValueError(f"GGUF type {type_name} has no quantized kernel")
-    qtype = gq.GGMLQuantizationType[type_name]
-    block, size = gq.GGML_QUANT_SIZES[qtype]
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
@@ -171,10 +176,12 @@ def from_gguf(data: np.ndarray, type_name: str, n: int, k: int, chunk_elements: 
         r1 = min(n, r0 + rows)
         part = _repack(b[r0:r1].reshape(-1, size), type_name, r1 - r0, k)
         if out is None:
-            empty = lambda t: None if t is None else torch.empty((n, t.shape[1]), dtype=t.dtype)  # noqa: E731
-            out = QuantWeight(part.kind, (n, k), empty(part.q), empty(part.d), empty(part.m), part.source)
+            def empty(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else torch.empty((n, t.shape[1]), dtype=t.dtype)
+
+            out = QuantWeight(part.kind, (n, k), torch.empty((n, part.q.shape[1]), dtype=part.q.dtype), empty(part.d), empty(part.m), part.source)
         for dst, src in ((out.q, part.q), (out.d, part.d), (out.m, part.m)):
-            if dst is not None:
+            if dst is not None and src is not None:  # the same parts are None in both
                 dst[r0:r1] = src
     assert out is not None
     return out
@@ -184,7 +191,8 @@ def _repack(b: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
     """Repack GGUF blocks ``b`` (uint8 ``[n * k / block, block bytes]``) of a block type."""
     import gguf.quants as gq
 
-    f16 = lambda a: a.view(np.float16).astype(np.float32)  # noqa: E731
+    def f16(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
+        return a.view(np.float16).astype(np.float32)
 
     def nibbles(qs: np.ndarray) -> np.ndarray:  # [nb, 16] -> [nb, 32] elements j, j + 16
         return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
@@ -243,6 +251,7 @@ def quantize(w: torch.Tensor, name: str) -> QuantWeight:
         ValueError: an unknown name or a width that is not a multiple of 32.
     """
     import gguf.quants as gq
+    from gguf.constants import GGMLQuantizationType
 
     if name not in QUANTIZE_TYPES:
         raise ValueError(f"unknown quantization {name!r} (choose from {', '.join(QUANTIZE_TYPES)})")
@@ -250,5 +259,5 @@ def quantize(w: torch.Tensor, name: str) -> QuantWeight:
     if k % QK:
         raise ValueError(f"cannot quantize a [{n}, {k}] matrix: width is not a multiple of {QK}")
     type_name = QUANTIZE_TYPES[name]
-    raw = gq.quantize(w.detach().to(torch.float32).numpy(), gq.GGMLQuantizationType[type_name])
+    raw = gq.quantize(w.detach().to(torch.float32).numpy(), GGMLQuantizationType[type_name])
     return from_gguf(raw, type_name, n, k)

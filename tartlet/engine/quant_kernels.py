@@ -17,6 +17,7 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -31,7 +32,7 @@ _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "float_kernels.h", "kv_int8.h",
                                     "decode_step.h"))
 _lock = threading.Lock()
-_loaded: "QuantKernels | None | bool" = False  # False: not tried yet
+_loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
 #: Instruction-set levels of ``tq_set_isa``.
 ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI (256-bit)", 3: "AVX-512 VNNI"}
@@ -98,7 +99,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _check_rows(kernel: str, name: str, t: torch.Tensor | None, shape: tuple[int, int]) -> None:
+def _check_rows(kernel: str, name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> None:
     """``t`` (unless None) is float32 ``shape`` on the CPU with contiguous rows."""
     if t is not None and not (t.shape == shape and t.dtype is F32 and t.is_cpu and t.stride(1) == 1):
         bad_tensor(kernel, name, t, shape, layout="rows contiguous")
@@ -151,7 +152,7 @@ class QuantKernels:
         """Products of fewer than ``block_rows`` (``N * M * K / 32``) run on
         one thread; larger ones are split across OpenMP threads. Returns the
         previous threshold. Process-wide."""
-        return self._lib.tq_set_par_min(block_rows)
+        return int(self._lib.tq_set_par_min(block_rows))
 
     def quantize(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a
@@ -191,6 +192,7 @@ class QuantKernels:
         _check_rows("matmul", "out", out, (M, N))
         _check_bias("matmul", bias, N)
         _check_rows("matmul", "residual", residual, (M, N))
+        assert w.d is not None  # block kinds have scales
         self._lib.tq_matmul(w.kind, 8 if qa.dtype == torch.int8 else 16, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
           out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
 
@@ -259,6 +261,7 @@ class QuantKernels:
             bad_tensor("dequantize", "rows", rows, ["R"], "int64")
         R = N if rows is None else rows.numel()
         out = torch.empty(R, K, dtype=torch.float32)
+        assert w.d is not None  # block kinds have scales
         self._lib.tq_dequantize(w.kind, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), K, _ptr(rows), R, out.data_ptr())
         return out
 
@@ -344,7 +347,7 @@ class QuantKernels:
 
 def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
                  scale: float, final_norm: torch.Tensor | None = None,
-                 head: LinearDesc | None = None, kv_int8: bool = False) -> tuple[DecoderDesc, ctypes.Array]:
+                 head: LinearDesc | None = None, kv_int8: bool = False) -> tuple[DecoderDesc, ctypes.Array[LayerDesc]]:
     """A :class:`DecoderDesc` over ``layers`` and the array holding them
     (keep both alive, and ``final_norm`` float32 ``[hidden]`` and ``head``,
     the LM head's descriptor, when given: then the step computes logits too).

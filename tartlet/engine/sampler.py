@@ -119,6 +119,7 @@ class SlotSampler:
             logits = logits.clone()
             for i in masked_rows:
                 allowed = slots[i].allowed
+                assert allowed is not None  # masked_rows
                 if not bool(allowed.any()):
                     out[i] = SamplingError("the logit mask allows no token")
                     continue
@@ -154,9 +155,9 @@ class SlotSampler:
         else:
             p, ids = probs, None
         if s.min_p > 0:
-            keep = p >= s.min_p * p.max()
-            p = p[keep]
-            ids = keep.nonzero().squeeze(1) if ids is None else ids[keep]
+            above = p >= s.min_p * p.max()
+            p = p[above]
+            ids = above.nonzero().squeeze(1) if ids is None else ids[above]
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else self._rng
         e = torch.empty_like(p).exponential_(generator=gen)
         j = int((p / e).argmax())

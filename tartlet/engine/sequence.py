@@ -176,7 +176,7 @@ class Sequence:
         self.tokens.extend(tokens)
         self.positions.extend(positions)
         self.masked.extend(bytes(len(tokens)))
-        return [self.pages[i // ps] * ps + i % ps for i in range(n0, n1)]
+        return [self.pages[i // ps] * ps + i % ps for i in range(n0, n1)]  # type: ignore[operator]  # the chunk's pages are live
 
     def _tail_private(self) -> bool:
         p = self.pages[-1]

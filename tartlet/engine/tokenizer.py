@@ -280,7 +280,7 @@ class Tokenizer:
             alphabet = set(spelling.values())
             spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
             vocab = {t: i for i, t in enumerate(spelled)}
-            bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+            bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)  # type: ignore[misc]  # "a b": pairs
             backend = _HFTokenizer(bpe)
             backend.pre_tokenizer = _byte_level_pre_tokenizer(_gguf_value(reader, "tokenizer.ggml.pre"))
             backend.decoder = decoders.ByteLevel()
