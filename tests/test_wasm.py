@@ -188,3 +188,16 @@ def test_builds_are_cached_by_content(probe_dir, probe_wasm, tmp_path):
     changed.mkdir()
     (changed / "main.py").write_text(PROBE_SOURCE + "\n# changed\n")
     assert build_key(load_program(changed)) != build_key(load_program(probe_dir))
+
+
+async def test_prepare_returns_the_component_that_launch_runs(wasm_runtime, probe_dir, probe_wasm, monkeypatch):
+    # the server launches what prepare built (off the loop): launch must not
+    # look for a build again, which would run componentize-py on the event
+    # loop whenever the SDK source changed in between
+    prepared = wasm_runtime.prepare(load_program(probe_dir))
+    assert prepared.entry == probe_wasm and prepared.name == "probe"
+    monkeypatch.setattr("tartlet.runtime.builder.build", lambda *a, **k: pytest.fail("launch built again"))
+    assert await run_ok(wasm_runtime, prepared, {"case": "sleep"}) == "slept"
+    # a loaded component is found again by its file, without reading it
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"read {self} again"))
+    assert wasm_runtime.wasm.load(probe_wasm) is wasm_runtime.wasm.load(probe_wasm)

@@ -29,6 +29,7 @@ from ..errors import LimitError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from .config import ServerConfig
+from ..runtime.base import RuntimeOptions
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
 from ..runtime.program import Program, ProgramError
@@ -169,7 +170,7 @@ class Service:
         self.session_budget = ByteBudget(lim.max_backlog_bytes, "max_backlog_bytes", "session messages waiting", self._reclaim)
         self._builds: dict[str, int] = collections.defaultdict(int)  # builds running, per user
         self._building: dict[str, asyncio.Future] = {}  # build key -> the build (shared by concurrent launches)
-        common = dict(
+        common = RuntimeOptions(
             time_limit_s=lim.max_wall_time_s, max_pages=lim.max_pages_per_instance,
             max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
         )  # fmt: skip
@@ -235,9 +236,13 @@ class Service:
             raise ProtocolError("not_found", str(e)) from None
         return found, runtimes.installed_runtime == "wasm"
 
-    async def prepare(self, program: Program, sandboxed: bool, user: str = "local") -> None:
+    async def prepare(self, program: Program, sandboxed: bool, user: str = "local") -> Program:
         """Build and compile a sandboxed program (cached) on a worker thread,
         so the event loop keeps serving meanwhile; nothing for native ones.
+        Returns what to launch: for a sandboxed program, its built component
+        (so the launch does not look for a build again, on the event loop:
+        a change of the SDK source in between would build there, for
+        seconds, stalling every connection), else ``program``.
 
         A build that is not cached yet counts for ``user`` until it ends
         (even if the client goes away): at most ``[limits]
@@ -251,15 +256,14 @@ class Service:
                 the error, with server paths replaced by placeholders).
         """
         if not sandboxed:
-            return
+            return program
         from ..runtime import builder
         from ..runtime.wasm_engine import WasmLoadError
 
         try:
             key = None if program.entry.suffix == ".wasm" else await asyncio.to_thread(builder.pending_build, program)
             if key is None:  # built already (or a component): compiling is cached too, or quick to redo
-                await asyncio.to_thread(self.sandbox.prepare, program)
-                return
+                return await asyncio.to_thread(self.sandbox.prepare, program)
             build = self._building.get(key)
             if build is None:
                 self._check_build_slot(user)
@@ -274,7 +278,7 @@ class Service:
                         del self._builds[user]
 
                 build.add_done_callback(done)
-            await asyncio.shield(build)
+            return await asyncio.shield(build)
         except (ProgramError, builder.BuildError, WasmLoadError) as e:
             raise ProtocolError("bad_request", self.scrub(str(e))) from None
 

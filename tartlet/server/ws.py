@@ -177,7 +177,7 @@ class Connection:
             attach = _field(req, "attach", bool, "true or false", True)
             abort_on_disconnect = _field(req, "abort_on_disconnect", bool, "true or false", False)
             program, sandboxed = svc.resolve(inferlet, program_hash)
-            await svc.prepare(program, sandboxed, user)  # a first sandboxed launch builds: seconds, off the loop
+            program = await svc.prepare(program, sandboxed, user)  # a first sandboxed launch builds: seconds, off the loop
             inst = svc.launch(user, program, args, time_limit_s=time_limit, sandboxed=sandboxed)
             ch = svc.channels[inst.id]
             ch.abort_on_disconnect = abort_on_disconnect
@@ -217,9 +217,9 @@ class Connection:
         if t == "detach":
             iid = _instance_id(req)
             sub = self.attached.pop(iid, None)
-            ch = svc.channels.get(iid)
-            if sub is not None and ch is not None:
-                ch.detach(sub)
+            attached_to = svc.channels.get(iid)
+            if sub is not None and attached_to is not None:
+                attached_to.detach(sub)
             return {"type": "ok"}
         if t == "abort":
             svc.get(user, _instance_id(req)).abort(f"aborted by {user}")
