@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
@@ -264,7 +264,7 @@ class WasmRuntime(BaseRuntime):
         kind, value = outcome
         if kind == "ok" and isinstance(value, Variant) and value.tag == "ok":
             try:
-                inst.result = json.loads(cast(str, value.payload))  # result<string, string>: ok is JSON text
+                inst.result = json.loads(value.payload)
                 inst.status = Status.FINISHED
                 return
             except (TypeError, ValueError, RecursionError) as e:  # RecursionError: a result nested too deeply
