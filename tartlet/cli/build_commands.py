@@ -57,7 +57,7 @@ def sandboxed_component(inferlet: str) -> tuple[Any, Path]:
     ``.wasm`` argument (building a folder, cached). Exits with a message on
     a bad inferlet or a failed build."""
     from ..runtime.builder import BuildError
-    from ..runtime.program import ProgramError
+    from ..errors import ProgramError
     from ..runtime.wasm import WasmRuntime
 
     try:
@@ -75,7 +75,8 @@ def build_cmd(
 ) -> None:
     """Build an inferlet into a sandboxed WebAssembly component (offline, cached)."""
     from ..runtime.builder import BuildError, build
-    from ..runtime.program import ProgramError, load_program
+    from ..errors import ProgramError
+    from ..runtime.program import load_program
 
     try:
         program = load_program(source)

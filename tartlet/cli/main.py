@@ -46,7 +46,8 @@ def run(
     Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
     """
     from ..engine.loader import ModelLoadError
-    from ..runtime.program import ProgramError, find_program
+    from ..errors import ProgramError
+    from ..runtime.program import find_program
 
     words = list(ctx.args)
     if words and words[0] == "--":
@@ -93,11 +94,12 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
     from ..host.session import Session
     from ..host.state import HostState
     from ..runtime.instance import Status
+    from ..runtime.base import BaseRuntime
     from ..runtime.native import NativeRuntime
 
     state = HostState()
     state.add_engine(engine)
-    runtime = NativeRuntime(state, time_limit_s=time_limit)
+    runtime: BaseRuntime = NativeRuntime(state, time_limit_s=time_limit)
     if wasm is not None:
         from ..runtime.wasm import WasmRuntime
 
@@ -169,7 +171,8 @@ def model_list() -> None:
     """Known models and whether they are downloaded."""
     from rich.table import Table
 
-    from ..engine.model_store import list_models, models_dir
+    from ..engine.model_store import list_models
+    from ..paths import models_dir
 
     table = Table(title=f"models in {models_dir()}")
     for col in ("name", "downloaded", "size", "path"):
@@ -196,7 +199,8 @@ def model_remove(name: str) -> None:
 @app.command("inferlets")
 def inferlets(name: Optional[str] = typer.Argument(None, help="Show this inferlet's arguments.")) -> None:
     """List the bundled inferlets, or document one (its arguments and result)."""
-    from ..runtime.program import ProgramError, find_program, list_programs
+    from ..errors import ProgramError
+    from ..runtime.program import find_program, list_programs
 
     if name is not None:
         try:

@@ -97,7 +97,8 @@ def install(
     Folders and .py files run as `[programs] installed_runtime` says; a .wasm
     component (from `tartlet build`) always runs sandboxed, named by its file stem.
     """
-    from ..runtime.program import ProgramError, load_program
+    from ..errors import ProgramError
+    from ..runtime.program import load_program
 
     cfg = _load(config)
     dest_dir = Path(cfg.program_dir)

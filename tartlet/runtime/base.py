@@ -11,19 +11,29 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..host.api import HostApi
-from ..errors import LimitError
+from ..errors import LimitError, ProgramError
 from ..host.session import Session
 from .instance import Instance, Status, new_instance_id
-from .program import BUNDLED_DIR, Program, ProgramError, list_programs, load_program
+from .program import BUNDLED_DIR, Program, list_programs, load_program
 
 
 #: a child's session sends kept for its parent: at most this many messages ...
 CHILD_OUTPUT_MESSAGES = 10_000
 #: ... and this many characters in all (later ones are dropped)
 CHILD_OUTPUT_BYTES = 4 * 2**20
+
+
+class RuntimeOptions(TypedDict, total=False):
+    """Keyword arguments of :class:`BaseRuntime` that two runtimes built from
+    one config share (as ``**options``; see its Args)."""
+
+    time_limit_s: float | None
+    max_pages: int | None
+    max_instances_per_user: int | None
+    program_dirs: list[Path] | None
 
 
 class BaseRuntime:

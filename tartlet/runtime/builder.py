@@ -38,8 +38,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..errors import ProgramError
 from ..paths import cache_dir
-from .program import Program, ProgramError, load_program
+from .program import Program, load_program
 
 #: The WIT contract (package tartlet:inferlet@0.1.0), world ``inferlet``.
 WIT_DIR = Path(__file__).resolve().parents[2] / "wit"

@@ -56,7 +56,7 @@ class NativeRuntime(BaseRuntime):
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         self.loop = asyncio.get_running_loop()
         inst.task = self.loop.create_task(self._run(inst, main, limit), name=f"inferlet-{inst.id}")
-        inst.task.add_done_callback(lambda _t, inst=inst: self._ended_before_start(inst))
+        inst.task.add_done_callback(lambda _t: self._ended_before_start(inst))
         self.instances[inst.id] = inst
         return inst
 

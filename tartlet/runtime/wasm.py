@@ -36,18 +36,19 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Variant
 
+from ..errors import ProgramError
 from ..host.session import Session
 from ..host.state import HostState
 from . import builder
 from .base import BaseRuntime
 from .instance import Instance, Status
-from .program import Program, ProgramError, find_program
+from .program import Program, find_program
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
 from .wasm_host import InstanceHost, add_host_imports
 
@@ -264,7 +265,7 @@ class WasmRuntime(BaseRuntime):
         kind, value = outcome
         if kind == "ok" and isinstance(value, Variant) and value.tag == "ok":
             try:
-                inst.result = json.loads(value.payload)
+                inst.result = json.loads(cast(str, value.payload))  # result<string, string>: ok is JSON text
                 inst.status = Status.FINISHED
                 return
             except (TypeError, ValueError, RecursionError) as e:  # RecursionError: a result nested too deeply

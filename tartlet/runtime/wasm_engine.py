@@ -24,9 +24,9 @@ from pathlib import Path
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
 
+from ..errors import ProgramError
 from ..paths import cache_dir
 from . import wasm_fastcall, wasm_fastlist
-from .program import ProgramError
 
 #: Seconds per epoch tick (the resolution of the CPU-time limit).
 TICK_S = 0.01

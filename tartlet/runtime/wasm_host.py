@@ -138,7 +138,7 @@ def _sampler(p: Any, index: int = 0) -> OutputSlot:
 def _slot(o: Any) -> OutputSlot:
     """WIT ``output-slot`` -> the SDK's :class:`OutputSlot` HostApi takes."""
     kind: Variant = o.kind
-    p = kind.payload
+    p: Any = kind.payload  # by tag: sampler-params, distribution-params, a list of ids, or none
     mask = getattr(o, "logit-mask")
     slot = _sampler(p, o.index) if kind.tag == "sample" else OutputSlot(o.index, kind.tag)
     slot.logit_mask, slot.grammar = None if mask is None else list(mask), o.grammar

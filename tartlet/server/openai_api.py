@@ -82,12 +82,13 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..host.grammar import GrammarError, Matcher
+from ..errors import GrammarError
+from ..host.grammar import Matcher
 from ..tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
 from ..runtime.instance import Status
 from ..runtime.program import load_program
@@ -137,7 +138,7 @@ class ApiError(Exception):
 
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
@@ -491,7 +492,7 @@ def parse_prompts(prompt: Any, vocab_size: int | None) -> list[dict[str, Any]]:
         raise _bad(shape, "prompt")
     if len(items) > MAX_PROMPTS:
         raise _bad(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, p in enumerate(items):
         if isinstance(p, str):
             if not p:
@@ -826,14 +827,14 @@ class OpenAiRoutes:
             r = inst.result
             for k, v in _usage(r).items():
                 usage[k] += v
-            for k, c in enumerate(r["choices"]):
+            for j, c in enumerate(r["choices"]):
                 finish = _FINISH.get(c["finish_reason"], "stop")
                 lp = format_logprobs(c.get("logprobs"), chat)
                 if chat:
                     message = chat_message(c)
-                    choices.append({"index": i * n + k, "message": message, "finish_reason": finish, "logprobs": lp})
+                    choices.append({"index": i * n + j, "message": message, "finish_reason": finish, "logprobs": lp})
                 else:
-                    choices.append({"index": i * n + k, "text": c["text"], "finish_reason": finish, "logprobs": lp})
+                    choices.append({"index": i * n + j, "text": c["text"], "finish_reason": finish, "logprobs": lp})
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": usage})
 

@@ -17,7 +17,8 @@ import tomllib
 import unicodedata
 from pathlib import Path
 
-from ..runtime.program import Program, ProgramError, load_program
+from ..errors import ProgramError
+from ..runtime.program import Program, load_program
 from ..protocol import ProtocolError, program_hash
 
 #: Most files in one upload.

@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import LimitError
+from ..errors import LimitError, ProgramError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from .config import ServerConfig
+from ..runtime.base import RuntimeOptions
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
-from ..runtime.program import Program, ProgramError
+from ..runtime.program import Program
 from .auth import KeyStore
 from .programs import ProgramCache
 from ..protocol import BACKLOG, ProtocolError
@@ -169,7 +170,7 @@ class Service:
         self.session_budget = ByteBudget(lim.max_backlog_bytes, "max_backlog_bytes", "session messages waiting", self._reclaim)
         self._builds: dict[str, int] = collections.defaultdict(int)  # builds running, per user
         self._building: dict[str, asyncio.Future] = {}  # build key -> the build (shared by concurrent launches)
-        common = dict(
+        common = RuntimeOptions(
             time_limit_s=lim.max_wall_time_s, max_pages=lim.max_pages_per_instance,
             max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
         )  # fmt: skip

@@ -217,9 +217,9 @@ class Connection:
         if t == "detach":
             iid = _instance_id(req)
             sub = self.attached.pop(iid, None)
-            ch = svc.channels.get(iid)
-            if sub is not None and ch is not None:
-                ch.detach(sub)
+            attached_to = svc.channels.get(iid)
+            if sub is not None and attached_to is not None:
+                attached_to.detach(sub)
             return {"type": "ok"}
         if t == "abort":
             svc.get(user, _instance_id(req)).abort(f"aborted by {user}")
