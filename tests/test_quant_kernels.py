@@ -137,16 +137,17 @@ def test_matmul_matches_dequantized_product(kern, isa, type_name):
     kern.set_isa(-1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_one_row_every_block_tail(kern, type_name):
-    """One activation row of 16-bit values (decode at batch 1, its own
-    AVX-512 kernel that takes blocks four at a time): every block count
-    1..9 (so every tail of 1-3 blocks), activations with large values (both
-    bytes of each 16-bit value matter), against the quantized activations
-    times the dequantized weight, on every instruction set."""
+    """One activation row of 16-bit values (decode at batch 1; on AVX-512
+    its own kernel, which takes blocks four at a time): every block count
+    1..9 (so every tail of 1-3 blocks; K-quants: 8, 16, 24), activations
+    with large values (both bytes of each 16-bit value matter), against the
+    quantized activations times the dequantized weight, on every
+    instruction set."""
     for isa in isa_levels():
         kern.set_isa(isa)
-        for nb in range(1, 10):
+        for nb in (8, 16, 24) if type_name in K_QUANTS else range(1, 10):
             k = 32 * nb
             raw = random_gguf(type_name, 19, k, seed=nb)
             w = from_gguf(raw, type_name, 19, k)

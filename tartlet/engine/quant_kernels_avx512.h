@@ -1,10 +1,10 @@
 /* 512-bit AVX-512 VNNI kernels of quant_kernels.c: 8-bit activations take two
  * weight blocks per vpdpbusd, 16-bit activations one block per vpdpwssd; up
  * to four activation rows share each unpacked weight block (tile_avx512).
- * 16-bit activations against one-scale blocks (Q8, Q4, Q5 layouts) go
- * through one16_kind below 16 activation rows (each 16-bit value split
- * into two bytes, two blocks per vpdpbusd) and through rows16_a16 from 16
- * (16 weight rows per register); see there. Included after
+ * 16-bit activations go through one16_kind below 16 activation rows (each
+ * 16-bit value split into two bytes, two blocks per vpdpbusd) and, against
+ * one-scale blocks (Q8, Q4, Q5 layouts), through rows16_a16 from 16 (16
+ * weight rows per register); see there. Included after
  * the _vnni instance of quant_kernels_isa.h (whose helpers it uses), inside
  * the same "#pragma GCC target" region. */
 
@@ -216,8 +216,8 @@ INLINE void matmul16_kind_avx512(const int kind, const uint8_t *wq, const uint16
                    ldy, bias, res, ldr);
 }
 
-/* ---- 16-bit activations, ONE activation row (decode at batch 1), Q8, Q4
- * and Q5 layouts.
+/* ---- 16-bit activations, 1-15 activation rows (decode of small batches),
+ * every layout.
  *
  * vpdpwssd multiplies 32 16-bit pairs per instruction and needs the weights
  * widened to 16 bits (a cross-lane shuffle per block). Instead each
@@ -236,7 +236,7 @@ INLINE void matmul16_kind_avx512(const int kind, const uint8_t *wq, const uint16
 /* lo / hi planes of one row of int16 activations (nb blocks, zero-padded to
  * a multiple of 4), in the byte order the weights of `kind` unpack to in
  * one16_weights: per pair of blocks (b, b + 1), Q4: values 0-15 of b, 0-15 of
- * b + 1, 16-31 of b, 16-31 of b + 1 (nibble order); Q8, Q5: b, then b + 1.
+ * b + 1, 16-31 of b, 16-31 of b + 1 (nibble order); the others: b, then b + 1.
  * Q8's hi bytes are stored + 128 (unsigned). */
 INLINE void one16_split(const int kind, const int16_t *a, int64_t nb, uint8_t *lo, uint8_t *hi) {
     const int64_t nb4 = (nb + 3) & ~(int64_t)3;
@@ -259,7 +259,7 @@ INLINE void one16_split(const int kind, const int16_t *a, int64_t nb, uint8_t *l
 
 /* The weights of blocks b, b + 1 of one weight row (nvalid of them inside
  * the row, 0-2; the others read as zero) as vpdpbusd operands, lanes as in
- * one16_split: Q4/Q5 the unsigned values, Q8 the signed q - 128. */
+ * one16_split: Q4, Q5, Q6 the unsigned values (< 64), Q8 the signed q - 128. */
 INLINE __m512i one16_weights(const int kind, const uint8_t *w, int64_t b, const int nvalid) {
     if (kind == K_Q8) {
         const uint8_t *q = w + b * 32;
@@ -274,19 +274,27 @@ INLINE __m512i one16_weights(const int kind, const uint8_t *w, int64_t b, const 
         return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(x), _mm256_srli_epi16(x, 4), 1),
                                 _mm512_set1_epi8(0x0f));
     }
-    const __m256i u0 = nvalid >= 1 ? unpack_vnni(kind, w + b * 20) : _mm256_setzero_si256();
-    const __m256i u1 = nvalid >= 2 ? unpack_vnni(kind, w + (b + 1) * 20) : _mm256_setzero_si256();
+    const int qb = KIND_QBYTES(kind);
+    const __m256i u0 = nvalid >= 1 ? unpack_vnni(kind, w + b * qb) : _mm256_setzero_si256();
+    const __m256i u1 = nvalid >= 2 ? unpack_vnni(kind, w + (b + 1) * qb) : _mm256_setzero_si256();
     return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
 }
 
+/* 128 sum(s) of Q8's signed weights s of a pair of blocks (lanes as the
+ * products; shared by every activation row), zero for the other kinds. */
+INLINE __m512i one16_q8sum(const int kind, __m512i wv) {
+    if (kind != K_Q8) return _mm512_setzero_si512();
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv);
+}
+
 /* Exact int32 dot products (as floats) of the weights wv of a pair of
- * blocks with the split activations lo, hi of the same pair. */
-INLINE __m512 one16_dot(const int kind, __m512i wv, const uint8_t *lo, const uint8_t *hi) {
+ * blocks (q8sum: one16_q8sum of them) with the split activations lo, hi of
+ * the same pair. */
+INLINE __m512 one16_dot(const int kind, __m512i wv, __m512i q8sum, const uint8_t *lo, const uint8_t *hi) {
     const __m512i l = _mm512_load_si512((const void *)lo), h = _mm512_load_si512((const void *)hi);
     __m512i ph;
     if (kind == K_Q8) /* s . hi = s . (hi + 128) - 128 sum(s) */
-        ph = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), h, wv),
-                              _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
+        ph = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), h, wv), q8sum);
     else
         ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, h);
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_slli_epi32(ph, 8), l, wv));
@@ -300,40 +308,54 @@ static const int32_t ONE16_SPREAD_Q4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 
  * registers: 8 of the 32) */
 #define ONE16_MAXM 4
 
+/* Q6: two scales a block, one per 16 values: dw 8 scales of blocks
+ * b .. b + 3, da their 4 activation scales -> the 8 products (pairs: 4 lanes
+ * each, SPREAD4 and SPREAD4 + 4). Others: 4 scales, 4 products. */
+INLINE __m512 one16_scales(const int kind, __m256 dw, __m128 da) {
+    if (kind == K_Q6)
+        return _mm512_castps256_ps512(
+            _mm256_mul_ps(dw, _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_castps128_ps256(da))));
+    return _mm512_castps128_ps512(_mm_mul_ps(_mm256_castps256_ps128(dw), da));
+}
+
 /* The dot products of one weight row (nb blocks at w, scales d, minimums
  * m) with R split activation rows (row r: planes at lo + r * ps, hi + r * ps;
  * fa planes at fa + r * FA * nb) into out [R]. The unpacked weights of
  * each pair of blocks are shared by the R rows. */
 INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t nb,
                       const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa, float *out) {
-    const __m512i sp0 = kind == K_Q4 ? _mm512_loadu_si512((const void *)ONE16_SPREAD_Q4)
-                                     : _mm512_loadu_si512((const void *)SPREAD2),
-                  sp1 = _mm512_add_epi32(sp0, _mm512_set1_epi32(2));
+    const int q6 = kind == K_Q6; /* scales a block: 1 + q6 */
+    const __m512i sp0 = _mm512_loadu_si512(
+                      (const void *)(q6 ? SPREAD4 : kind == K_Q4 ? ONE16_SPREAD_Q4 : SPREAD2)),
+                  sp1 = _mm512_add_epi32(sp0, _mm512_set1_epi32(q6 ? 4 : 2));
     __m512 acc0[ONE16_MAXM], acc1[ONE16_MAXM];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
-        const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d + b)));
+        const __m256 dw = q6 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 2 * b)))
+                             : _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d + b))));
         const __m512i w0 = one16_weights(kind, w, b, 2), w1 = one16_weights(kind, w, b + 2, 2);
+        const __m512i c0 = one16_q8sum(kind, w0), c1 = one16_q8sum(kind, w1);
         for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(fa + r * FA * nb + b)));
+            const __m512 s = one16_scales(kind, dw, _mm_loadu_ps(fa + r * FA * nb + b));
             const uint8_t *l = lo + r * ps + b * QK, *h = hi + r * ps + b * QK;
-            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
+            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, c0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, c1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
                                       acc1[r]);
         }
     }
     if (b < nb) { /* 1-3 last blocks: the padding reads as zero weights, scales and activations */
         const int t = (int)(nb - b);
-        const __mmask8 mk = (__mmask8)((1u << t) - 1u);
-        const __m128 dw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(mk, d + b));
+        const __mmask8 mk = (__mmask8)((1u << t) - 1u), mkd = (__mmask8)((1u << (t << q6)) - 1u);
+        const __m256 dw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mkd, d + (b << q6)));
         const __m512i w0 = one16_weights(kind, w, b, t < 2 ? t : 2), w1 = one16_weights(kind, w, b + 2, t > 2 ? t - 2 : 0);
+        const __m512i c0 = one16_q8sum(kind, w0), c1 = one16_q8sum(kind, w1);
         for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_maskz_loadu_ps(mk, fa + r * FA * nb + b)));
+            const __m512 s = one16_scales(kind, dw, _mm_maskz_loadu_ps(mk, fa + r * FA * nb + b));
             const uint8_t *l = lo + r * ps + b * QK, *h = hi + r * ps + b * QK;
-            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
+            acc0[r] = _mm512_fmadd_ps(one16_dot(kind, w0, c0, l, h), _mm512_permutexvar_ps(sp0, s), acc0[r]);
             if (t > 2)
-                acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
+                acc1[r] = _mm512_fmadd_ps(one16_dot(kind, w1, c1, l + 2 * QK, h + 2 * QK), _mm512_permutexvar_ps(sp1, s),
                                           acc1[r]);
         }
     }
@@ -365,7 +387,7 @@ INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, con
     for (int64_t n = 0; n < N; n++) {
         float s[ONE16_MAXM];
         const uint8_t *w = wq + n * nb * qb;
-        const uint16_t *d = wd + n * nb, *m = wm ? wm + n * nb : 0;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += ONE16_MAXM) {
             const int64_t R = M - r0 < ONE16_MAXM ? M - r0 : ONE16_MAXM;
             const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
@@ -385,13 +407,14 @@ INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, con
 static void matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
                           int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
-    if (bits == 16 && M < ROWS16_MIN && kind != K_Q6) {
+    if (bits == 16 && M < ROWS16_MIN) {
         const int16_t *a = (const int16_t *)qa;
         int rc;
         switch (kind) {
         case K_Q8: rc = one16_kind(K_Q8, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
         case K_Q4: rc = one16_kind(K_Q4, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
-        default: rc = one16_kind(K_Q5, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
+        case K_Q5: rc = one16_kind(K_Q5, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
+        default: rc = one16_kind(K_Q6, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
         }
         if (rc == 0) return;
     }
