@@ -145,8 +145,8 @@ class Client:
     def __init__(self, ws: Any) -> None:
         self.ws = ws
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
-        self._inboxes: dict[str, asyncio.Queue] = {}
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}  # request id -> its reply
+        self._inboxes: dict[str, asyncio.Queue[dict[str, Any]]] = {}  # instance id -> its output and exit events
         self._hashes: dict[str, str] = {}
         self.errors: list[TartletError] = []  # errors not tied to a request
         self._reader = asyncio.create_task(self._read())
@@ -187,7 +187,7 @@ class Client:
         self._reader.cancel()
 
     # -- plumbing ------------------------------------------------------------------
-    def _inbox(self, iid: str) -> asyncio.Queue:
+    def _inbox(self, iid: str) -> asyncio.Queue[dict[str, Any]]:
         return self._inboxes.setdefault(iid, asyncio.Queue())
 
     async def _send(self, msg: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ class Client:
 
     async def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         import websockets
 
@@ -247,7 +247,8 @@ class Client:
     async def upload(self, path: str | Path) -> str:
         """Upload a program (file or folder); returns its hash."""
         r = await self._request({"type": "upload", "files": collect_files(Path(path))})
-        return r["program"]
+        program: str = r["program"]
+        return program
 
     async def launch(
         self, inferlet: str | Path, args: dict[str, Any] | None = None, *, attach: bool = True, abort_on_disconnect: bool = False,
@@ -283,7 +284,8 @@ class Client:
 
     async def list(self) -> list[dict[str, Any]]:
         """This user's instances: ``id``, ``program``, ``status``, ..."""
-        return (await self._request({"type": "list"}))["instances"]
+        instances: list[dict[str, Any]] = (await self._request({"type": "list"}))["instances"]
+        return instances
 
     async def abort(self, iid: str) -> None:
         await self._request({"type": "abort", "instance": iid})

@@ -56,7 +56,7 @@ class Instance:
     traceback: str | None = None
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def abort(self, reason: str = "aborted") -> None:

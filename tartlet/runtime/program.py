@@ -51,7 +51,8 @@ class Program:
 
     @property
     def description(self) -> str:
-        return self.manifest.get("description", "")
+        description: str = self.manifest.get("description", "")
+        return description
 
     def usage(self) -> str:
         """The inferlet's documentation: its description and the entry
@@ -70,7 +71,7 @@ class Program:
         head = f"{self.name}: {self.description}" if self.description else self.name
         return head + ("\n\n" + doc if doc else "\n\n(no documentation: the entry file has no module docstring)")
 
-    def load_main(self) -> Callable[[dict], Any]:
+    def load_main(self) -> Callable[[dict[str, Any]], Any]:
         """Import the entry file (fresh each call) and return its ``main``.
 
         Raises:
@@ -94,7 +95,8 @@ class Program:
         main = getattr(module, "main", None)
         if main is None or not inspect.iscoroutinefunction(main):
             raise ProgramError(f"inferlet {self.name!r} ({self.entry.name}) must define `async def main(args: dict)`")
-        return main
+        loaded: Callable[[dict[str, Any]], Any] = main
+        return loaded
 
 
 def load_program(path: Path) -> Program:

@@ -227,7 +227,7 @@ class WasmRuntime(BaseRuntime):
     async def _run(self, ctx: "_Run", limit: float | None) -> None:
         inst, host = ctx.inst, ctx.host
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        done: asyncio.Future[tuple[str, Any]] = loop.create_future()
 
         def finished(outcome: tuple[str, Any]) -> None:
             if not done.done():
@@ -295,7 +295,7 @@ class _Run:
     ) -> None:  # fmt: skip
         self.inst, self.host, self.store, self.run = inst, host, store, run
         self.args_json, self.limits, self.output, self.scratch = args_json, limits, output, scratch
-        self._keep: tuple = ()
+        self._keep: tuple[object, ...] = ()  # the epoch callbacks, alive as long as the store
 
     def thread_main(self, report: Any) -> None:
         host = self.host

@@ -71,7 +71,8 @@ def _memo_tagged(self: Any) -> bool:
     d = self.__dict__
     if "_tartlet_tagged" not in d:
         d["_tartlet_tagged"] = _orig_tagged(self)
-    return d["_tartlet_tagged"]
+    tagged: bool = d["_tartlet_tagged"]
+    return tagged
 
 
 def _func_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]

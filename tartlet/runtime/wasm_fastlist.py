@@ -78,13 +78,15 @@ class _Internals:
 
 
 def _kind(lt: Any) -> tuple[int, str] | None:
-    return _S.kinds.get(type(lt.element))
+    kind: tuple[int, str] | None = _S.kinds.get(type(lt.element))
+    return kind
 
 
 def _convert_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
     k = _kind(self)
     if k is None or not isinstance(val, (list, bytes)):
-        return _S.orig_to(self, store, val, ptr)
+        _S.orig_to(self, store, val, ptr)
+        return
     kind, fmt = k
     ffi, pack = _S.ffi, _S.pack[fmt].pack
     try:

@@ -56,7 +56,7 @@ class InstanceHost:
 
     def __init__(self, api: HostApi) -> None:
         self.api = api
-        self.futures: dict[int, tuple[str, Future]] = {}
+        self.futures: dict[int, tuple[str, Future[Any]]] = {}  # handle -> (kind, future); kind says its result type
         self._ids = itertools.count(1)
         self.stop_reason: str | None = None
         self.host_calls = 0
@@ -73,7 +73,7 @@ class InstanceHost:
         if self.stop_reason is not None:
             raise WasmtimeError(f"tartlet: {self.stop_reason}")
 
-    def add_future(self, kind: str, fut: Future) -> int:
+    def add_future(self, kind: str, fut: Future[Any]) -> int:
         if len(self.futures) >= MAX_FUTURES:
             fut.cancel()
             raise ValueError(f"more than {MAX_FUTURES} host futures in flight; await some first")
@@ -81,7 +81,7 @@ class InstanceHost:
         self.futures[h] = (kind, fut)
         return h
 
-    def future(self, h: int) -> tuple[str, Future]:
+    def future(self, h: int) -> tuple[str, Future[Any]]:
         entry = self.futures.get(h)
         if entry is None:
             raise InvalidHandleError(f"no future with handle {h} (already taken, dropped, or never created)")
@@ -197,7 +197,7 @@ def _future_payload(kind: str, v: Any) -> Any:
 
 
 # -- the imports -----------------------------------------------------------------------
-def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list) -> int:
+def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list[Any]) -> int:
     slots = [_slot(o) for o in outputs]
     return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots))
 
@@ -235,7 +235,7 @@ def _kv_stats(h: InstanceHost, model: str | None) -> Record:
     return _record(**{k: int(s[k]) for k in ("total", "free", "cached", "used", "page_size")})
 
 
-def _chat(h: InstanceHost, model: str | None, messages: list, agp: bool, tools: str | None) -> str:
+def _chat(h: InstanceHost, model: str | None, messages: list[Any], agp: bool, tools: str | None) -> str:
     msgs = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
