@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from ..runtime.program import Program
 
 err = Console(stderr=True)
 
@@ -47,12 +50,12 @@ dependencies = []
 '''
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {msg}", highlight=False)
     raise typer.Exit(code)
 
 
-def sandboxed_component(inferlet: str) -> tuple[Any, Path]:
+def sandboxed_component(inferlet: str) -> tuple[Program, Path]:
     """The program and component path for ``tartlet run --sandbox`` or a
     ``.wasm`` argument (building a folder, cached). Exits with a message on
     a bad inferlet or a failed build."""

@@ -13,12 +13,15 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
 
 from .args import ArgsError, parse_inferlet_args
+
+if TYPE_CHECKING:
+    from ..client import Client
 
 err = Console(stderr=True)
 
@@ -26,12 +29,12 @@ SERVER = typer.Option("http://127.0.0.1:8080", "--server", "-s", envvar="TARTLET
 KEY = typer.Option(None, "--key", "-k", envvar="TARTLET_API_KEY", help="API key.")
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {msg}", highlight=False)
     raise typer.Exit(code)
 
 
-async def _client(server: str, key: Optional[str]) -> Any:
+async def _client(server: str, key: Optional[str]) -> Client:
     from ..client import Client, TartletError
 
     try:
@@ -174,7 +177,7 @@ def ping(server: str = SERVER, key: Optional[str] = KEY) -> None:
     """Check that the server answers and the key is valid."""
     import time
 
-    async def go() -> tuple[dict, float]:
+    async def go() -> tuple[dict[str, Any], float]:
         c = await _client(server, key)
         try:
             t0 = time.perf_counter()

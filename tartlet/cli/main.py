@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
 
 from .args import ArgsError, parse_inferlet_args
+
+if TYPE_CHECKING:  # imported where used: the engine imports torch, slow for the other commands
+    from ..engine.engine import Engine
+    from ..runtime.program import Program
 
 app = typer.Typer(help="Tartlet: a programmable LLM serving system.", no_args_is_help=True, add_completion=False)
 model_app = typer.Typer(help="Manage models (download, list, remove).", no_args_is_help=True)
@@ -18,7 +24,7 @@ app.add_typer(model_app, name="model")
 err = Console(stderr=True)
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {msg}", highlight=False)
     raise typer.Exit(code)
 
@@ -90,20 +96,22 @@ def run(
     raise typer.Exit(code)
 
 
-async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float | None, json_out: bool, wasm: Any = None) -> int:
+async def _run_instance(
+    engine: Engine, program: Program, args: dict[str, Any], time_limit: float | None, json_out: bool, wasm: Path | None = None,
+) -> int:
     from ..host.session import Session
     from ..host.state import HostState
-    from ..runtime.instance import Status
-    from ..runtime.base import BaseRuntime
+    from ..runtime.instance import Instance, Status
     from ..runtime.native import NativeRuntime
 
     state = HostState()
     state.add_engine(engine)
-    runtime: BaseRuntime = NativeRuntime(state, time_limit_s=time_limit)
+    # the program on the native runtime, or its component on the WASM one
+    launch: Callable[[Session], Instance] = functools.partial(NativeRuntime(state, time_limit_s=time_limit).launch, program, args)
     if wasm is not None:
         from ..runtime.wasm import WasmRuntime
 
-        runtime = WasmRuntime(state, time_limit_s=time_limit)
+        launch = functools.partial(WasmRuntime(state, time_limit_s=time_limit).launch, wasm, args)
     session = Session()
     streamed = False
 
@@ -117,7 +125,7 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
         sys.stdout.flush()
 
     session.listen(show)
-    inst = runtime.launch(wasm if wasm is not None else program, args, session)
+    inst = launch(session)
     try:
         await inst.wait()
     except asyncio.CancelledError:
@@ -135,7 +143,7 @@ async def _run_instance(engine: Any, program: Any, args: dict, time_limit: float
     return 1
 
 
-def _print_stats(engine: Any) -> None:
+def _print_stats(engine: Engine) -> None:
     import resource
 
     st = engine.scheduler.stats

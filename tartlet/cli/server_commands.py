@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -24,7 +24,7 @@ auth_app = typer.Typer(help="API keys of the server.", no_args_is_help=True)
 CONFIG = typer.Option(None, "--config", "-c", envvar="TARTLET_CONFIG", help="Config file (default: user config dir).")
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {msg}", highlight=False)
     raise typer.Exit(code)
 
