@@ -50,7 +50,7 @@ class KeyStore:
         if self._cache and self._cache[0] == mtime:
             return self._cache[1]
         try:
-            keys = json.loads(self.path.read_text()).get("keys", [])
+            keys: list[dict[str, Any]] = json.loads(self.path.read_text()).get("keys", [])
         except (json.JSONDecodeError, AttributeError) as e:
             raise AuthError(f"keys file {self.path} is not valid: {e}") from None
         self._cache = (mtime, keys)
@@ -109,5 +109,6 @@ class KeyStore:
         with self._lock:
             for e in self._load():
                 if hmac.compare_digest(e["sha256"], d):
-                    return e["user"]
+                    user: str = e["user"]
+                    return user
         raise AuthError("invalid API key")

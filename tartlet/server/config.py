@@ -266,7 +266,7 @@ _KV_DTYPE = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 _MODEL_KEY_TYPES: dict[str, Any] = {
     "dtype": _DTYPE,
     "kv_dtype": _KV_DTYPE,
-    "quantize": Literal[tuple(QUANTIZE_TYPES)] | None,  # type: ignore[valid-type]
+    "quantize": Literal[tuple(QUANTIZE_TYPES)] | None,
     "page_size": PositiveInt,
     "kv_cache_mb": PositiveInt,
     "max_batch_tokens": PositiveInt,

@@ -276,7 +276,7 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
     return {"args": args, "prompts": prompts, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
 
 
-def parse_messages(msgs: list) -> list[dict[str, Any]]:
+def parse_messages(msgs: list[Any]) -> list[dict[str, Any]]:
     """Chat messages in the inferlet's shape: ``developer`` becomes
     ``system``; an assistant message may carry ``tool_calls`` (then its
     content may be null), a ``tool`` message needs ``tool_call_id``.
@@ -462,7 +462,7 @@ def format_logprobs(entries: list[dict[str, Any]] | None, chat: bool, offset: in
     }
 
 
-def _token_ids(ids: list, vocab_size: int | None, where: str) -> list[int]:
+def _token_ids(ids: list[Any], vocab_size: int | None, where: str) -> list[int]:
     if not ids:
         raise _bad(f"{where} must not be empty", "prompt")
     for t in ids:
@@ -555,8 +555,9 @@ def prompt_length(tokenizer: Any, job: dict[str, Any]) -> int:
     rendered = ""
     marks = [(0, 0)]  # (rendered length, tokens) after each fill, as Context keeps them
 
-    def tok_render(m: list, agp: bool, t: list | None) -> str:
-        return tokenizer.apply_chat_template(m, add_generation_prompt=agp, tools=t)
+    def tok_render(m: list[dict[str, Any]], agp: bool, t: list[dict[str, Any]] | None) -> str:
+        text: str = tokenizer.apply_chat_template(m, add_generation_prompt=agp, tools=t)
+        return text
 
     def render(gen_prompt: bool) -> None:
         nonlocal rendered, n
@@ -839,7 +840,7 @@ class OpenAiRoutes:
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": usage})
 
     async def _stream(
-        self, insts: list[Any], queue: asyncio.Queue, rid: str, created: int, model: str, chat: bool, include_usage: bool, n: int,
+        self, insts: list[Any], queue: asyncio.Queue[tuple[int, str | None]], rid: str, created: int, model: str, chat: bool, include_usage: bool, n: int,
     ) -> AsyncIterator[str]:
         """SSE frames of a streamed request: the inferlet's JSON messages
         (``{"i", "text", "logprobs"}`` and ``{"i", "finish_reason"}``, ``i``

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import LimitError, ProgramError
 from ..host.session import ByteBudget, Session, message_bytes
@@ -36,6 +36,9 @@ from ..runtime.program import Program
 from .auth import KeyStore
 from .programs import ProgramCache
 from ..protocol import BACKLOG, ProtocolError
+
+if TYPE_CHECKING:  # imported on first use: it loads wasmtime
+    from ..runtime.wasm import WasmRuntime
 
 #: Finished instances stay listable (and their exit attachable) this long, seconds.
 RETAIN_FINISHED_S = 600.0
@@ -169,7 +172,7 @@ class Service:
         #: bytes of session messages waiting, per user (output kept for clients + inboxes)
         self.session_budget = ByteBudget(lim.max_backlog_bytes, "max_backlog_bytes", "session messages waiting", self._reclaim)
         self._builds: dict[str, int] = collections.defaultdict(int)  # builds running, per user
-        self._building: dict[str, asyncio.Future] = {}  # build key -> the build (shared by concurrent launches)
+        self._building: dict[str, asyncio.Future[Program]] = {}  # build key -> the build (shared by concurrent launches)
         common = RuntimeOptions(
             time_limit_s=lim.max_wall_time_s, max_pages=lim.max_pages_per_instance,
             max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
@@ -178,7 +181,7 @@ class Service:
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
         self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), Path(cfg.data_dir) / "snapshots")
-        self._sandbox: Any = None  # the WasmRuntime, created on first use (it shares the instance table)
+        self._sandbox: WasmRuntime | None = None  # created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
         self.launched = 0
@@ -197,7 +200,7 @@ class Service:
 
     # -- programs ------------------------------------------------------------------
     @property
-    def sandbox(self) -> Any:
+    def sandbox(self) -> WasmRuntime:
         """The WASM runtime for sandboxed programs (shares the native
         runtime's instance table, so per-user limits count both)."""
         if self._sandbox is None:

@@ -8,7 +8,7 @@ import base64
 import binascii
 import json
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 MAX_PENDING_EVENTS = 10_000
 
 
-def bearer(headers: Any, query: Any) -> str | None:
+def bearer(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
     """The API key of a request: ``Authorization: Bearer KEY`` or ``?key=``."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
@@ -54,7 +54,7 @@ def _field(req: dict[str, Any], name: str, kind: type | tuple[type, ...], what: 
 
 
 def _instance_id(req: dict[str, Any]) -> str:
-    iid = _field(req, "instance", str, "a string (an instance id)")
+    iid: str | None = _field(req, "instance", str, "a string (an instance id)")
     if iid is None:
         raise ProtocolError("bad_request", "this request needs `instance` (an instance id)")
     return iid
