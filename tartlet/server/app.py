@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from ..host.state import HostState
 from .config import ServerConfig
 from . import metrics
 from .openai_api import ApiError, OpenAiRoutes
@@ -130,7 +131,7 @@ def build_app(service: Service) -> Starlette:
     return app
 
 
-def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None) -> Any:
+def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None) -> HostState:
     """Load every configured model and open the store and HTTP fetcher.
 
     Raises:
@@ -154,7 +155,7 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     return state
 
 
-def configure_code(state: Any, cfg: ServerConfig) -> None:
+def configure_code(state: HostState, cfg: ServerConfig) -> None:
     """Give ``state`` the code sandbox of ``[code]`` (None when disabled);
     nothing is built until an inferlet first runs code."""
     from ..host.code_sandbox import CodeSandbox
@@ -168,7 +169,7 @@ def configure_code(state: Any, cfg: ServerConfig) -> None:
     )  # fmt: skip
 
 
-def configure_http(state: Any, cfg: ServerConfig) -> None:
+def configure_http(state: HostState, cfg: ServerConfig) -> None:
     """Give ``state`` (a HostState) the HTTP fetcher of inferlets and the
     MCP servers they may open: ``[http]`` bounds every fetch; each
     ``[mcp.servers.NAME] url`` is allowed to every inferlet (that endpoint

@@ -82,7 +82,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, TypedDict
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -90,12 +90,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import GrammarError
 from ..host.grammar import Matcher
 from ..tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
-from ..runtime.instance import Status
+from ..runtime.instance import Instance, Status
 from ..runtime.program import load_program
 from .auth import AuthError
+from .config import LimitsConfig
 from ..protocol import ProtocolError, parse_json
 from .service import Service
 from .ws import bearer
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +154,7 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def generation_error(inst: Any) -> ApiError:
+def generation_error(inst: Instance) -> ApiError:
     """The API error for a failed instance: 429 ``kv_quota_exceeded``
     (``KvQuotaError``), 503 ``kv_cache_full`` with ``Retry-After: 1``
     (``KvCacheFullError``), else 500 ``generation_failed`` (logged with the
@@ -187,7 +191,18 @@ def _text(content: Any, where: str) -> str:
     raise _bad(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
 
 
-def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | None = None) -> dict[str, Any]:
+class ParsedRequest(TypedDict):
+    """A validated request (:func:`parse_request`)."""
+
+    #: the inferlet args (for completions, without the prompt)
+    args: dict[str, Any]
+    #: completions: per-prompt args, ``{"prompt": str}`` or ``{"prompt_tokens": [int]}``; None for chat
+    prompts: list[dict[str, Any]] | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | None = None) -> ParsedRequest:
     """Validate an OpenAI request body; returns ``{"args", "prompts",
     "stream", "include_usage"}``: the inferlet args, and for completions the
     list of per-prompt args (``{"prompt": str}`` or ``{"prompt_tokens":
@@ -376,7 +391,7 @@ def chat_tool_format(tokenizer: Any) -> ToolFormat:
     return fmt
 
 
-def check_tools(engine: Any, args: dict[str, Any]) -> None:
+def check_tools(engine: Engine, args: dict[str, Any]) -> None:
     """Compile each tool's ``parameters`` schema for ``engine``'s tokenizer
     and, for a forced call, the call grammar the inferlet will use (cached,
     so the inferlet's own compile is a copy).
@@ -648,7 +663,7 @@ def constraint_spec(rf: dict[str, Any]) -> tuple[str, Any]:
     return ("any_json", None) if schema is None else ("json_schema", schema)
 
 
-def check_response_format(engine: Any, rf: dict[str, Any]) -> None:
+def check_response_format(engine: Engine, rf: dict[str, Any]) -> None:
     """Compile ``rf``'s constraint for ``engine``'s tokenizer (cached, so the
     inferlet's own compile is a copy) and drop it.
 
@@ -667,7 +682,7 @@ def check_response_format(engine: Any, rf: dict[str, Any]) -> None:
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop", "tool_calls": "tool_calls"}
 
 
-async def read_json_body(request: Request, limits: Any) -> Any:
+async def read_json_body(request: Request, limits: LimitsConfig) -> Any:
     """The request's JSON body, read up to ``limits.max_message_bytes``
     (checked against ``Content-Length`` first, then while streaming) and
     nested at most ``limits.max_json_depth`` deep.
@@ -755,7 +770,7 @@ class OpenAiRoutes:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        insts: list[Any] = []
+        insts: list[Instance] = []
         try:
             user = self._user(request)
             body = await read_json_body(request, self.service.cfg.limits)
@@ -773,14 +788,17 @@ class OpenAiRoutes:
             if req["args"].get("tools"):
                 await asyncio.to_thread(check_tools, engine, req["args"])
             base = req["args"]
-            jobs = [dict(base)] if chat else [dict(base, **p) for p in req["prompts"]]
+            jobs = [dict(base)] if chat else [dict(base, **p) for p in req["prompts"] or ()]  # prompts: set for completions
             lengths = await asyncio.to_thread(lambda: [prompt_length(engine.tokenizer, j) for j in jobs])
             fit_context(jobs, lengths, max_seq_len, chat)
             queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
-            def listener(i: int) -> Any:
-                return lambda m: loop.call_soon_threadsafe(queue.put_nowait, (i, m if isinstance(m, str) else m.decode(errors="replace")))
+            def listener(i: int) -> Callable[[str | bytes], None]:
+                def put(m: str | bytes) -> None:
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, m if isinstance(m, str) else m.decode(errors="replace")))
+
+                return put
 
             try:
                 for i, job in enumerate(jobs):
@@ -792,9 +810,15 @@ class OpenAiRoutes:
             for inst in insts:
                 inst.abort("the request failed")
             return e.response()
+        def ended(i: int) -> Callable[[asyncio.Task[None]], None]:
+            def put(_t: asyncio.Task[None]) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, None))
+
+            return put
+
         for i, inst in enumerate(insts):
             assert inst.task is not None
-            inst.task.add_done_callback(lambda _t, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, None)))
+            inst.task.add_done_callback(ended(i))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model_name = base["model"]
@@ -840,7 +864,7 @@ class OpenAiRoutes:
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": usage})
 
     async def _stream(
-        self, insts: list[Any], queue: asyncio.Queue[tuple[int, str | None]], rid: str, created: int, model: str, chat: bool, include_usage: bool, n: int,
+        self, insts: list[Instance], queue: asyncio.Queue[tuple[int, str | None]], rid: str, created: int, model: str, chat: bool, include_usage: bool, n: int,
     ) -> AsyncIterator[str]:
         """SSE frames of a streamed request: the inferlet's JSON messages
         (``{"i", "text", "logprobs"}`` and ``{"i", "finish_reason"}``, ``i``
