@@ -41,14 +41,20 @@ loopback.
 Per mode the server's scheduler counters (``/metrics``) are read around
 each run: rows (tokens) per model call, requests per call, mixed
 prefill+decode calls, time in model calls, in the scheduler's batching
-wait, and the scheduler's own time outside model calls.
+wait, and the scheduler's own time outside model calls; and the CPU
+seconds the server process and this process (the client mode's
+orchestration, the tool server, the launch client) used during it. On a
+shared 2-core VM wall time depends on what else runs; CPU seconds are the
+work each mode did, which the load changes much less.
 
     .venv/bin/python benchmarks/bench_agents.py              # full run
     .venv/bin/python benchmarks/bench_agents.py --quick      # smoke run
 
 Prints a table per workload and one ``JSON:`` line; asserts nothing about
 time. Ratios are inferlet / client tasks per second, median over rounds
-(>1: the inferlet is faster).
+(>1: the inferlet is faster); ``client cpu / cpu`` is the client run's
+server CPU seconds over this mode's, per round (>1: the inferlet made the
+server do less work for the same tokens).
 """
 
 from __future__ import annotations
@@ -200,6 +206,12 @@ COUNTERS = {
 }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """The scheduler counters of the server's (one) model."""
     text = (await client.get(url + "/metrics")).text
@@ -210,18 +222,22 @@ async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 _runs = itertools.count(1)
 
 
-async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, rtt_s: float) -> dict[str, Any]:
-    """One timed run of ``mode``: tasks/s, latency p50 and the scheduler's
-    counters over the run (its tasks' texts are new to the server)."""
+async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, rtt_s: float,
+                  server_pid: int) -> dict[str, Any]:
+    """One timed run of ``mode``: tasks/s, latency p50, the scheduler's
+    counters and CPU seconds over the run (its tasks' texts are new to the
+    server)."""
     run = next(_runs)
     async with httpx.AsyncClient(timeout=60) as mc:
         before = await scrape(mc, url)
+        cpu0, own0 = cpu_seconds(server_pid), time.process_time()
         t0 = time.perf_counter()
         if mode == "client":
             lat = await run_client(url, w, tool_url, rtt_s, run)
         else:
             lat = await run_inferlet(url, "agent" if mode == "native" else prog, w, tool_url, rtt_s, run)
         wall = time.perf_counter() - t0
+        cpu, own = cpu_seconds(server_pid) - cpu0, time.process_time() - own0
         after = await scrape(mc, url)
     d = {k: after[k] - before[k] for k in COUNTERS}
     calls = max(1.0, d["calls"])
@@ -229,20 +245,25 @@ async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, r
             "rows_per_call": d["rows"] / calls, "requests_per_call": d["requests"] / calls,
             "model_calls": int(d["calls"]), "mixed_calls": int(d["mixed"]), "rows": int(d["rows"]),
             "forward_s": d["forward_s"], "batch_wait_s": d["batch_wait_s"], "sched_s": d["sched_s"],
-            "queue_wait_per_request_ms": 1000 * d["queue_wait_s"] / max(1.0, d["requests"])}
+            "queue_wait_per_request_ms": 1000 * d["queue_wait_s"] / max(1.0, d["requests"]),
+            "server_cpu_s": cpu, "bench_cpu_s": own, "load_avg": os.getloadavg()[0]}
 
 
 async def bench(url: str, prog: Path, tool_url: str, workloads: list[Workload], rtts_ms: list[float],
-                rounds: int, modes: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Every workload at every round trip, modes alternating (their order
-    rotating) round by round; prints a table each."""
+                rounds: int, modes: tuple[str, ...], server_pid: int) -> list[dict[str, Any]]:
+    """Every workload at every round trip, modes alternating, their order
+    rotating from round to round (and from configuration to configuration,
+    so that one round per configuration does not always run the same mode
+    first); prints a table each."""
     out = []
+    turn = itertools.count()
     for w in workloads:
         for rtt in rtts_ms:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-            for r in range(rounds):
-                for m in modes[r % len(modes):] + modes[:r % len(modes)]:
-                    runs[m].append(await one_run(m, url, prog, w, tool_url, rtt / 1000))
+            for _ in range(rounds):
+                k = next(turn) % len(modes)
+                for m in modes[k:] + modes[:k]:
+                    runs[m].append(await one_run(m, url, prog, w, tool_url, rtt / 1000, server_pid))
             rows, res = [], {"workload": w.name, "tasks": w.tasks, "rtt_ms": rtt, "modes": {}}
             for m in modes:
                 rs = runs[m]
@@ -250,13 +271,18 @@ async def bench(url: str, prog: Path, tool_url: str, workloads: list[Workload], 
                 ratio = (statistics.median(a["tasks_per_s"] / b["tasks_per_s"] for a, b in zip(rs, runs["client"]))
                          if "client" in runs and m != "client" else None)
                 res["modes"][m] = {**med, "ratio_vs_client": ratio, "rounds": rs}
+                cpu_ratio = (statistics.median(b["server_cpu_s"] / a["server_cpu_s"] for a, b in zip(rs, runs["client"]))
+                             if "client" in runs and m != "client" else None)
+                res["modes"][m]["cpu_ratio_vs_client"] = cpu_ratio
                 rows.append([m, med["tasks_per_s"], med["latency_p50_s"], f"{ratio:.2f}x" if ratio else "-",
                              med["rows_per_call"], med["requests_per_call"], med["mixed_calls"],
-                             med["forward_s"], med["batch_wait_s"], med["sched_s"], med["queue_wait_per_request_ms"]])
+                             med["forward_s"], med["batch_wait_s"], med["sched_s"], med["queue_wait_per_request_ms"],
+                             med["server_cpu_s"], f"{cpu_ratio:.2f}x" if cpu_ratio else "-", med["bench_cpu_s"]])
             report(f"{w.name}: {w.tasks} tasks x {w.steps} steps x {w.calls} call(s), {w.tokens_per_task()} tokens/task, "
                    f"RTT {rtt:g} ms (median of {rounds} rounds)",
                    ["mode", "tasks/s", "lat p50 s", "vs client", "rows/call", "reqs/call", "mixed calls", "forward s",
-                    "batch wait s", "sched s", "queue ms/req"], rows, None)
+                    "batch wait s", "sched s", "queue ms/req", "server cpu s", "client cpu / cpu", "bench cpu s"],
+                   rows, None)
             out.append(res)
     return out
 
@@ -301,10 +327,10 @@ async def main() -> None:
     try:
         warm = Workload("warm-up", 1, 1, 2, calls=1, call_tokens=1, chars=100, drop=True)
         for m in modes:  # the sandboxed upload's first launch builds its component
-            await one_run(m, url, prog, warm, tool_url, 0.0)
+            await one_run(m, url, prog, warm, tool_url, 0.0, proc.pid)
         load = os.getloadavg()
         t0 = time.perf_counter()
-        results = await bench(url, prog, tool_url, workloads(a), a.rtt_ms, a.rounds, modes)
+        results = await bench(url, prog, tool_url, workloads(a), a.rtt_ms, a.rounds, modes, proc.pid)
         print(f"\nload average {load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")
         print("JSON: " + json.dumps({"results": results, "tool_latency_ms": a.tool_latency_ms, "rounds": a.rounds,
                                      "load_avg_start": load[0], "load_avg_end": os.getloadavg()[0]}))
