@@ -21,7 +21,7 @@ from rich.console import Console
 from .args import ArgsError, parse_inferlet_args
 
 if TYPE_CHECKING:
-    from ..client import Client
+    from ..client import Client, RemoteInstance
 
 err = Console(stderr=True)
 
@@ -53,7 +53,7 @@ def _print_output(msg: str | bytes) -> None:
     sys.stdout.flush()
 
 
-async def _stream(inst: Any, json_out: bool) -> int:
+async def _stream(inst: RemoteInstance, json_out: bool) -> int:
     streamed = False
     async for msg in inst.output():
         streamed = True
@@ -61,6 +61,7 @@ async def _stream(inst: Any, json_out: bool) -> int:
     if streamed:
         sys.stdout.write("\n")
     ex = inst.exit
+    assert ex is not None  # output() ends once the exit is known
     if ex.ok:
         if json_out:
             print(json.dumps(ex.result))
@@ -95,7 +96,7 @@ def submit(
         c = await _client(server, key)
         try:
             local = Path(inferlet)
-            target: Any = local if (local.suffix == ".py" or local.is_dir()) and local.exists() else inferlet
+            target: str | Path = local if (local.suffix == ".py" or local.is_dir()) and local.exists() else inferlet
             try:
                 inst = await c.launch(target, args, attach=not detach)
             except TartletError as e:

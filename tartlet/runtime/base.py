@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..host.api import HostApi
 from ..errors import LimitError, ProgramError
 from ..host.session import Session
 from .instance import Instance, Status, new_instance_id
 from .program import BUNDLED_DIR, Program, list_programs, load_program
+
+if TYPE_CHECKING:
+    from ..host.state import HostState
 
 
 #: a child's session sends kept for its parent: at most this many messages ...
@@ -57,7 +60,7 @@ class BaseRuntime:
 
     def __init__(
         self,
-        state: Any,
+        state: HostState,
         time_limit_s: float | None = None,
         max_pages: int | None = None,
         max_instances_per_user: int | None = None,

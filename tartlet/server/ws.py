@@ -16,7 +16,7 @@ from ..errors import LimitError
 from ..host.session import message_bytes
 from .auth import AuthError
 from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
-from .service import Event, Service
+from .service import Event, Service, Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Connection:
         self.ws = ws
         self.user = user
         self.out: asyncio.Queue[Event | None] = asyncio.Queue()
-        self.attached: dict[str, Any] = {}  # instance id -> subscriber
+        self.attached: dict[str, Subscriber] = {}  # instance id -> subscriber
         self.launched: list[str] = []
         self.pending_bytes = 0
         self.max_pending_bytes = service.cfg.limits.max_backlog_bytes
