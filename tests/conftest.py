@@ -42,6 +42,15 @@ def loaded_model(gguf_path):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(gguf_path):
+    """Our tokenizer of the default model, read from its GGUF (weights untouched)."""
+    from tartlet.engine.gguf_loader import open_gguf
+    from tartlet.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(open_gguf(gguf_path))
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
     """Reference: the transformers tokenizer built from the same GGUF."""
     import transformers

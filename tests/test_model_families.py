@@ -51,15 +51,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    """The default model's tokenizer (read from its GGUF, weights untouched)."""
-    from tartlet.engine.gguf_loader import open_gguf
-    from tartlet.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(open_gguf(gguf_path))
-
-
 def make_folder(family: str, tokenizer, root) -> tuple:
     """A random-weight model of ``family`` saved as a HF folder; returns ``(path, transformers model)``."""
     cls, extra = FAMILIES[family]

@@ -38,15 +38,6 @@ SPARSE = {"mixtral": ("mixtral", (0, 1, 2)), "qwen2_moe": ("qwen2_moe", (0, 2)),
           "qwen3_moe-unnormed": ("qwen3_moe", (0, 1, 2))}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    """The default model's tokenizer (read from its GGUF, weights untouched)."""
-    from tartlet.engine.gguf_loader import open_gguf
-    from tartlet.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(open_gguf(gguf_path))
-
-
 def make_model(family: str, vocab: int):
     """A random-weight transformers model of ``family`` (norm weights spread around 1)."""
     cls, extra = MOE[family]

@@ -26,14 +26,6 @@ transformers = pytest.importorskip("transformers")
 W, PS = 8, 4
 
 
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    from tartlet.engine.gguf_loader import open_gguf
-    from tartlet.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(open_gguf(gguf_path))
-
-
 def make_model(cls: str, extra: dict, tokenizer, path):
     """A random-weight transformers model saved as a HF folder at ``path``."""
     config = getattr(transformers, cls)(vocab_size=tokenizer.vocab_size, **{**DIMS, **extra})
