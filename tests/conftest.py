@@ -52,22 +52,19 @@ def tokenizer(gguf_path):
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
-    """Reference: the transformers tokenizer built from the same GGUF."""
-    import transformers
+    """Reference: the transformers tokenizer built from the same GGUF (saved between runs)."""
+    from hf_reference import hf_tokenizer
 
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return hf_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    """Reference: the transformers model dequantized from the same GGUF (float32, eval mode)."""
-    import torch
-    import transformers
+    """Reference: the transformers model dequantized from the same GGUF
+    (float32, eval mode; saved between runs)."""
+    from hf_reference import hf_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return hf_model(gguf_path)
 
 
 @pytest.fixture(scope="session")

@@ -48,9 +48,9 @@ def gemma_path():
 
 @pytest.fixture(scope="module")
 def hf(gemma_path):
-    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32).eval()
+    from hf_reference import hf_model, hf_tokenizer
+
+    tok, model = hf_tokenizer(gemma_path), hf_model(gemma_path)  # converted once, then kept between runs
     want = {}
     for p in PROMPTS:
         ids = tok(p, return_tensors="pt").input_ids
