@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-#: Fixtures that start a `tartlet serve` subprocess (~10-20 s each): every
-#: test using one, directly or through another fixture, is marked ``slow``
-#: (the everyday loop, ``pytest -m "not slow"``, skips them; CI runs all).
-#: Modules built around their own server or WASM builds mark themselves.
+#: Fixtures that start a server (in-process, but loading a model of its own,
+#: and the OpenAI API tests on it generate a lot): every test using one,
+#: directly or through another fixture, is marked ``slow`` (the everyday
+#: loop, ``pytest -m "not slow"``, skips them; CI runs all). Modules built
+#: around their own server or WASM builds mark themselves.
 SLOW_FIXTURES = frozenset({"noauth_server", "small_server"})
 
 
@@ -136,12 +137,15 @@ def quant_runtime(quant_host_state):
 
 @pytest.fixture(scope="session")
 def noauth_server(tmp_path_factory):
-    """One `tartlet serve --no-auth` (default model, 64 MiB pool) shared by
-    the OpenAI API test modules, so the suite starts it once."""
-    from server_harness import ServerProcess, write_config
+    """One no-auth server (default model, 64 MiB pool) shared by the OpenAI
+    API test modules, so the suite starts it once. It runs in this process
+    (:class:`~server_harness.InProcessServer`: real HTTP on loopback, no
+    interpreter start or extra imports); `tartlet serve` itself, as a
+    process, is tested in test_server*.py."""
+    from server_harness import InProcessServer, write_config
 
     d = tmp_path_factory.mktemp("noauth-server")
-    srv = ServerProcess(write_config(d / "config.toml", d / "data"), "--no-auth")
+    srv = InProcessServer(write_config(d / "config.toml", d / "data"), auth=False)
     yield srv
     srv.stop()
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes, checked with the official `openai` client
-against a real `tartlet serve` process; greedy output must equal the
+against the server over real HTTP (run in-process: conftest's noauth_server); greedy output must equal the
 `text-completion` inferlet's for the same prompt."""
 
 from __future__ import annotations

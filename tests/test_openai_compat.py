@@ -2,7 +2,7 @@
 6): context length checks, exact prompt token counts, JSON 404/405 and
 ``GET /v1/models/{id}``, multi- and token-id prompts, logit_bias and
 penalties, clean error messages and the access log, KV-pressure status
-codes. Against a real `tartlet serve` process."""
+codes. Against the server run in-process (real HTTP on loopback)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import ServerProcess
-
-from tartlet.engine.tokenizer import Tokenizer
+from server_harness import InProcessServer
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "What is the capital of France?"
@@ -30,10 +28,8 @@ def server(noauth_server):
 
 
 @pytest.fixture(scope="module")
-def tok(gguf_path):
-    from tartlet.engine.gguf_loader import open_gguf
-
-    return Tokenizer.from_gguf(open_gguf(gguf_path))
+def tok(tokenizer):
+    return tokenizer  # conftest's, built once per session
 
 
 def server_log(server) -> str:
@@ -183,7 +179,7 @@ def small_server(tmp_path_factory):
         f'data_dir = "{d / "data"}"\n[limits]\nmax_pages_per_instance = 8\n'
         '\n[[models]]\nmodel = "smollm2-135m-instruct"\nkv_cache_mb = 16\nthreads = 2\n'
     )
-    srv = ServerProcess(cfg, "--no-auth")
+    srv = InProcessServer(cfg, auth=False)
     yield srv
     srv.wait_pages_free()
     srv.stop()

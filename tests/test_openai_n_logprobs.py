@@ -1,5 +1,5 @@
 """``n`` > 1 and ``logprobs`` / ``top_logprobs`` on the OpenAI API (issue 13
-item 5), with the official client against a real `tartlet serve` process:
+item 5), with the official client against the server over HTTP (in-process):
 n forks of one prefilled prompt, logprobs of the distribution sampled from."""
 
 from __future__ import annotations

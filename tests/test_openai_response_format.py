@@ -1,5 +1,5 @@
 """OpenAI ``response_format`` (``json_schema``, ``json_object``, ``text``) on
-a real ``tartlet serve`` process, checked with the official ``openai`` client:
+the server over real HTTP (run in-process), checked with the official ``openai`` client:
 outputs must parse and validate against their schema (``jsonschema``),
 streamed or not, greedy or sampled; bad formats are HTTP 400 naming the
 problem before anything streams; no KV page leaks."""

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import websockets
-from server_harness import ServerProcess, add_users, cli, write_config, write_inferlet
+from server_harness import ServerProcess, add_users, cli, cli_in_process, write_config, write_inferlet
 
 from tartlet.client import Client, TartletError
 
@@ -142,7 +142,7 @@ def setup(tmp_path_factory):
                        ("subscriber", SUBSCRIBER), ("broadcaster", BROADCASTER), ("parent", PARENT),
                        ("fetcher", FETCHER), ("hog", HOG)]:
         write_inferlet(progs, name, code)
-    r = cli("install", str(progs / "waiter.py"), "--config", str(cfg))  # launchable by name
+    r = cli_in_process("install", str(progs / "waiter.py"), "--config", str(cfg))  # launchable by name
     assert r.returncode == 0, r.stderr
     server = ServerProcess(cfg)
     yield {"server": server, "keys": keys, "progs": progs, "config": cfg}

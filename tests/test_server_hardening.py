@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from server_harness import ServerProcess, add_users, cli, write_config, write_inferlet
+from server_harness import ServerProcess, add_users, cli_in_process, write_config, write_inferlet
 
 from tartlet.client import Client, TartletError
 
@@ -120,7 +120,7 @@ def setup(tmp_path_factory):
     progs = d / "progs"
     for name, code in [("sender", SENDER), ("silent", SILENT), ("flooder", FLOODER), ("drainer", DRAINER),
                        ("producer", PRODUCER), ("consumer", CONSUMER), ("echo", ECHO)]:
-        r = cli("install", str(write_inferlet(progs, name, code)), "--config", str(cfg))  # native, by name
+        r = cli_in_process("install", str(write_inferlet(progs, name, code)), "--config", str(cfg))  # native, by name
         assert r.returncode == 0, r.stderr
     server = ServerProcess(cfg)
     yield {"server": server, "keys": keys, "data": data, "log": cfg.with_suffix(".stderr")}

@@ -10,7 +10,7 @@ case; its cases are what an untrusted client might send.
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerProcess, cli, write_config, write_inferlet
+from server_harness import ServerProcess, cli, cli_in_process, write_config, write_inferlet
 
 pytest.importorskip("wasmtime")
 pytest.importorskip("componentize_py")
@@ -82,15 +82,15 @@ def setup(tmp_path_factory):
     native.mkdir()
     (native / "main.py").write_text((progs / "probe.py").read_text())
     (native / "inferlet.toml").write_text('name = "native-probe"\nentry = "main.py"\n')
-    assert cli("install", str(native), "--config", str(cfg)).returncode == 0
+    assert cli_in_process("install", str(native), "--config", str(cfg)).returncode == 0
     built = d / "boxed-probe.wasm"
     r = cli("build", str(progs / "probe.py"), "-o", str(built), timeout=600)
     assert r.returncode == 0, r.stderr
-    r = cli("install", str(built), "--config", str(cfg), timeout=300)
+    r = cli_in_process("install", str(built), "--config", str(cfg))
     assert r.returncode == 0, r.stderr
     bad = d / "broken.wasm"
     bad.write_bytes(b"\0asm not really")
-    r = cli("install", str(bad), "--config", str(cfg))
+    r = cli_in_process("install", str(bad), "--config", str(cfg))
     assert r.returncode != 0 and "component" in r.stderr.lower(), r.stderr
     server = ServerProcess(cfg, "--no-auth")
     yield {"server": server, "progs": progs}

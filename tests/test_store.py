@@ -1,10 +1,12 @@
 """The key-value store: SQLite semantics, per-user scoping, and values
-surviving a restart of a real `tartlet serve` process."""
+surviving a restart of the server (run in-process: the store file is closed
+and opened again as `tartlet serve` does; test_server_kv_safety.py restarts
+a real process after kill -9)."""
 
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerProcess, cli, write_config, write_inferlet
+from server_harness import InProcessServer, cli_in_process, write_config, write_inferlet
 
 from tartlet.client import Client
 from tartlet.host.store import Store, StoreError
@@ -41,10 +43,10 @@ def test_store_semantics(tmp_path):
     s2.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two server starts, each loading the model
 async def test_store_survives_server_restart_and_is_per_user(tmp_path):
     cfg = write_config(tmp_path / "config.toml", tmp_path / "data")
-    keys = {u: cli("auth", "add", u, "--config", str(cfg)).stdout.strip() for u in ("alice", "bob")}
+    keys = {u: cli_in_process("auth", "add", u, "--config", str(cfg)).stdout.strip() for u in ("alice", "bob")}
     prog = write_inferlet(tmp_path / "progs", "kv", STORE)
 
     async def run(server, user, args):
@@ -53,7 +55,7 @@ async def test_store_survives_server_restart_and_is_per_user(tmp_path):
         assert ex.ok, ex.error
         return ex.result
 
-    server = ServerProcess(cfg)
+    server = InProcessServer(cfg)
     try:
         r = await run(server, "alice", {"set": {"notes/1": "first", "notes/2": "second", "tmp": "x"}, "get": "notes/1"})
         assert r == {"keys": ["notes/1", "notes/2", "tmp"], "value": "first"}
@@ -61,7 +63,7 @@ async def test_store_survives_server_restart_and_is_per_user(tmp_path):
         assert (await run(server, "bob", {"get": "notes/1"})) == {"keys": [], "value": "missing"}
     finally:
         server.stop()
-    server = ServerProcess(cfg)
+    server = InProcessServer(cfg)
     try:
         r = await run(server, "alice", {"prefix": "notes/", "get": "notes/2"})
         assert r == {"keys": ["notes/1", "notes/2"], "value": "second"}

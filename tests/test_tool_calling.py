@@ -158,12 +158,8 @@ def test_qwen25_template_renders_tools_and_tool_results():
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer(gguf_path):
-    from gguf import GGUFReader
-
-    from tartlet.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(GGUFReader(str(gguf_path)))
+def smol_tokenizer(tokenizer):
+    return tokenizer  # conftest's, built once per session
 
 
 @pytest.fixture(scope="module")
