@@ -242,13 +242,13 @@ class WasmRuntime(BaseRuntime):
             try:
                 outcome = await (asyncio.wait_for(asyncio.shield(done), limit) if limit else asyncio.shield(done))
             except asyncio.CancelledError:
-                host.stop_reason = inst.error or "aborted"
+                host.stop(inst.error or "aborted")
                 await done
                 inst.status = Status.ABORTED
                 inst.error = inst.error or "aborted"
                 return
             except TimeoutError:
-                host.stop_reason = f"time limit of {limit:g} s exceeded"
+                host.stop(f"time limit of {limit:g} s exceeded")
                 outcome = await done
             self._settle(ctx, outcome)
         finally:
@@ -318,7 +318,7 @@ class _Run:
 
         def on_deadline(_ctx: Any, _data: Any, delta: Any, kind: Any) -> int:
             if host.stop_reason is None and cpu_limit is not None and time.thread_time() - start > cpu_limit:
-                host.stop_reason = f"CPU time limit of {cpu_limit:g} s exceeded"
+                host.stop(f"CPU time limit of {cpu_limit:g} s exceeded")
             if host.stop_reason is not None:
                 err = ffi.wasmtime_error_new(ctypes.create_string_buffer(f"tartlet: {host.stop_reason}".encode()))
                 return ctypes.cast(err, ctypes.c_void_p).value or 0

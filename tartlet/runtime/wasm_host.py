@@ -59,6 +59,8 @@ class InstanceHost:
         self.futures: dict[int, tuple[str, Future[Any]]] = {}  # handle -> (kind, future); kind says its result type
         self._ids = itertools.count(1)
         self.stop_reason: str | None = None
+        #: resolved by :meth:`stop`: wakes a ``wait-any`` in progress
+        self._stopped: Future[None] = Future()
         self.host_calls = 0
 
     def bind(self) -> None:
@@ -67,6 +69,14 @@ class InstanceHost:
 
     def unbind(self) -> None:
         _current.host = None
+
+    def stop(self, reason: str) -> None:
+        """Make the instance stop (any thread): its next host call traps,
+        and a ``wait-any`` blocked now returns at once to trap."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        if not self._stopped.done():
+            self._stopped.set_result(None)
 
     def check_stop(self) -> None:
         """Trap the instance (raise WasmtimeError) when it must stop."""
@@ -98,18 +108,18 @@ class InstanceHost:
         deadline = None if timeout_ns is None else time.monotonic() + timeout_ns / 1e9
         if not futs and deadline is None:
             raise ValueError("wait-any with no handles and no timeout would block forever")
+        # one blocking wait, woken by a future or by stop() (no polling:
+        # with 32 instances a 100 ms poll slice was 320 wakeups a second)
+        waited = [f for _, f in futs] + [self._stopped]
         while True:
             for h, f in futs:
                 if f.done():
                     return h
             self.check_stop()
-            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return 0
-            if futs:
-                concurrent.futures.wait([f for _, f in futs], timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
-            else:
-                time.sleep(left)
+            concurrent.futures.wait(waited, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         """Forget all futures (the instance ended); HostApi.close frees pages."""
