@@ -117,6 +117,7 @@ def http_tools(base: str) -> list[dict]:
     ]
 
 
+@pytest.mark.slow  # a whole agent run
 async def test_mcp_agent_calls_an_mcp_tool_and_answers(configured, mcp_server, runtime):
     before = len(mcp_server.calls)
     r = await run_ok(runtime, "mcp-agent", {
@@ -133,6 +134,7 @@ async def test_mcp_agent_calls_an_mcp_tool_and_answers(configured, mcp_server, r
     assert r["answer"].strip() and r["finish_reason"] in ("eos", "length")
 
 
+@pytest.mark.slow  # a whole agent run
 async def test_react_agent_calls_http_tools_and_answers(configured, tool_server, runtime):
     _Tools.log.clear()
     r = await run_ok(runtime, "react-agent", {
@@ -149,6 +151,7 @@ async def test_react_agent_calls_http_tools_and_answers(configured, tool_server,
     assert r["answer"] and r["finish_reason"] in ("eos", "length", "stop")
 
 
+@pytest.mark.slow  # a whole agent run
 async def test_react_agent_runs_the_calls_of_one_step_concurrently(configured, tool_server, runtime):
     _Tools.log.clear()
     _Tools.barrier = threading.Barrier(2, timeout=60)  # a request waits for the other: only concurrent calls pass
@@ -173,6 +176,7 @@ async def test_react_agent_runs_the_calls_of_one_step_concurrently(configured, t
     assert r["answer"]
 
 
+@pytest.mark.slow  # a whole agent run
 async def test_react_agent_summarizes_long_outputs_then_masks_and_drops_their_pages(configured, tool_server, runtime):
     _Tools.log.clear()
     r = await run_ok(runtime, "react-agent", {

@@ -123,6 +123,7 @@ async def test_prompt_longer_than_the_free_pages(runtime, engine, tmp_path):
     await still_serving(runtime)
 
 
+@pytest.mark.slow  # generations that fill the pool
 async def test_a_request_waits_for_pages_others_free(runtime, engine):
     """With the pool full, a generation waits (it does not fail) and
     resumes once pages are freed; its output is the one of a quiet pool."""

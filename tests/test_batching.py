@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from harness import inline_program, run, run_ok
 from tartlet.runtime.instance import Status
 
@@ -33,6 +34,7 @@ async def run_all(runtime, args_list: list[dict]) -> list:
     return [inst.result for inst in insts]
 
 
+@pytest.mark.slow  # 8 prompts decoded solo, then together
 async def test_concurrent_inferlets_match_solo_runs_and_are_batched(runtime, engine):
     args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
     solo = [await run_ok(runtime, "text-completion", a) for a in args]
@@ -185,6 +187,7 @@ async def test_same_system_prompt_shares_committed_pages_without_asking(runtime,
     assert all(t for t in res["texts"])
 
 
+@pytest.mark.slow  # sampled generations solo, then together
 async def test_seeded_sampling_is_reproducible_alone_and_concurrently(runtime):
     seeded = {"prompt": "Invent a name for a new planet and describe it.", "max_tokens": 24,
               "temperature": 0.9, "top_p": 0.95, "seed": 1234}

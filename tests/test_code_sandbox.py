@@ -118,6 +118,7 @@ def test_bad_arguments_are_refused_with_the_bound(sandbox, kw, msg):
         sandbox.run(**args)
 
 
+@pytest.mark.slow  # code runs beside a generation
 async def test_inferlet_runs_code_while_another_inferlet_generates(runtime, host_state, tmp_path):
     """Through the SDK: a snippet looping in the sandbox blocks neither the
     event loop nor the engine: a second inferlet generates meanwhile."""

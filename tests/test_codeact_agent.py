@@ -76,6 +76,7 @@ MALICIOUS = [
 ]
 
 
+@pytest.mark.slow  # several agent runs
 async def test_malicious_code_ends_with_clear_errors_fed_back_and_harms_nothing(runtime, host_state):
     host_state.code_sandbox.prepare()
     agent = asyncio.ensure_future(run_ok(runtime, {

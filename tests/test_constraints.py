@@ -55,6 +55,7 @@ SCHEMAS: list[tuple[str, dict]] = [
 ]
 
 
+@pytest.mark.slow  # 24 constrained generations
 async def test_sampled_json_validates_against_24_schemas(runtime):
     async def one(i: int, question: str, schema: dict):
         args = {"prompt": question, "schema": schema, "temperature": 0.7, "seed": 100 + i, "max_tokens": 96}
@@ -189,6 +190,7 @@ async def main(args):
 """
 
 
+@pytest.mark.slow  # greedy generations with and without
 async def test_allow_all_constraint_changes_nothing_under_greedy(runtime, tmp_path):
     prog = inline_program(tmp_path, ALLOW_ALL, "allow_all")
     prompts = ["What is the capital of France?", "Write a haiku about rain."]
@@ -402,6 +404,7 @@ async def test_invalid_schema_fails_the_inferlet_with_a_clear_error(runtime):
     assert 'Unimplemented keys: ["uniqueItems"]' in str(inst.error)
 
 
+@pytest.mark.slow  # a whole tool-call conversation
 async def test_tool_call_inferlet_calls_calculator_and_answers(runtime):
     r = await run_ok(runtime, "tool-call", {"prompt": "What is 17 times 23? Use the calculator.", "max_tokens": 32})
     call = r["call"]

@@ -14,8 +14,11 @@ oracle is transformers loading the same GGUF (``gguf_file=``):
   through ``text-completion`` on the quantized engine (``tartlet run``'s
   default), which must put BOS first itself (the model has no chat template).
 
-Runs in CI (about 3 minutes on 2 cores, most of it transformers building its
-tokenizer and dequantizing the file). ``TARTLET_SKIP_GEMMA=1`` skips it.
+Marked ``slow``: the full suite (CI) runs it, the everyday loop does not.
+The first run takes about 3 minutes on 2 cores, most of it transformers
+building its tokenizer and dequantizing the file; both are then kept
+between runs (:mod:`hf_reference`).
+``TARTLET_SKIP_GEMMA=1`` skips it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch
 from harness import run_ok
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(os.environ.get("TARTLET_SKIP_GEMMA") == "1", reason="TARTLET_SKIP_GEMMA=1")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TARTLET_SKIP_GEMMA") == "1", reason="TARTLET_SKIP_GEMMA=1"),
+    pytest.mark.slow,  # a 270M model, loaded three times (float32, quantized, transformers' reference)
+]
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 TEXTS = [

@@ -46,6 +46,7 @@ async def main(args):
 """
 
 
+@pytest.mark.slow  # every step run with and without overlap
 async def test_overlap_gives_the_same_steps(runtime, tmp_path):
     inst = await run(runtime, inline_program(tmp_path, BOTH))
     assert inst.status is Status.FINISHED, inst.error

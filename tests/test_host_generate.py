@@ -46,6 +46,7 @@ async def main(args):
 """
 
 
+@pytest.mark.slow  # every generation run twice
 async def test_collect_matches_stepping(runtime, tmp_path, monkeypatch):
     calls = []
     orig = HostApi.generate

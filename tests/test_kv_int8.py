@@ -240,6 +240,7 @@ def test_fused_decode_takes_int8_pools(q8_engine):
     assert fused is not None and fused.accepts(batch, q8_engine.pool.k)
 
 
+@pytest.mark.slow  # teacher-forced decode on two engines
 def test_logits_close_to_float32_pool(q8_engine, quant_engine):
     """Five prompts, prefill then 8 decode steps each: logits (up to ~39 in
     magnitude) within 2.5 of the float32 pool's at every position (1.80
@@ -262,6 +263,7 @@ def test_logits_close_to_float32_pool(q8_engine, quant_engine):
     assert agree >= 0.95 * total
 
 
+@pytest.mark.slow  # 256 single-token passes on two engines
 def test_teacher_forced_greedy_top1(q8_engine, quant_engine):
     """256 decode positions: the float32 pool's greedy continuation fed to
     the int8 pool token by token; top-1 equal at >= 95% of them (253/256
@@ -283,6 +285,7 @@ def test_teacher_forced_greedy_top1(q8_engine, quant_engine):
     assert agree >= 0.95 * 256
 
 
+@pytest.mark.slow  # loads a third engine, decodes on two
 def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
     """Without the C kernels the PyTorch path writes and reads the same
     format. Its float keys differ from the kernels' in their last bits (RoPE
@@ -366,6 +369,7 @@ def q8_float_engine(loaded_model):
     eng.close()
 
 
+@pytest.mark.slow  # 8 prompts solo, then together
 async def test_int8_batching_keeps_greedy_outputs(q8_float_engine):
     """Eight concurrent inferlets decode exactly as each does alone.
 

@@ -89,6 +89,7 @@ async def test_logits_close_to_float_path(runtime, quant_runtime, probe, engine,
     assert int(got[-1].argmax()) == int(ref[-1].argmax()), "the first generated token differs"
 
 
+@pytest.mark.slow  # 256 single-token passes on two engines
 async def test_teacher_forced_top1_agreement(runtime, quant_runtime, probe, engine):
     """256 decode positions, each token fed through the paged KV cache one pass at a time."""
     ids = chat_ids(engine, "Tell me about the printing press.") + engine.tokenizer.encode(TEACHER_TEXT)
@@ -108,6 +109,7 @@ async def test_readme_prompt_says_paris(quant_runtime):
     assert "Paris" in res["text"], res["text"]
 
 
+@pytest.mark.slow  # 8 prompts solo, then together
 async def test_batching_never_changes_greedy_outputs(quant_runtime, quant_engine):
     from test_batching import MAX_TOKENS
     from test_batching import PROMPTS as BATCH_PROMPTS
@@ -184,6 +186,7 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
             load_model(out, quantized=quantized)
 
 
+@pytest.mark.slow  # two engines loaded, prefill + decode on each
 def test_bfloat16_kv_cache(gguf_path, engine):
     """A bfloat16 page pool holds twice the tokens in the same budget and
     changes the logits by rounding only (prefill, then decode through pages;
@@ -210,6 +213,7 @@ def test_bfloat16_kv_cache(gguf_path, engine):
         EngineConfig(kv_dtype="int3").torch_kv_dtype()
 
 
+@pytest.mark.slow  # three engines loaded
 def test_mixed_activation_precision(gguf_path, engine):
     """``act_bits="auto"``: 16-bit blocks into the projections fed by an
     RMSNorm, 8-bit into the output and down projections. Greedy tokens of

@@ -76,6 +76,7 @@ async def main(args):
 """
 
 
+@pytest.mark.slow  # every prompt decoded twice
 async def test_speculative_decoding_equals_plain_decoding(runtime, tmp_path):
     res = await run_ok(runtime, inline_program(tmp_path, SPEC, "spec"), {"prompt": CODE_TASK, "max_tokens": 40})
     plain, ngram, garbage = res["plain"], res["ngram"], res["garbage"]

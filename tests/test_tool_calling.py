@@ -273,6 +273,8 @@ async def test_forced_call_then_tool_result_in_an_inferlet(runtime, tmp_path, na
     assert r["text"].count("<|im_start|>user\n<tool_response>") == 1 and r["text"].count("# Tools") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.wasm  # a componentize-py build (cached) and a wasmtime compile
 async def test_tool_calling_runs_the_same_in_a_wasm_component(runtime, host_state, tmp_path):
     """Tools and tool calls cross the WIT transport (chat-message records,
     the tools JSON) and give exactly the native run's call and reply."""
