@@ -365,6 +365,12 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
     }
 }
 
+/* Weight rows prefetched ahead: at one activation row a weight row is read
+ * once and is only 0.3-1 KiB, too short for the hardware prefetchers to run
+ * ahead. Batch-1 decode step of the default model, 2 threads, alternating
+ * in one process: no prefetch 15.1 ms, 2 rows ahead 12.3, 4 rows 10.1 / 8.0,
+ * 8 rows 8.6 (two runs, the machine getting quieter). */
+#define ONE16_PF 4
 static _Thread_local uint8_t *one16_buf;
 static _Thread_local size_t one16_cap;
 
@@ -387,6 +393,12 @@ INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, con
     for (int64_t n = 0; n < N; n++) {
         float s[ONE16_MAXM];
         const uint8_t *w = wq + n * nb * qb;
+        if (n + ONE16_PF < N) {
+            const char *pw = (const char *)(w + ONE16_PF * nb * qb);
+            for (int64_t o = 0; o < nb * qb; o += 64) _mm_prefetch(pw + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wd + (n + ONE16_PF) * nb * (kind == K_Q6 ? 2 : 1)), _MM_HINT_T0);
+            if (wm) _mm_prefetch((const char *)(wm + (n + ONE16_PF) * nb), _MM_HINT_T0);
+        }
         const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += ONE16_MAXM) {
             const int64_t R = M - r0 < ONE16_MAXM ? M - r0 : ONE16_MAXM;
