@@ -179,7 +179,10 @@ def expected_signature(name: str, params: list, result: str | None) -> tuple[lis
 
 
 def _norm(annotation: str) -> str:
-    return annotation.replace(" ", "").replace("typing.", "")
+    """Spaces and ``typing.`` dropped; ``Future[T]`` is ``Future``: a WIT
+    future is a handle whatever it resolves to (the host annotates the
+    result type for its own type checking)."""
+    return re.sub(r"^Future\[.*\]$", "Future", annotation.replace(" ", "").replace("typing.", ""))
 
 
 def _fits(expected: str, actual: str, default_none: bool) -> bool:
