@@ -36,12 +36,12 @@ from .quant_kernels import QuantKernels
 #: vs 104 ms by tiles; B=32 200 vs 153 ms (2 vCPUs, whole decode steps).
 DEQUANT_ROWS = 40
 
-#: Largest float32 tile (elements) dequantized at once on the GEMM path: 4
-#: MiB, so that the GEMM reads the tile from cache rather than memory.
-#: Measured on one thread (CPU ms, machine under load): dequantizing the
-#: default model's 3072 x 576 gate/up weight whole 3.8, in 1024-row tiles 0.46;
-#: its 49152 x 576 head times 64 rows, 16 MiB tiles 87, 4 MiB tiles 49.
-_TILE = 1 << 20
+#: Largest float32 tile (elements) dequantized at once on the GEMM path
+#: (16 MiB). 4 MiB tiles were tried: on one thread the 49152 x 576 head
+#: times 64 rows took 49 instead of 87 CPU ms, but whole 64-row decode steps
+#: on 2 threads took 251 instead of 232 ms (more, smaller parallel
+#: dequantizations and GEMMs, and output columns copied from each tile).
+_TILE = 1 << 22
 
 
 class QuantLinear:
