@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -137,9 +136,7 @@ class InProcessServer(_Server):
     ``log``, as the subprocess's stderr does."""
 
     def __init__(self, config: Path, auth: bool = True) -> None:
-        import uvicorn
-
-        from tartlet.server.app import build_app, load_state
+        from tartlet.server.app import http_server, listen_socket, load_state, run_http
         from tartlet.server.config import load_config
         from tartlet.server.service import Service
 
@@ -155,23 +152,12 @@ class InProcessServer(_Server):
         access.setLevel(logging.INFO)  # ... and the access log, as `tartlet serve` writes to stderr
         self.state = load_state(cfg)
         self.service = Service(cfg, self.state, auth=auth)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(1024)
+        sock = listen_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(
-            build_app(self.service), log_level="warning", lifespan="off", ws_max_size=cfg.limits.max_message_bytes,
-            loop="asyncio", timeout_graceful_shutdown=5,
-        ))
-
-        async def main() -> None:
-            try:
-                await self._server.serve(sockets=[sock])
-            finally:
-                await self.service.shutdown()
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="tartlet-server", daemon=True)
+        self._server = http_server(cfg, self.service)
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(run_http(self._server, sock, self.service),), name="tartlet-server", daemon=True
+        )
         self._thread.start()
         deadline = time.time() + 60
         while not self._server.started:
@@ -179,14 +165,12 @@ class InProcessServer(_Server):
             time.sleep(0.01)
 
     def stop(self) -> None:
+        from tartlet.server.app import close_state
+
         if self._thread.is_alive():
             self._server.should_exit = True
             self._thread.join(30)
-        self.state.close()
-        if self.state.http is not None:
-            self.state.http.close()
-        if self.state.store is not None:
-            self.state.store.close()
+        close_state(self.state)
         logging.getLogger("tartlet").removeHandler(self._handler)
         logging.getLogger("tartlet.access").setLevel(self._access_level)
         self.log.close()

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,6 +30,9 @@ from . import metrics
 from .openai_api import ApiError, OpenAiRoutes
 from .service import Service
 from .ws import ws_endpoint
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tartlet.access")
@@ -184,42 +187,57 @@ def configure_http(state: HostState, cfg: ServerConfig) -> None:
     state.mcp_servers = {name: s.url for name, s in mcp.items()}
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port; read
+    it with ``getsockname()``), IPv6 when the host has a colon."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
+def http_server(cfg: ServerConfig, service: Service) -> uvicorn.Server:
+    """The uvicorn server of ``tartlet serve`` for ``service`` (not started)."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(
+        build_app(service), log_level="warning", lifespan="off", ws_max_size=cfg.limits.max_message_bytes,
+        loop="asyncio", timeout_graceful_shutdown=5,
+    ))
+
+
+async def run_http(server: uvicorn.Server, sock: socket.socket, service: Service) -> None:
+    """Serve on ``sock`` until ``server.should_exit``, then end the service's instances."""
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await service.shutdown()
+
+
+def close_state(state: HostState) -> None:
+    """Release what :func:`load_state` opened: engines, HTTP client, store."""
+    state.close()
+    if state.http is not None:
+        state.http.close()
+    if state.store is not None:
+        state.store.close()
+
+
 def serve(cfg: ServerConfig, auth: bool = True, announce: Callable[[str], None] | None = None) -> None:
     """Load the models and serve until interrupted (SIGINT/SIGTERM).
 
     Prints ``tartlet serving on http://HOST:PORT`` once listening (the real
     port when ``cfg.port`` is 0).
     """
-    import uvicorn
-
     setup_logging()
     state = load_state(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     service = Service(cfg, state, auth=auth)
-    app = build_app(service)
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
-    sock.listen(1024)
+    sock = listen_socket(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_level="warning", lifespan="off", ws_max_size=cfg.limits.max_message_bytes, loop="asyncio",
-        timeout_graceful_shutdown=5,
-    )
-    server = uvicorn.Server(config)
+    server = http_server(cfg, service)
     (announce or (lambda s: print(s, flush=True)))(f"tartlet serving on http://{cfg.host}:{port} (auth {'on' if service.auth else 'off'})")
-
-    async def main() -> None:
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await service.shutdown()
-
     try:
-        asyncio.run(main())
+        asyncio.run(run_http(server, sock, service))
     finally:
-        state.close()
-        if state.http is not None:
-            state.http.close()
-        if state.store is not None:
-            state.store.close()
+        close_state(state)
