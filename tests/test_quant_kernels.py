@@ -165,25 +165,56 @@ def test_one_row_every_block_tail(kern, type_name):
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
     """Each output row is computed with the same arithmetic whatever else
-    shares the call (how many rows, which weight rows share a group of 16
-    in the AVX-512 16-bit kernel, which rows share an unpacked block):
-    bitwise equal, so batching decode steps of several sequences does not
-    change any one of them. The AVX-512 16-bit path has two kernels, one
-    below 16 rows (one row alone included) and one from 16: equal within
-    each range."""
+    shares the call (how many rows, which rows share an unpacked block or a
+    tile of the panel GEMM, which weight rows share a panel): bitwise
+    equal, so batching decode steps of several sequences does not change
+    any one of them. Through the engine's entry point (``QuantLinear``): on
+    AVX-512, 16-bit activations take the byte-split kernel below
+    ``tq_set_panel_rows`` rows (16) and the float panel GEMM from there
+    (equal within each range), 8-bit ones the integer kernels at any
+    count; below AVX-512 the integer kernels up to ``DEQUANT_ROWS`` (40)."""
     kern.set_isa(isa)
     n, k = (37, 256) if type_name in K_QUANTS else (37, 96)
     w = from_gguf(random_gguf(type_name, n, k, seed=3), type_name, n, k)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(4))
+    ranges = [(15, ((0, 1), (7, 8), (0, 2), (3, 8), (2, 15))), (39, ((16, 39), (1, 34), (5, 22), (0, 16)))]
+    if isa == 3:
+        ranges.append((64, ((0, 16), (3, 40), (13, 64), (50, 64))))
     for bits in (8, 16):
-        qa, fa = kern.quantize(x, bits)
-        for m, slices in ((15, ((0, 1), (7, 8), (0, 2), (3, 8), (2, 15))), (40, ((5, 22), (1, 34), (6, 40), (0, 16)))):
-            full = torch.empty(m, n)
-            kern.matmul(w, qa[:m].contiguous(), fa[:m].contiguous(), full)
+        lin = QuantLinear([w], None, kern, act_bits=bits)
+        for m, slices in ranges:
+            full = lin(x[:m])
             for lo, hi in slices:
-                part = torch.empty(hi - lo, n)
-                kern.matmul(w, qa[lo:hi].contiguous(), fa[lo:hi].contiguous(), part)
-                assert torch.equal(part, full[lo:hi]), (type_name, isa, bits, lo, hi)
+                if bits == 16 and isa == 3 and hi - lo < 16 <= m:
+                    continue  # the two 16-bit ranges differ by rounding
+                assert torch.equal(lin(x[lo:hi]), full[lo:hi]), (type_name, isa, bits, lo, hi)
+    kern.set_isa(-1)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_panel_gemm_matches_dequantized_product(kern, type_name):
+    """The float panel GEMM (AVX-512, from 16 rows, 16-bit activations or
+    float16/bfloat16 weights): every format, output counts that leave a
+    partial panel of 32 and a partial half, row counts 16..33 and 77 (tiles
+    of 12 rows and every tail), a bias and a residual, against float32
+    ``x @ W.T`` with the repacked weights the kernels hold (no activation
+    rounding on this route), and against ``gguf``'s dequantization
+    (K-quants: their repacked scales are float16, hence the looser bound)."""
+    if kern.best_isa < 3:
+        pytest.skip("the panel GEMM is the AVX-512 route; this CPU has no AVX-512 VNNI")
+    kern.set_isa(3)
+    k = 256 if type_name in K_QUANTS else (40 if type_name in ("F16", "BF16") else 96)
+    for n in (75, 64, 9):
+        raw = random_gguf(type_name, n, k, seed=n)
+        w = from_gguf(raw, type_name, n, k)
+        lin = QuantLinear([w], torch.randn(n), kern, act_bits=16)
+        ref, held = dequant_reference(raw, type_name, n, k), kern.dequantize(w)
+        g = torch.Generator().manual_seed(n)
+        for rows in (*range(16, 34), 77):
+            x, res = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+            got = lin(x, residual=res)
+            assert rel_err(got, x @ held.T + lin.bias + res) < 1e-5, (type_name, n, rows)
+            assert rel_err(got, x @ ref.T + lin.bias + res) < (1e-3 if type_name in K_QUANTS else 1e-5), (type_name, n, rows)
     kern.set_isa(-1)
 
 
@@ -241,18 +272,28 @@ def test_quant_linear_parts_bias_residual(kern, act_bits):
     assert rel_err(lin(x[:, :]), x @ torch.cat(refs).T + bias) < (2.5e-2 if act_bits == 8 else 1e-3)
 
 
-def test_quant_linear_float_gemm_path(kern, monkeypatch):
-    """Prefill-sized calls dequantize tiles into a float GEMM; same result as the kernel path."""
+@pytest.mark.parametrize("isa", isa_levels())
+def test_quant_linear_float_gemm_path(kern, monkeypatch, isa):
+    """Prefill-sized calls multiply in float (AVX-512: the panel GEMM from
+    ``tq_set_panel_rows`` rows; below: dequantized tiles and PyTorch's GEMM
+    from ``DEQUANT_ROWS``); same result as the integer kernel."""
     from tartlet.engine import quant_linear
 
+    kern.set_isa(isa)
     raw = random_gguf("Q5_K", 300, 512)
     w = from_gguf(raw, "Q5_K", 300, 512)
     lin = QuantLinear([w], torch.randn(300), kern, act_bits=16)
     x, res = torch.randn(7, 512), torch.randn(7, 300)
-    by_kernel = lin(x, residual=res)
-    monkeypatch.setattr(quant_linear, "DEQUANT_ROWS", 4)
-    monkeypatch.setattr(quant_linear, "_TILE", 512 * 64)  # several tiles
-    by_gemm = lin(x, residual=res)
+    previous = kern.set_panel_rows(10**9)
+    try:
+        by_kernel = lin(x, residual=res)
+        kern.set_panel_rows(4)
+        monkeypatch.setattr(quant_linear, "DEQUANT_ROWS", 4)
+        monkeypatch.setattr(quant_linear, "_TILE", 512 * 64)  # several tiles
+        by_gemm = lin(x, residual=res)
+    finally:
+        kern.set_panel_rows(previous)
+        kern.set_isa(-1)
     assert rel_err(by_gemm, by_kernel) < 1e-3
     assert rel_err(by_gemm, x @ kern.dequantize(w).T + lin.bias + res) < 1e-5
 

@@ -113,11 +113,12 @@ static inline int desc_has_blocks(const tq_linear_desc *L) {
 
 /* Output columns [lo, hi) of y = x @ W^T (+ bias) (+ res) for M rows (a
  * range of W's stacked output rows, crossing part boundaries). x: float rows
- * (for float16 parts), qa/fa: the same rows quantized (for block parts). y
+ * (for float16 parts and the panel GEMM), qa/fa: the same rows quantized
+ * (for the integer kernels); pbuf: this thread's panel buffer [K, PANEL_N]. y
  * and res have row stride n_total; res may alias y (each element is read,
  * then written, by the one chunk that owns its column). */
 static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa, const float *fa, int64_t M, float *y,
-                        const float *res, int64_t lo, int64_t hi) {
+                        const float *res, int64_t lo, int64_t hi, float *pbuf) {
     const int64_t K = L->k, nb = K / QK, N = L->n_total;
     int64_t n0 = 0;
     for (int64_t i = 0; i < L->nparts && n0 < hi; i++) {
@@ -126,7 +127,11 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
         if (a < b) {
             const int64_t c = n0 + a; /* first output column */
             const float *bias = L->bias ? L->bias + c : 0, *r = res ? res + c : 0;
-            if (p->kind >= 4) {
+            if (panel_route(L->bits, p->kind, M)) { /* the calling thread's panel buffer: cannot fail */
+                const int64_t eb = p->kind >= 4 ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
+                panel_call((int)p->kind, p->q + a * eb, p->d ? p->d + a * nb * sc : 0, p->m ? p->m + a * nb : 0, b - a,
+                           K, x, K, M, y + c, N, bias, r, N, pbuf);
+            } else if (p->kind >= 4) {
                 tq_matmul_half(p->kind == 5, (const uint16_t *)p->q + a * K, b - a, K, x, K, M, y + c, N, bias, r, N);
             } else {
                 const int kind = (int)p->kind;
@@ -139,9 +144,9 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
 }
 
 /* Quantize M rows of x [M, K] for L's activation precision (if it has
- * block parts): called by one thread. */
+ * block parts for the integer kernels): called by one thread. */
 static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t M, void *qa, float *fa) {
-    if (desc_has_blocks(L)) tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
+    if (desc_has_blocks(L) && !panel_route(L->bits, 0, M)) tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
 }
 
 /* RMSNorm of T rows of x [T, H] with weight w into xn, then their
@@ -154,11 +159,12 @@ static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, 
 
 /* Chunks of a projection with N outputs: 4 per thread (so that a thread
  * the OS preempts holds back little), each at least 16 rows and a multiple
- * of 16 (every output is still computed whole by one chunk, in the
+ * of 16, of PANEL_N on the panel GEMM (every output is still computed
+ * whole by one chunk, in the
  * kernel's order: results do not depend on the chunking). */
-static inline int64_t linear_chunks(int64_t N, int nt, int64_t *rows) {
+static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *rows) {
     int64_t r = (N + 4 * nt - 1) / (4 * nt);
-    r = (r + 15) / 16 * 16;
+    r = (r + align - 1) / align * align;
     *rows = r;
     return (N + r - 1) / r;
 }
@@ -205,14 +211,17 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
      * thread, hd for the int8 key row being written */
     const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax + hd);
     const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
-    const size_t cbytes = (size_t)n_phases * sizeof(phase_ctr);
-    char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes);
+    const size_t cbytes = ((size_t)n_phases * sizeof(phase_ctr) + 63) / 64 * 64;
+    /* a panel buffer per thread when a projection may take the panel GEMM (no projection has more than T rows) */
+    const size_t pbytes = panel_route(16, 0, T) ? (size_t)nt_max * kmax * PANEL_N * sizeof(float) : 0;
+    char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes + pbytes);
     if (!buf) return -1;
     float *xn = (float *)buf, *qkv = xn + T * kmax, *q = qkv + T * qkv_w, *attn = q + T * nh * hd;
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F, *ktmp = scores + (int64_t)nt_max * g * Lmax;
     void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
     phase_ctr *ctr = (phase_ctr *)((char *)fa + fbytes);
+    float *pbuf = (float *)((char *)ctr + cbytes);
     memset(ctr, 0, cbytes);
     int64_t completed = 0; /* phases finished (their tails included) */
 #pragma omp parallel num_threads(nt_max)
@@ -247,14 +256,14 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                 }
             }
             const int64_t M = ph == n_phases - 1 && head ? S : T;
-            if (lin) n_chunks = linear_chunks(lin->n_total, nt, &rows);
+            if (lin) n_chunks = linear_chunks(lin->n_total, nt, panel_route(lin->bits, 0, M) ? PANEL_N : 16, &rows);
             if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
             for (;;) {
                 const int64_t c = __atomic_fetch_add(&ctr[ph].next, 1, __ATOMIC_ACQ_REL);
                 if (c >= n_chunks) break;
                 if (lin) {
                     const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
-                    linear_cols(lin, xin, qa, fa, M, y, res, lo, hi);
+                    linear_cols(lin, xin, qa, fa, M, y, res, lo, hi, pbuf + (int64_t)tid * kmax * PANEL_N);
                 } else if (ph > 0 && kind == 1 && c < tasks) { /* attention of one (sequence, KV head) */
                     int64_t j = c, gi = 0;
                     while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;

@@ -16,8 +16,11 @@ quantized weights (:class:`QuantLinear`) in all four projections of every
 layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
 no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
 Qwen2). A batch runs fused when every row is a single-token query
-(decode), fewer than :data:`~tartlet.engine.quant_linear.DEQUANT_ROWS` rows,
-and the KV pool is float32 or int8 (``kv_int8.h`` rows).
+(decode), on AVX-512 any number of rows (from
+``tq_set_panel_rows`` rows its projections take the panel GEMM,
+``panel_gemm_avx512.h``), below AVX-512 fewer than
+:data:`~tartlet.engine.quant_linear.DEQUANT_ROWS`, and the KV pool is
+float32 or int8 (``kv_int8.h`` rows).
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class FusedDecoder:
         """Whether ``batch`` can run fused: decode rows only, few enough
         for the integer kernels, a float32 or int8 pool."""
         T = batch.input_ids.shape[0]
-        if not self.enabled or T >= DEQUANT_ROWS or k_cache.dtype not in (torch.float32, torch.int8):
+        # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
+        if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in (torch.float32, torch.int8):
             return False
         return sum(g.kv_slots.shape[0] for g in batch.groups) == T and all(g.num_queries == 1 for g in batch.groups)
 

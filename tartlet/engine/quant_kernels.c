@@ -196,6 +196,7 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #undef SUFFIX
 #undef VNNI
 #include "quant_kernels_avx512.h"
+#include "panel_gemm_avx512.h"
 #pragma GCC pop_options
 #endif
 
@@ -228,6 +229,49 @@ int tq_set_isa(int level) {
 static inline int cur_isa(void) {
     if (isa < 0) isa = best_isa();
     return isa;
+}
+
+/* Products of at least this many activation rows take the float panel GEMM
+ * (panel_gemm_avx512.h) on the AVX-512 level (tq_set_panel_rows). One
+ * thread, all projections of a default-model step, CPU ms, integer kernels
+ * vs panel GEMM: see docs/benchmarks.md. */
+static int64_t panel_rows = 16;
+
+/* Set that row count; returns the previous one. */
+int64_t tq_set_panel_rows(int64_t n) {
+    const int64_t old = panel_rows;
+    panel_rows = n;
+    return old;
+}
+
+/* Whether M rows of a part of `kind` under activation precision `bits` take
+ * the panel GEMM: 16-bit (or float-weight) parts only, whose float GEMM
+ * matches the integer kernels' precision; 8-bit activations keep their
+ * integer kernels at every M, so their rounding does not depend on M. */
+static inline int panel_route(int64_t bits, int64_t kind, int64_t M) {
+#ifdef TQ_X86
+    return cur_isa() == 3 && M >= panel_rows && (bits == 16 || kind >= 4);
+#else
+    (void)bits, (void)kind, (void)M;
+    return 0;
+#endif
+}
+
+#ifndef TQ_X86
+#define PANEL_N 32
+#endif
+
+/* panel_gemm where it is built (the caller checked panel_route). */
+static inline int panel_call(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                             const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                             const float *res, int64_t ldr, float *buf) {
+#ifdef TQ_X86
+    return panel_gemm(kind, wq, wd, wm, N, K, x, ldx, M, y, ldy, bias, res, ldr, buf);
+#else
+    (void)kind, (void)wq, (void)wd, (void)wm, (void)N, (void)K, (void)x, (void)ldx, (void)M, (void)y, (void)ldy;
+    (void)bias, (void)res, (void)ldr, (void)buf;
+    return -1;
+#endif
 }
 
 /* Quantize M rows of x (row stride ldx floats, K a multiple of 32) into
@@ -297,14 +341,14 @@ static void *scratch(size_t bytes) {
     return act_buf;
 }
 
-/* Returns 0, or -1 when the activation buffer cannot be allocated. */
+/* Returns 0, or -1 when the activation (or a panel GEMM's) buffer cannot be allocated. */
 int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, float *y, const float *res,
               int64_t ldr) {
     const int64_t K = L->k, nb = K / QK;
     void *qa = 0;
     float *fa = 0;
     for (int64_t i = 0; i < L->nparts; i++)
-        if (L->parts[i].kind < 4 && !qa) {
+        if (L->parts[i].kind < 4 && !qa && !panel_route(L->bits, L->parts[i].kind, M)) {
             const size_t qbytes = (size_t)(M * K * (L->bits / 8) + 63) / 64 * 64;
             char *buf = scratch(qbytes + (size_t)M * FA * nb * sizeof(float));
             if (!buf) return -1;
@@ -316,7 +360,9 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
     for (int64_t i = 0; i < L->nparts; i++) {
         const tq_part *p = &L->parts[i];
         const float *b = L->bias ? L->bias + n0 : 0, *r = res ? res + n0 : 0;
-        if (p->kind >= 4)
+        if (panel_route(L->bits, p->kind, M)) {
+            if (panel_call((int)p->kind, p->q, p->d, p->m, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr, 0)) return -1;
+        } else if (p->kind >= 4)
             tq_matmul_half(p->kind == 5, (const uint16_t *)p->q, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr);
         else
             tq_matmul((int)p->kind, (int)L->bits, p->q, p->d, p->m, p->n, K, qa, fa, M, y + n0, L->n_total, b, r, ldr);

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
-_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "float_kernels.h", "kv_int8.h",
-                                    "decode_step.h"))
+_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
+                                    "float_kernels.h", "kv_int8.h", "decode_step.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
@@ -135,6 +135,8 @@ class QuantKernels:
         lib.tq_decode_profile.restype = ctypes.c_int
         lib.tq_set_par_min.argtypes = [_I]
         lib.tq_set_par_min.restype = _I
+        lib.tq_set_panel_rows.argtypes = [_I]
+        lib.tq_set_panel_rows.restype = _I
         lib.tq_set_isa.argtypes = [ctypes.c_int]
         lib.tq_set_isa.restype = ctypes.c_int
         lib.tq_best_isa.restype = ctypes.c_int
@@ -153,6 +155,13 @@ class QuantKernels:
         one thread; larger ones are split across OpenMP threads. Returns the
         previous threshold. Process-wide."""
         return int(self._lib.tq_set_par_min(block_rows))
+
+    def set_panel_rows(self, rows: int) -> int:
+        """Products of at least ``rows`` activation rows take the float panel
+        GEMM (``panel_gemm_avx512.h``) on the AVX-512 level, when their
+        activations are 16-bit or their weights float16/bfloat16. Returns the
+        previous row count. Process-wide."""
+        return int(self._lib.tq_set_panel_rows(rows))
 
     def quantize(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a

@@ -99,7 +99,7 @@ class QuantLinear:
             x = x.contiguous()
         T = x.shape[0]
         out = torch.empty(T, self.out_features, dtype=torch.float32)
-        if T >= DEQUANT_ROWS:
+        if T >= DEQUANT_ROWS and self.kernels.isa < 3:  # AVX-512: the C panel GEMM (quant_kernels.py)
             return self._float_gemm(x, out, residual)
         self.kernels.linear(self._desc, x, out, residual)
         return out
