@@ -184,7 +184,9 @@ class Generator:
         else:
             inputs = ctx._pending
             draft = self._draft()
-            kv0 = ctx.kv_len
+            # the KV length only matters for truncating rejected drafts; without a
+            # draft it is not read (a host call per token less)
+            kv0 = ctx.kv_len if draft else -1
             slots = self._slots(len(inputs) - 1, len(draft) + 1)
             ctx._pending = []
             fut = None
