@@ -174,7 +174,15 @@ async def wait(fut: HostFuture) -> Any:
     if not isinstance(fut, HostFuture):
         raise TypeError(f"wait takes a host future, got {type(fut).__name__}")
     _handle(fut.handle, "future")
-    af = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    if type(loop) is HostLoop and not _waiting and not loop._ready and not loop._scheduled:
+        # Nothing else can run before this future completes (no ready
+        # callback, no timer, no other host future awaited), so the loop's
+        # next turn would block in wait-any for this one handle: take it in
+        # one blocking host call instead (future-take waits), without an
+        # asyncio future, a task switch and a second host call per wait.
+        return _future_value(_call(_wit.future_take, fut.handle))
+    af = loop.create_future()
     _waiting[fut.handle] = af
     try:
         return await af

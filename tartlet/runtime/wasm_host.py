@@ -240,8 +240,8 @@ def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, fir
 
 def _future_take(h: InstanceHost, handle: int) -> Any:
     kind, fut = h.future(handle)
-    if not fut.done():
-        raise ValueError(f"future {handle} is not ready; wait-any for it first")
+    if not fut.done():  # block as wait-any would: a guest with nothing else to run takes in one call
+        h.wait_any([handle], None)
     del h.futures[handle]
     if fut.cancelled():
         raise RuntimeError("the operation was cancelled")
