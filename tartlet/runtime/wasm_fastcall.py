@@ -26,6 +26,7 @@ any other, :func:`install` logs a warning and wasmtime-py's own code runs.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 from .wasm_fastlist import wasmtime_supported
@@ -36,6 +37,7 @@ _installed: bool | None = None  # None: not tried yet; False: skipped (another w
 # wasmtime-py's private modules, imported by install() once the version is checked
 L: Any = None
 T: Any = None
+ffi: Any = None
 catch_exceptions: Any = None
 _orig_tagged: Any = None
 
@@ -75,6 +77,94 @@ def _memo_tagged(self: Any) -> bool:
     return tagged
 
 
+def _fast_lower(self: Any, store: Any, val: Any) -> tuple[str, Any]:
+    """``VariantLikeType._lower`` (variant, option, result to C) with each
+    case's Python classes computed once per type object: wasmtime-py
+    rebuilds the class set of every case (a walk of the case's type) for
+    every value of an untagged variant, e.g. for every ``result<T,
+    call-error>`` a host function returns. Same case choice and errors."""
+    d = self.__dict__
+    plan = d.get("_tartlet_plan")
+    if plan is None:
+        tagged = self._tagged()
+        cases = []
+        for name, ty in self._cases():
+            classes: tuple[type, ...] | None = None
+            if not tagged and ty is not None:
+                found: set[type] = set()
+                ty.add_classes(found)
+                classes = tuple(found)
+            cases.append((name, ty, classes))
+        plan = d["_tartlet_plan"] = (tagged, cases)
+    tagged, cases = plan
+    if tagged:
+        if not isinstance(val, T.Variant):
+            raise TypeError("expected Variant type")
+        tag = val.tag
+        for name, ty, _ in cases:
+            if name == tag:
+                break
+        else:
+            raise ValueError("value not valid for this variant")
+        payload = val.payload
+    else:
+        for name, ty, classes in cases:
+            if (val is None) if ty is None else isinstance(val, classes):
+                break
+        else:
+            raise ValueError("value not valid for this variant")
+        payload = val
+    if ty is None:
+        return (name, None)
+    raw = ffi.wasmtime_component_val_t()
+    ty.convert_to_c(store, payload, ctypes.pointer(raw))
+    return (name, ffi.wasmtime_component_val_new(ctypes.byref(raw)))
+
+
+def _str(vec: Any) -> str:
+    """A ``wasm_byte_vec_t``'s UTF-8 text in one ``string_at`` (``_ffi.to_str``
+    builds a ctypes array type, an array object and a bytearray first)."""
+    n = vec.size
+    return ctypes.string_at(vec.data, n).decode("utf-8") if n else ""
+
+
+def _record_from_c(self: Any, c: Any) -> Any:
+    """``RecordType.convert_from_c`` without decoding and comparing every
+    field's name with the type's (a ctypes string per field per call; the
+    value has the fields of its type, in order: wasmtime type-checked it)."""
+    assert c.kind == ffi.WASMTIME_COMPONENT_RECORD.value
+    rec = c.of.record
+    try:
+        ret = T.Record()
+        d = ret.__dict__
+        data = rec.data
+        for i, (name, ty) in zip(range(rec.size), self.fields):
+            raw = data[i].val
+            d[name] = ty.convert_from_c(raw)
+            raw.kind = ffi.WASMTIME_COMPONENT_BOOL
+            raw.of.boolean = False
+        return ret
+    finally:
+        ffi.wasmtime_component_valrecord_delete(rec)
+
+
+def _variant_from_c(self: Any, c: Any) -> Any:
+    """``VariantType.convert_from_c`` with the case name read by :func:`_str`."""
+    assert c.kind == ffi.WASMTIME_COMPONENT_VARIANT.value
+    var = c.of.variant
+    tag = _str(var.discriminant)
+    ffi.wasm_byte_vec_delete(ctypes.byref(var.discriminant))
+    return self._lift(tag, var.val)
+
+
+def _string_from_c(self: Any, c: Any) -> str:
+    """``String.convert_from_c`` reading the bytes with :func:`_str`."""
+    assert c.kind == ffi.WASMTIME_COMPONENT_STRING.value
+    ret = _str(c.of.string)
+    ffi.wasm_byte_vec_delete(ctypes.byref(c.of.string))
+    return ret
+
+
 def _func_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
     """wasmtime-py's ``func_impl`` callback, with the signature cached on the function."""
     def run(store: Any) -> None:
@@ -102,20 +192,24 @@ def _func_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: i
 def install() -> bool:
     """Patch wasmtime-py once (idempotent) if it is the version this was
     written for; returns whether the patch is in place."""
-    global _installed, L, T, catch_exceptions, _orig_tagged
+    global _installed, L, T, ffi, catch_exceptions, _orig_tagged
     if _installed is not None:
         return _installed
     _installed = wasmtime_supported("tartlet's cached host-call types (wasm_fastcall)")
     if not _installed:
         return False
-    from wasmtime import _ffi as ffi
+    from wasmtime import _ffi
     from wasmtime.component import _linker, _types
     from wasmtime.component._enter import catch_exceptions as catch
 
-    L, T, catch_exceptions = _linker, _types, catch
+    L, T, ffi, catch_exceptions = _linker, _types, _ffi, catch
     _orig_tagged = T.VariantLikeType._tagged
     for cls, name in _MEMO:
         _memo_property(getattr(T, cls), name)
     T.VariantLikeType._tagged = _memo_tagged
+    T.VariantLikeType._lower = _fast_lower
+    T.RecordType.convert_from_c = _record_from_c
+    T.VariantType.convert_from_c = _variant_from_c
+    T.String.convert_from_c = _string_from_c
     L.func_impl = ffi.wasmtime_component_func_callback_t(_func_impl)
     return True
