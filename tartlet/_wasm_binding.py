@@ -132,6 +132,8 @@ def _slot_result(r: Any) -> Any:
 
 
 def _future_value(v: Any) -> Any:
+    if isinstance(v, _wit.FutureValue_Tokens):  # a forward pass's sampled tokens
+        return v.value
     if isinstance(v, _wit.FutureValue_Forward):
         return [_slot_result(r) for r in v.value]
     if isinstance(v, _wit.FutureValue_Count):

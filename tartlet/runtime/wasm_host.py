@@ -194,6 +194,8 @@ def _slot_result(r: Any) -> Any:
 def _future_value(kind: str, v: Any) -> Variant:
     """A finished future's value -> WIT ``future-value`` (a tagged variant:
     ``stats``, ``http`` and ``child`` are all records)."""
+    if kind == "forward" and all(type(r) is int for r in v):  # sampled tokens only: the list<u32> case
+        return Variant("tokens", v if type(v) is list else list(v))
     return Variant(kind, _future_payload(kind, v))
 
 
