@@ -46,6 +46,17 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 
 
+#: Compiler flags of every kernel library (each adds its ``-std`` and ISA
+#: flags). ``-fno-trapping-math``: the kernels never read floating-point
+#: exception flags, and without it GCC keeps a select between a division and
+#: another value (SiLU's ``a >= 0 ? 1 / (1 + e) : e / (1 + e)``, the
+#: exponential's ``-inf`` case) as a branch, so those loops did not
+#: vectorise: SiLU * up took 5.5 ns a value instead of 1.1. It changes no
+#: result (no reassociation, unlike ``-ffast-math``; checked bitwise over 1M
+#: SiLU inputs).
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-fno-trapping-math")
+
+
 def cpu_flags() -> set[str]:
     """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:

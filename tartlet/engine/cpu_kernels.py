@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from .c_build import compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
+from .c_build import BASE_FLAGS, compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
 from .kernel_checks import F32, I64, bad_tensor
 from .kv_quant import SCALE_BYTES
 
@@ -49,7 +49,7 @@ def _build(rebuild: bool = False) -> Path:
     Raises:
         RuntimeError: no C compiler, or it failed (its stderr is included).
     """
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
+    flags = [*BASE_FLAGS, "-std=c11"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
     headers = tuple(_SOURCE.parent / h for h in ("float_kernels.h", "kv_int8.h"))

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from .c_build import compile_library, cpu_flags, open_library
+from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
 from .quant_formats import BF16, F16, QuantWeight
 
@@ -83,7 +83,7 @@ def load() -> "QuantKernels | None":
     global _loaded
     with _lock:
         if _loaded is False:
-            flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+            flags = [*BASE_FLAGS, "-std=gnu11"]
             if {"avx2", "fma"} <= cpu_flags():  # float_kernels.h's intrinsics (the quantized ones pick at run time)
                 flags += ["-mavx2", "-mfma"]
             lib = open_library(
