@@ -112,14 +112,36 @@ def runtime(host_state):
 
 
 @pytest.fixture(scope="session")
-def quant_engine(gguf_path):
-    """The default model run as users get it: GGUF weights kept quantized
-    (Q4_1 layers, Q8_0 embedding and tied output head), float32 compute."""
-    from tartlet.engine.engine import Engine, EngineConfig
+def quant_loaded(gguf_path):
+    """The default model loaded as users get it: GGUF weights kept quantized
+    (Q4_1 layers, Q8_0 embedding and tied output head). Loaded once for the
+    quantized engines below (a load is ~4 s of CPU, most of it parsing the
+    GGUF's vocabulary): each engine gets its own copy of the weights dict,
+    which an Engine empties, and only reads the tensors in it."""
     from tartlet.engine.loader import load_model
 
-    lm = load_model(gguf_path, quantized=True)
-    eng = Engine(EngineConfig(kv_cache_mb=128), lm.config, lm.weights, lm.tokenizer)
+    return load_model(gguf_path, quantized=True)
+
+
+@pytest.fixture(scope="session")
+def quant_engine(quant_loaded):
+    """The default model run as users get it: quantized weights, float32 compute."""
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    lm = quant_loaded
+    eng = Engine(EngineConfig(kv_cache_mb=128), lm.config, dict(lm.weights), lm.tokenizer)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def q8_engine(gguf_path, quant_loaded):
+    """The default model, quantized weights, an int8 KV pool of 32 MiB
+    (tests/test_kv_int8.py, tests/test_fused_decode.py)."""
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    lm = quant_loaded
+    eng = Engine(EngineConfig(model=str(gguf_path), kv_cache_mb=32, kv_dtype="int8"), lm.config, dict(lm.weights), lm.tokenizer)
     yield eng
     eng.close()
 

@@ -194,19 +194,7 @@ def test_other_shapes_take_the_op_by_op_path(quant_engine):
         quant_engine.scheduler.command(seq.free).result(30)
 
 
-@pytest.fixture(scope="module")
-def int8_engine(gguf_path):
-    """The default model run quantized with an int8 KV pool."""
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.loader import load_model
-
-    lm = load_model(gguf_path, quantized=True)
-    eng = Engine(EngineConfig(kv_cache_mb=32, kv_dtype="int8"), lm.config, lm.weights, lm.tokenizer)
-    yield eng
-    eng.close()
-
-
-def test_int8_kv_pool_matches_op_by_op(int8_engine):
+def test_int8_kv_pool_matches_op_by_op(q8_engine):
     """With int8 KV rows the step writes and reads them with the same
     quantizing RoPE + KV write and dequantizing attention as the op-by-op
     path (kv_int8.h). The two paths' ~1e-7 float differences (SiLU) can
@@ -215,17 +203,17 @@ def test_int8_kv_pool_matches_op_by_op(int8_engine):
     float32 pool: measured 0.16 at most, 0.021 on average over these
     prompts (an int8 pool against a float32 one: 1.8 and 0.2); greedy
     tokens must agree exactly."""
-    f = int8_engine.model.fused
-    assert int8_engine.pool.k.dtype == torch.int8
-    pairs = [prefill(int8_engine, p) for p in PROMPTS]
+    f = q8_engine.model.fused
+    assert q8_engine.pool.k.dtype == torch.int8
+    pairs = [prefill(q8_engine, p) for p in PROMPTS]
     seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
     try:
         for _ in range(6):
-            fused_logits, ref = decode_both(int8_engine, f, seqs, toks)
+            fused_logits, ref = decode_both(q8_engine, f, seqs, toks)
             diff = (fused_logits - ref).abs()
             assert float(diff.max()) < 0.5 and float(diff.mean()) < 0.03
             assert fused_logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
             toks = fused_logits.argmax(-1).tolist()
     finally:
         for s in seqs:
-            int8_engine.scheduler.command(s.free).result(30)
+            q8_engine.scheduler.command(s.free).result(30)

@@ -173,20 +173,12 @@ PROMPTS = [
 ]
 
 
-def make_engine(gguf_path, **cfg):
+def make_engine(gguf_path, lm, **cfg):
+    """An engine on ``lm``, the default model loaded with quantized weights
+    (the session's ``quant_loaded``); ``q8_engine``: tests/conftest.py."""
     from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.loader import load_model
 
-    lm = load_model(gguf_path, quantized=True)
-    return Engine(EngineConfig(model=str(gguf_path), **cfg), lm.config, lm.weights, lm.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def q8_engine(gguf_path):
-    """The default model, quantized weights, int8 KV pool of 32 MiB."""
-    eng = make_engine(gguf_path, kv_cache_mb=32, kv_dtype="int8")
-    yield eng
-    eng.close()
+    return Engine(EngineConfig(model=str(gguf_path), **cfg), lm.config, dict(lm.weights), lm.tokenizer)
 
 
 def chat(eng, text: str) -> list[int]:
@@ -286,7 +278,7 @@ def test_teacher_forced_greedy_top1(q8_engine, quant_engine):
 
 
 @pytest.mark.slow  # loads a third engine, decodes on two
-def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
+def test_pytorch_path_matches_kernels(gguf_path, quant_loaded, q8_engine):
     """Without the C kernels the PyTorch path writes and reads the same
     format. Its float keys differ from the kernels' in their last bits (RoPE
     and projections in another order), which flips a few quants by one step,
@@ -297,7 +289,7 @@ def test_pytorch_path_matches_kernels(gguf_path, q8_engine):
     tiles, 2.50 max / 42 of 42 argmax through the integer kernel), not to
     float rounding, with the same argmax at >= 95% of the positions; a row
     written in another layout would be off by far more."""
-    eng = make_engine(gguf_path, kv_cache_mb=8, kv_dtype="int8", cpu_kernels=False)
+    eng = make_engine(gguf_path, quant_loaded, kv_cache_mb=8, kv_dtype="int8", cpu_kernels=False)
     try:
         assert eng.model.kernels is None
         ids = chat(eng, PROMPTS[0])
