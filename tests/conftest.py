@@ -8,6 +8,7 @@ then the local cache; set ``TARTLET_MODELS_DIR`` to choose where).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,22 @@ import pytest
 #: loop, ``pytest -m "not slow"``, skips them; CI runs all). Modules built
 #: around their own server or WASM builds mark themselves.
 SLOW_FIXTURES = frozenset({"noauth_server", "small_server"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``) each worker gets its share of the cores
+    for torch's and the C kernels' threads (and for the servers and CLIs it
+    starts, through ``OMP_NUM_THREADS``): N workers each running as many
+    threads as there are cores would oversubscribe the machine, and OpenMP's
+    spinning threads then burn CPU waiting for each other. Results do not
+    depend on the thread count (tests/test_fused_decode.py checks it)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
