@@ -314,6 +314,30 @@ def test_quant_linear_8bit_rows_do_not_depend_on_the_batch(kern, monkeypatch):
     assert rel_err(lin(x), alone) < 1e-5
 
 
+def test_zero_rows_on_a_fresh_thread(kern):
+    """A call with no rows (the LM head of a pass whose rows want no logits)
+    returns an empty result, also on a thread that never allocated the
+    kernels' per-thread activation buffer (it used to fail there with a
+    MemoryError: a 0-byte buffer read as a failed allocation)."""
+    import threading
+
+    raw = random_gguf("Q4_1", 40, 96)
+    results: list[object] = []
+    for bits in (8, 16):
+        lin = QuantLinear([from_gguf(raw, "Q4_1", 40, 96)], torch.randn(40), kern, act_bits=bits)
+
+        def call(lin: QuantLinear = lin) -> None:
+            try:
+                results.append(lin(torch.empty(0, 96)))
+            except Exception as e:  # noqa: BLE001 - reported below
+                results.append(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        t.join()
+    assert [tuple(r.shape) if isinstance(r, torch.Tensor) else r for r in results] == [(0, 40), (0, 40)]
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantize_float_matrix(kern, name):
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1)) * 0.1

@@ -345,6 +345,7 @@ static void *scratch(size_t bytes) {
 int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, float *y, const float *res,
               int64_t ldr) {
     const int64_t K = L->k, nb = K / QK;
+    if (M <= 0) return 0; /* e.g. a pass whose rows want no logits: no buffer to ask for */
     void *qa = 0;
     float *fa = 0;
     for (int64_t i = 0; i < L->nparts; i++)
