@@ -79,8 +79,8 @@ class FusedDecoder:
         return cls(model)
 
     def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
-        """Whether ``batch`` can run fused: decode rows only, few enough
-        for the integer kernels, a float32 or int8 pool."""
+        """Whether ``batch`` can run fused: decode rows only (below AVX-512
+        fewer than ``DEQUANT_ROWS``), a float32 or int8 pool."""
         T = batch.input_ids.shape[0]
         # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
         if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in (torch.float32, torch.int8):

@@ -25,8 +25,6 @@
  * route. The weights are the values tq_dequantize gives (d * q + m by one
  * FMA, as dequantize_avx2). */
 
-#define INLINE static inline __attribute__((always_inline))
-#define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
 #define PANEL_N 32
 #define PANEL_MR 12
 
@@ -196,6 +194,3 @@ static int panel_gemm(const int kind, const uint8_t *wq, const uint16_t *wd, con
     }
     return failed ? -1 : 0;
 }
-
-#undef INLINE
-#undef KIND_QBYTES

@@ -45,6 +45,9 @@
 #define QK 32
 enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3 };
 static const int QBYTES[4] = {32, 16, 20, 24};
+/* the same as a constant expression, and the inlining the SIMD headers rely on */
+#define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
+#define INLINE static inline __attribute__((always_inline))
 
 /* Per row of quantized activations, 4 * K/32 floats: d[b] (the block's
  * scale), s[b] = d * sum(a) over the block, then s01[2 b + h] = d * sum(a)

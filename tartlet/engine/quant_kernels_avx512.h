@@ -8,8 +8,6 @@
  * the _vnni instance of quant_kernels_isa.h (whose helpers it uses), inside
  * the same "#pragma GCC target" region. */
 
-#define INLINE static inline __attribute__((always_inline))
-#define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
 
 /* lanes 0-7 <- element 0, lanes 8-15 <- element 1 (Q6: four elements, four lanes each) */
 static const int32_t SPREAD2[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -311,6 +309,3 @@ static void matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t 
     }
     DISPATCH_KINDS(matmul_kind_avx512, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr)
 }
-
-#undef INLINE
-#undef KIND_QBYTES

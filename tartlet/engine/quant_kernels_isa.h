@@ -6,8 +6,6 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SUFFIX)
-#define INLINE static inline __attribute__((always_inline))
-#define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
 
 /* 32 unsigned weight values of one block, element e in byte e. */
 INLINE __m256i FN(unpack)(const int kind, const uint8_t *q) {
@@ -298,5 +296,3 @@ static void FN(matmul_half)(int bf16, const uint16_t *w, int64_t N, int64_t K, c
 #endif
 
 #undef FN
-#undef INLINE
-#undef KIND_QBYTES
