@@ -9,7 +9,8 @@
  * the packing step doubling as dequantization): the outputs are cut into
  * panels of PANEL_N = 32 weight rows. A thread dequantizes a panel into a
  * float32 buffer laid out k-major ([K][32]: the 32 weights of step k are two
- * 512-bit vectors; each 16 x 16 block is transposed in registers), then
+ * 512-bit vectors; the transposes are done in registers, on the quantized
+ * bytes for the block kinds, see panel_fill16), then
  * runs every activation row against it in tiles of PANEL_MR rows: per k, two
  * vector loads of weights, one broadcast of x[r, k] per row and two FMAs per
  * row (24 accumulators in registers). The panel (K * 128 bytes) stays in L2
@@ -75,31 +76,75 @@ INLINE void panel_fill16(const int kind, const uint8_t *wq, const uint16_t *wd, 
         }
         return;
     }
+    /* Block kinds: the 32 quantized values of each of the 16 rows stay bytes
+     * through the transpose (a 16 x 8 transpose of 32-bit groups of four
+     * values, 24 permutes per block where floats took 128), then each k
+     * takes its byte out of every group by a shift and a mask, converts it
+     * and applies the per-row scale and minimum as one FMA: the same
+     * d * q + m as tq_dequantize. The scales of 16 blocks are transposed
+     * once (float, 16 x 16) so each block finds its per-row scales as one
+     * vector. */
     const int64_t nb = K / QK;
-    const int qb = KIND_QBYTES(kind), q6 = kind == K_Q6;
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i lo[16], hi[16]; /* values 0-15 and 16-31 of the block, one weight row each */
+    const int qb = KIND_QBYTES(kind), ns = kind == K_Q6 ? 2 : 1; /* scales per block */
+    const int64_t gn = 16 / ns;                                   /* blocks per scale group */
+    /* stage 1 of the transpose: from rows 4p..4p+3 (two per input vector),
+     * groups t = 0..3 (idx_lo) or 4..7 (idx_hi), laid out [t][row] */
+    const __m512i idx_lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(4));
+    const __m512i low8 = _mm512_set1_epi32(0xff);
+    for (int64_t g = 0; g < nb; g += gn) {
+        const int64_t gb = nb - g < gn ? nb - g : gn;
+        const __mmask16 sm = gb * ns >= 16 ? 0xffff : (__mmask16)((1u << (gb * ns)) - 1u);
+        __m512i D[16], Mn[16]; /* after the transposes: D[s] lane j = scale s of the group, row j */
         for (int j = 0; j < 16; j++) {
-            if (j >= nr) {
-                lo[j] = hi[j] = _mm512_setzero_si512();
-                continue;
-            }
-            const int64_t o = (n0 + j) * nb + b;
-            const __m256i u = unpack_vnni(kind, wq + o * qb);
-            const float d0 = _cvtsh_ss(wd[q6 ? 2 * o : o]), d1 = q6 ? _cvtsh_ss(wd[2 * o + 1]) : d0;
-            const float m0 = q6 ? -32.0f * d0 : kind == K_Q8 ? -128.0f * d0 : _cvtsh_ss(wm[o]);
-            const float m1 = q6 ? -32.0f * d1 : m0;
-            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
-            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
-            lo[j] = _mm512_castps_si512(_mm512_fmadd_ps(f0, _mm512_set1_ps(d0), _mm512_set1_ps(m0)));
-            hi[j] = _mm512_castps_si512(_mm512_fmadd_ps(f1, _mm512_set1_ps(d1), _mm512_set1_ps(m1)));
+            D[j] = Mn[j] = _mm512_setzero_si512();
+            if (j >= nr) continue;
+            const int64_t o = ((n0 + j) * nb + g) * ns;
+            D[j] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, wd + o)));
+            if (kind == K_Q4 || kind == K_Q5)
+                Mn[j] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, wm + (n0 + j) * nb + g)));
         }
-        transpose16x16(lo);
-        transpose16x16(hi);
-        float *p = P + b * QK * PANEL_N + c0;
-        for (int i = 0; i < 16; i++) {
-            _mm512_store_ps(p + i * PANEL_N, _mm512_castsi512_ps(lo[i]));
-            _mm512_store_ps(p + (16 + i) * PANEL_N, _mm512_castsi512_ps(hi[i]));
+        transpose16x16(D);
+        if (kind == K_Q4 || kind == K_Q5) transpose16x16(Mn);
+        for (int64_t bb = 0; bb < gb; bb++) {
+            const int64_t b = g + bb;
+            __m512i Z[8], A[8], C[8], T[8];
+            for (int i = 0; i < 8; i++) {
+                const int64_t j = 2 * i;
+                const __m256i u0 = j < nr ? unpack_vnni(kind, wq + ((n0 + j) * nb + b) * qb) : _mm256_setzero_si256();
+                const __m256i u1 = j + 1 < nr ? unpack_vnni(kind, wq + ((n0 + j + 1) * nb + b) * qb)
+                                              : _mm256_setzero_si256();
+                Z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+            }
+            for (int p = 0; p < 4; p++) { /* A[p]: groups 0-3 of rows 4p..4p+3; A[4 + p]: groups 4-7 */
+                A[p] = _mm512_permutex2var_epi32(Z[2 * p], idx_lo, Z[2 * p + 1]);
+                A[4 + p] = _mm512_permutex2var_epi32(Z[2 * p], idx_hi, Z[2 * p + 1]);
+            }
+            for (int h = 0; h < 8; h += 4) /* C[h + q]: groups 2q', 2q'+1 of rows 0-7 (q < 2) or 8-15 */
+                for (int q = 0; q < 2; q++) {
+                    C[h + q] = _mm512_shuffle_i32x4(A[h], A[h + 1], q ? 0xee : 0x44);
+                    C[h + 2 + q] = _mm512_shuffle_i32x4(A[h + 2], A[h + 3], q ? 0xee : 0x44);
+                }
+            for (int q = 0; q < 4; q++) { /* T[t] lane j: values 4t..4t+3 of row j */
+                const int h = (q >> 1) * 4, c = q & 1;
+                T[2 * q] = _mm512_shuffle_i32x4(C[h + c], C[h + 2 + c], 0x88);
+                T[2 * q + 1] = _mm512_shuffle_i32x4(C[h + c], C[h + 2 + c], 0xdd);
+            }
+            const __m512 d0 = _mm512_castsi512_ps(D[bb * ns]), d1 = _mm512_castsi512_ps(D[bb * ns + ns - 1]);
+            const __m512 m0 = kind == K_Q8   ? _mm512_mul_ps(d0, _mm512_set1_ps(-128.0f))
+                              : kind == K_Q6 ? _mm512_mul_ps(d0, _mm512_set1_ps(-32.0f))
+                                             : _mm512_castsi512_ps(Mn[bb]);
+            const __m512 m1 = kind == K_Q6 ? _mm512_mul_ps(d1, _mm512_set1_ps(-32.0f)) : m0;
+            float *p = P + b * QK * PANEL_N + c0;
+            for (int t = 0; t < 8; t++) {
+                const __m512 d = t < 4 ? d0 : d1, m = t < 4 ? m0 : m1;
+                const __m512i v[4] = {_mm512_and_si512(T[t], low8),
+                                      _mm512_and_si512(_mm512_srli_epi32(T[t], 8), low8),
+                                      _mm512_and_si512(_mm512_srli_epi32(T[t], 16), low8),
+                                      _mm512_srli_epi32(T[t], 24)};
+                for (int s = 0; s < 4; s++)
+                    _mm512_store_ps(p + (4 * t + s) * PANEL_N, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[s]), d, m));
+            }
         }
     }
 }
