@@ -170,14 +170,16 @@ def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
     equal, so batching decode steps of several sequences does not change
     any one of them. Through the engine's entry point (``QuantLinear``): on
     AVX-512, 16-bit activations take the byte-split kernel below
-    ``tq_set_panel_rows`` rows (16) and the float panel GEMM from there
+    ``QuantKernels.panel_rows`` rows (8) and the float panel GEMM from there
     (equal within each range), 8-bit ones the integer kernels at any
     count; below AVX-512 the integer kernels up to ``DEQUANT_ROWS`` (40)."""
     kern.set_isa(isa)
     n, k = (37, 256) if type_name in K_QUANTS else (37, 96)
     w = from_gguf(random_gguf(type_name, n, k, seed=3), type_name, n, k)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4))
-    ranges = [(15, ((0, 1), (7, 8), (0, 2), (3, 8), (2, 15))), (39, ((16, 39), (1, 34), (5, 22), (0, 16)))]
+    p = kern.panel_rows
+    ranges = [(p - 1, ((0, 1), (p - 2, p - 1), (0, 2), (1, p - 1))),
+              (15, ((0, 1), (7, 8), (0, 2), (3, 8), (2, 15))), (39, ((16, 39), (1, 34), (5, 22), (0, 16)))]
     if isa == 3:
         ranges.append((64, ((0, 16), (3, 40), (13, 64), (50, 64))))
     for bits in (8, 16):
@@ -185,7 +187,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
         for m, slices in ranges:
             full = lin(x[:m])
             for lo, hi in slices:
-                if bits == 16 and isa == 3 and hi - lo < 16 <= m:
+                if bits == 16 and isa == 3 and hi - lo < p <= m:
                     continue  # the two 16-bit ranges differ by rounding
                 assert torch.equal(lin(x[lo:hi]), full[lo:hi]), (type_name, isa, bits, lo, hi)
     kern.set_isa(-1)
@@ -193,9 +195,9 @@ def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_panel_gemm_matches_dequantized_product(kern, type_name):
-    """The float panel GEMM (AVX-512, from 16 rows, 16-bit activations or
+    """The float panel GEMM (AVX-512, from ``panel_rows`` rows, 16-bit activations or
     float16/bfloat16 weights): every format, output counts that leave a
-    partial panel of 32 and a partial half, row counts 16..33 and 77 (tiles
+    partial panel of 32 and a partial half, row counts 8..33 and 77 (tiles
     of 12 rows and every tail), a bias and a residual, against float32
     ``x @ W.T`` with the repacked weights the kernels hold (no activation
     rounding on this route), and against ``gguf``'s dequantization
@@ -210,7 +212,7 @@ def test_panel_gemm_matches_dequantized_product(kern, type_name):
         lin = QuantLinear([w], torch.randn(n), kern, act_bits=16)
         ref, held = dequant_reference(raw, type_name, n, k), kern.dequantize(w)
         g = torch.Generator().manual_seed(n)
-        for rows in (*range(16, 34), 77):
+        for rows in (*range(kern.panel_rows, 34), 77):
             x, res = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
             got = lin(x, residual=res)
             assert rel_err(got, x @ held.T + lin.bias + res) < 1e-5, (type_name, n, rows)

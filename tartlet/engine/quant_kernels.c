@@ -235,15 +235,16 @@ static inline int cur_isa(void) {
 }
 
 /* Products of at least this many activation rows take the float panel GEMM
- * (panel_gemm_avx512.h) on the AVX-512 level (tq_set_panel_rows). One
- * thread, all projections of a default-model step, CPU ms, integer kernels
- * vs panel GEMM: see docs/benchmarks.md. */
-static int64_t panel_rows = 16;
+ * (panel_gemm_avx512.h) on the AVX-512 level (tq_set_panel_rows). Whole
+ * decode steps of the default model on 2 threads, byte-split kernel vs
+ * panel (docs/benchmarks.md): 4 rows 14.4 vs 21.5 ms, 6 rows 21.9 vs 24.2,
+ * 8 rows 27.2 vs 25.2, 12 rows 39.8 vs 32.6. */
+static int64_t panel_rows = 8;
 
-/* Set that row count; returns the previous one. */
+/* Set that row count (n > 0; n <= 0 changes nothing); returns the previous one. */
 int64_t tq_set_panel_rows(int64_t n) {
     const int64_t old = panel_rows;
-    panel_rows = n;
+    if (n > 0) panel_rows = n;
     return old;
 }
 

@@ -157,11 +157,18 @@ class QuantKernels:
         return int(self._lib.tq_set_par_min(block_rows))
 
     def set_panel_rows(self, rows: int) -> int:
-        """Products of at least ``rows`` activation rows take the float panel
-        GEMM (``panel_gemm_avx512.h``) on the AVX-512 level, when their
-        activations are 16-bit or their weights float16/bfloat16. Returns the
-        previous row count. Process-wide."""
+        """Products of at least ``rows`` activation rows (default 8) take the
+        float panel GEMM (``panel_gemm_avx512.h``) on the AVX-512 level, when
+        their activations are 16-bit or their weights float16/bfloat16.
+        Returns the previous row count (``rows <= 0`` only reads it).
+        Process-wide."""
         return int(self._lib.tq_set_panel_rows(rows))
+
+    @property
+    def panel_rows(self) -> int:
+        """The row count from which products take the panel GEMM (see
+        :meth:`set_panel_rows`)."""
+        return int(self._lib.tq_set_panel_rows(0))
 
     def quantize(self, x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of 32 of ``x`` float32 ``[M, K]`` (rows contiguous, ``K`` a

@@ -14,7 +14,7 @@ columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
 Larger batches (prefill, large decode batches) multiply in float instead.
-On AVX-512, from ``QuantKernels.set_panel_rows`` rows (16), the same C call
+On AVX-512, from ``QuantKernels.panel_rows`` rows (8), the same C call
 runs the panel GEMM (``panel_gemm_avx512.h``: 32 weight rows at a time
 dequantized into a cache-resident panel). Below AVX-512, from
 :data:`DEQUANT_ROWS` rows, each part is dequantized into float32 tiles
@@ -30,7 +30,8 @@ from .quant_formats import BF16, F16, QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM
-#: (below AVX-512; there the C panel GEMM takes over from 16 rows).
+#: (below AVX-512; there the C panel GEMM takes over from
+#: ``QuantKernels.panel_rows``, 8 rows).
 #: Measured on the default model, all projections of a step on one thread
 #: (CPU ms, integer kernel with the AVX-512 16-row groups vs tiles): 16 rows
 #: 77 vs 221, 32 rows 148 vs 209, 48 rows 282 vs 206, 64 rows 343 vs 222
