@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
-from harness import run_ok
+from harness import assert_no_leaks, run_ok
+from tartlet.host.session import Session
+from tartlet.runtime.instance import Status
+from tartlet.runtime.program import find_program
 
 
 async def test_greedy_matches_transformers(runtime, hf_model, hf_tokenizer):
@@ -27,3 +32,24 @@ async def test_streams_text_and_stops_at_eos(runtime):
     assert inst.result["finish_reason"] == "eos"
     assert inst.result["text"] == "The capital of France is Paris."
     assert "".join(inst.output) == inst.result["text"]
+
+
+async def test_abort_with_a_pass_queued_ahead_frees_its_pages(runtime):
+    """text-completion queues each next pass before streaming a step
+    (``generate(overlap=True)``): aborting it mid-stream, with a pass in
+    flight, still frees every page, and the engine keeps serving."""
+    args = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True}
+    session, out = Session(), list[str | bytes]()
+    session.listen(out.append)
+    inst = runtime.launch(find_program("text-completion"), args, session)
+    for _ in range(600):  # until a few tokens have streamed
+        if len(out) >= 3:
+            break
+        await asyncio.sleep(0.01)
+    assert len(out) >= 3 and inst.status is Status.RUNNING
+    inst.abort("stopped by the test")
+    await inst.wait()
+    assert inst.status is Status.ABORTED
+    assert_no_leaks(runtime.state)
+    res = await run_ok(runtime, "text-completion", {"prompt": "What is the capital of France?"})
+    assert res["text"] == "The capital of France is Paris."

@@ -40,6 +40,7 @@ async def main(args: dict) -> dict:
             max_tokens=int(args.get("max_tokens", 256)),
             stop=args.get("stop"),
             eos=not args.get("ignore_eos", False),
+            overlap=True,  # the next pass runs while this step is streamed
         )
         async for step in gen:
             if step.text:
