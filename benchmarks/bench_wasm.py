@@ -6,7 +6,9 @@ text-completion as
   (c) a WASM inferlet (the same source built into a component),
 
 with the per-token overhead of (b) and (c) over (a) in µs and as a fraction
-of (a)'s TPOT; plus cold launch (first build, first compile, in a fresh cache
+of (a)'s TPOT (the three alternate, order reversed every other repeat; TPOT
+is the median over repeats, each overhead the median of its per-repeat
+differences); plus cold launch (first build, first compile, in a fresh cache
 folder), loading the cached compiled component in a new engine, and warm
 launch (``launch()``, i.e. store + instantiate, and launch to the result of a
 1-token generation, model time included).
@@ -108,13 +110,24 @@ async def main_async(opts) -> dict:
                 await inst.wait()
                 warm.append((t_launch, time.perf_counter() - t0))
             native_rt = NativeRuntime(state)
-            # the three paths alternate, so a drift in machine speed hits all of them
+            # The three paths alternate (order reversed every other repeat), so
+            # a drift in machine speed hits all of them; the overheads are the
+            # medians of each repeat's paired differences, which drift (25% on
+            # these VMs) disturbs far less than a difference of minima.
             ta, tb, tc = [], [], []
-            for _ in range(reps):
-                ta.append(direct_tpot(engine, engine.tokenizer.encode(PROMPT), n))
-                tb.append(await inferlet_tpot(native_rt, program, n))
-                tc.append(await inferlet_tpot(wasm_rt, wasm_path, n))
-            tpot_a, tpot_b, tpot_c = min(ta), min(tb), min(tc)
+            for r in range(reps):
+                for path in ("abc" if r % 2 == 0 else "cba"):
+                    if path == "a":
+                        ta.append(direct_tpot(engine, engine.tokenizer.encode(PROMPT), n))
+                    elif path == "b":
+                        tb.append(await inferlet_tpot(native_rt, program, n))
+                    else:
+                        tc.append(await inferlet_tpot(wasm_rt, wasm_path, n))
+            tpot_a, tpot_b, tpot_c = statistics.median(ta), statistics.median(tb), statistics.median(tc)
+            over_b = statistics.median(b - a for a, b in zip(ta, tb))
+            over_c = statistics.median(c - a for a, c in zip(ta, tc))
+            frac_b = statistics.median((b - a) / a for a, b in zip(ta, tb))
+            frac_c = statistics.median((c - a) / a for a, c in zip(ta, tc))
         finally:
             if old is None:
                 os.environ.pop("TARTLET_CACHE_DIR", None)
@@ -125,11 +138,11 @@ async def main_async(opts) -> dict:
         engine.close()
     rows = [
         ["(a) direct scheduler loop", tpot_a * 1e3, 0.0, 0.0],
-        ["(b) native inferlet", tpot_b * 1e3, (tpot_b - tpot_a) * 1e6, (tpot_b - tpot_a) / tpot_a],
-        ["(c) WASM inferlet", tpot_c * 1e3, (tpot_c - tpot_a) * 1e6, (tpot_c - tpot_a) / tpot_a],
+        ["(b) native inferlet", tpot_b * 1e3, over_b * 1e6, frac_b],
+        ["(c) WASM inferlet", tpot_c * 1e3, over_c * 1e6, frac_c],
     ]
     report(
-        f"programmability tax, text-completion, {n} tokens (best of {reps})",
+        f"programmability tax, text-completion, {n} tokens (medians of {reps} alternating repeats; overheads paired per repeat)",
         ["path", "TPOT ms", "overhead µs/token", "overhead / TPOT"],
         rows,
         None,
@@ -143,7 +156,9 @@ async def main_async(opts) -> dict:
     ]
     payload = {
         "tokens": n, "tpot_direct_ms": tpot_a * 1e3, "tpot_native_ms": tpot_b * 1e3, "tpot_wasm_ms": tpot_c * 1e3,
-        "wasm_overhead_us": (tpot_c - tpot_a) * 1e6, "native_overhead_us": (tpot_b - tpot_a) * 1e6,
+        "wasm_overhead_us": over_c * 1e6, "native_overhead_us": over_b * 1e6,
+        "wasm_overhead_frac": frac_c, "native_overhead_frac": frac_b,
+        "rounds_ms": {"direct": [t * 1e3 for t in ta], "native": [t * 1e3 for t in tb], "wasm": [t * 1e3 for t in tc]},
         "build_s": t_build, "compile_s": t_compile, "load_cached_ms": t_deserialize * 1e3,
         "warm_launch_ms": statistics.median(w[0] for w in warm) * 1e3,
         "warm_launch_to_result_ms": statistics.median(w[1] for w in warm) * 1e3,
@@ -156,7 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 tokens, 1 repeat (smoke run)")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     asyncio.run(main_async(ap.parse_args()))
 
