@@ -101,6 +101,32 @@ def test_paged_decode_attention(kern, batch, length, masked):
     torch.testing.assert_close(out2[2 : 2 + batch], sdpa_reference(q_all[2 : 2 + batch], kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 1), (5, 1023), (4, 1024), (7, 1025), (64, 3000)])
+def test_argmax_rows_is_torch_argmax(kern, rows, vocab):
+    """Greedy sampling's argmax: the same index as ``torch.argmax`` on random
+    rows, on ties (the first maximum, across and within blocks of 1024),
+    rows of -inf, +inf twice, NaNs (the first NaN wins, even after a larger
+    number), -0.0 against 0.0, and strided rows."""
+    x = torch.randn(rows, vocab, generator=gen(vocab))
+    tie = x.clone()
+    tie[:, -1] = x.max() + 1
+    tie[:, vocab // 2] = x.max() + 1
+    inf = x.clone()
+    inf[0, vocab // 2] = inf[0, -1] = float("inf")
+    nan = x.clone()
+    nan[0, -1] = float("nan")
+    nan[-1, vocab // 3] = float("nan")
+    nan[-1, 0] = 1e30
+    zeros = torch.zeros(rows, vocab)
+    zeros[0, vocab // 3] = -0.0
+    strided = torch.randn(rows, 2 * vocab, generator=gen(1))[:, :vocab]
+    for t in (x, tie, inf, nan, zeros, torch.full((rows, vocab), float("-inf")), strided):
+        assert kern.argmax_rows(t) == t.argmax(-1).tolist()
+    assert kern.argmax_rows(torch.zeros(0, 5)) == []
+    with pytest.raises(ValueError, match="argmax_rows"):
+        kern.argmax_rows(x.double())
+
+
 def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
@@ -154,3 +180,19 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     torch.testing.assert_close(out, sdpa_reference(q, kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
     x, w = torch.randn(4, 576, generator=g), torch.randn(576, generator=g)
     torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_sampler_uses_the_argmax_kernel(kern, monkeypatch):
+    """SlotSampler with the kernel gives what PyTorch's argmax gives (a
+    masked row included), and PyTorch's argmax is not called."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec, SlotSampler
+
+    V = 3000
+    logits = torch.randn(4, V, generator=gen(5))
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[7, 2999]] = True
+    slots = [OutputSlot(0, SamplerSpec()), OutputSlot(1, SamplerSpec(), allowed), OutputSlot(3, SamplerSpec())]
+    want = SlotSampler(V).run(logits, slots)
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda *a, **k: pytest.fail("torch.argmax was called"))
+    got = SlotSampler(V, kern.argmax_rows).run(logits, slots)
+    assert got == want and got[1] in (7, 2999)

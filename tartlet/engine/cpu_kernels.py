@@ -106,10 +106,27 @@ class CpuKernels:
         self._rope_q8.argtypes = self._rope.argtypes
         self._attn_q8 = lib.paged_decode_attention_q8
         self._attn_q8.argtypes = self._attn.argtypes
-        for f in (self._rms, self._rope):
+        self._argmax = lib.argmax_rows
+        self._argmax.argtypes = [_P, _I, _I, _I, _P]
+        for f in (self._rms, self._rope, self._argmax):
             f.restype = None
         for f in (self._attn, self._rope_q8, self._attn_q8):
             f.restype = ctypes.c_int  # -1: scratch memory could not be allocated
+
+    def argmax_rows(self, x: torch.Tensor) -> list[int]:
+        """Index of the first maximum of each row of ``x`` float32 ``[S, V]``
+        (rows may be strided, columns contiguous): ``x.argmax(-1).tolist()``,
+        a NaN counting as the maximum as in PyTorch; greedy sampling.
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device.
+        """
+        xs, xst = x.shape, x.stride()
+        if not (len(xs) == 2 and xs[1] > 0 and xst[1] == 1 and x.dtype is F32 and x.is_cpu):
+            bad_tensor("argmax_rows", "x", x, ["S", "V (> 0)"], layout="columns contiguous")
+        out = torch.empty(xs[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), xst[0], xs[0], xs[1], out.data_ptr())
+        return out.tolist()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of ``x`` ``[T, H]``

@@ -18,6 +18,7 @@ proportionally to ``p`` with a per-slot seeded generator.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,8 +106,12 @@ class OutputSlot:
 class SlotSampler:
     """Applies the slots of one batch to its logits."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, argmax_rows: Callable[[torch.Tensor], list[int]] | None = None) -> None:
+        """``argmax_rows``: ``x.argmax(-1).tolist()`` of float32 logits
+        ``[S, V]`` (e.g. :meth:`CpuKernels.argmax_rows`, ~10x faster than
+        PyTorch's reduction on CPU); None: PyTorch's."""
         self.vocab_size = vocab_size
+        self._argmax_rows = argmax_rows
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
     def run(self, logits: torch.Tensor, slots: list[OutputSlot]) -> list[object]:
@@ -127,7 +132,11 @@ class SlotSampler:
         greedy = [i for i, s in enumerate(slots) if out[i] is None and isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0]
         if greedy:
             rows = logits if len(greedy) == len(slots) else logits[greedy]
-            ids = rows.argmax(dim=-1).tolist()
+            argmax = self._argmax_rows
+            if argmax is not None and rows.dtype is torch.float32 and rows.is_cpu and rows.stride(-1) == 1:
+                ids = argmax(rows)
+            else:
+                ids = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = t
         for i, s in enumerate(slots):
