@@ -386,6 +386,7 @@ class Context:
         drafter: Any = None,
         constraint: Any = None,
         overlap: bool = False,
+        chunk: int | None = None,
     ) -> Generator:
         """Generate from the context: ``async for step in ctx.generate(...)``
         or ``await ctx.generate(...).collect_text()``.
@@ -401,15 +402,22 @@ class Context:
                 caller's work on a step overlaps the model's next pass; the
                 context is then busy until the generation ends or
                 ``await gen.aclose()`` (see :mod:`tartlet.generator`).
+            chunk: stream in steps of up to this many tokens, decoded
+                host-side between steps (1, 2, 4, ... up to ``chunk``: the
+                first token comes at once), when only ``max_tokens`` and EOS
+                stop the generation and the sampler, drafter and constraint
+                leave nothing to do between tokens; otherwise one token a
+                step as without it. Same tokens and text; the code between
+                steps runs once per chunk. None: one token a step.
 
         Raises:
             ContextClosedError: the context was closed.
-            ValueError: the context is empty (nothing to condition on), or
-                ``overlap`` with a ``drafter``.
+            ValueError: the context is empty (nothing to condition on),
+                ``overlap`` with a ``drafter``, or ``chunk`` not an int >= 1.
         """
         self._check_open("generate")
         return Generator(self, sampler or Sampler.greedy(), max_tokens=max_tokens, stop=stop, eos=eos, drafter=drafter,
-                         constraint=constraint, overlap=overlap)
+                         constraint=constraint, overlap=overlap, chunk=chunk)
 
     # -- KV management -----------------------------------------------------------------
     def fork(self) -> "Context":

@@ -20,6 +20,15 @@ idea of SGLang's overlap scheduler and vLLM's asynchronous output
 processing). Same passes, same tokens. The price: while a pass is queued
 ahead the context is busy, so the caller must not use it until the
 generation has ended or :meth:`Generator.aclose` has returned.
+
+Chunks (``chunk=N``): when nothing needs to run between tokens (stops only
+``max_tokens`` and EOS, an engine-side sampler, no drafter or constraint),
+each step decodes its tokens host-side in one ``generate`` call, 1, 2, 4, ...
+up to N of them, each next pass queued by the host as the last resolves.
+A step then carries several tokens (as with a drafter) and the caller's
+code between steps, and a sandboxed inferlet's host round trips, run once
+per chunk instead of once per token (vLLM's ``stream_interval`` trades the
+same granularity for the same cost). Same passes, same tokens.
 """
 
 from __future__ import annotations
@@ -94,11 +103,17 @@ class Generator:
         drafter: Drafter | None,
         constraint: Any,
         overlap: bool = False,
+        chunk: int | None = None,
     ) -> None:
         if overlap and drafter is not None:
             raise ValueError("overlap=True cannot be combined with a drafter (a step's draft depends on the last)")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be an int >= 1 or None, got {chunk!r}")
         self.ctx = ctx
         self.overlap = overlap
+        #: most tokens per step decoded host-side (chunked streaming), or None
+        self.chunk = chunk
+        self._next_chunk = 1  # chunks grow 1, 2, 4, ... up to `chunk`: the first token comes at once
         #: the pass queued ahead with overlap: (host future, its input tokens)
         self._ahead: tuple[Any, list[int]] | None = None
         self.sampler = sampler
@@ -175,6 +190,9 @@ class Generator:
         return slots
 
     async def _step(self) -> None:
+        if self.chunk is not None and self._ahead is None and self._host_decodable():
+            await self._step_on_host()
+            return
         ctx = self.ctx
         if self._ahead is not None:  # queued by the last step (overlap): no draft
             fut, inputs = self._ahead
@@ -322,29 +340,32 @@ class Generator:
             pass
         return self.text
 
-    async def _run_on_host(self) -> None:
-        """Drain a generation that needs no code of ours between tokens in
-        one host call (``generate``), instead of a host round trip per token:
-        same passes, same tokens, same result. Only for an unstarted
-        generation bounded by ``max_tokens`` whose other stops are EOS
-        tokens, with an engine-side sampler, no drafter and no constraint;
-        anything else (stop strings, custom samplers, ...) steps here."""
-        if self._started or self.drafter is not None or self.constraint is not None or self.sampler._custom is not None:
-            return
+    def _host_decodable(self) -> bool:
+        """Whether the host can decode the next tokens without code of ours
+        between them (``generate``): stops only ``max_tokens`` (>= 1) and
+        EOS tokens, an engine-side sampler, no drafter, no constraint."""
+        if self.drafter is not None or self.constraint is not None or self.sampler._custom is not None:
+            return False
         limits = self._stop.find(MaxTokens)
-        if not limits or min(c.n for c in limits) < 1 or any(not isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions):
-            return
-        self._start()
+        return (not limits or min(c.n for c in limits) >= 1) and all(
+            isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions)
+
+    async def _decode_on_host(self, max_steps: int | None) -> None:
+        """Up to ``max_steps`` tokens (None: to ``max_tokens``) in one host
+        call (``generate``), accounted as stepping would account them: same
+        passes, same tokens, same text and finish reason."""
         ctx = self.ctx
+        limits = self._stop.find(MaxTokens)
+        left = min(c.n for c in limits) - len(self.tokens) if limits else None
+        n = left if max_steps is None else max_steps if left is None else min(max_steps, left)
+        assert n is not None and n >= 1  # a generation at its limit has finished
         stop_ids = sorted({i for e in self._eos for i in e.ids})
         inputs, ctx._pending = ctx._pending, []
-        slot = self.sampler.slot(0)
         try:
-            fut = _binding.host().generate(ctx._h, inputs, slot, 0, min(c.n for c in limits), stop_ids)
+            fut = _binding.host().generate(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
             toks = await _binding.wait(fut)
         except BaseException:
             ctx._pending = inputs + ctx._pending
-            self._finish(None)
             raise
         self.stats.steps += len(toks)
         self.tokens.extend(toks)
@@ -353,8 +374,35 @@ class Generator:
             assert self._decoder is not None  # open from start() until _finish()
             self._raw += _binding.host().decoder_push(self._decoder, text)
         # in the order _step keeps: the turn ends before the last token is pending
-        self._finish("eos" if toks[-1] in stop_ids else "length")
+        if toks[-1] in stop_ids:
+            self._finish("eos")
+        elif left is not None and len(toks) >= left:
+            self._finish("length")
         ctx._pending = [toks[-1]]
+
+    async def _step_on_host(self) -> None:
+        """One chunked step (``chunk``): the next 1, 2, 4, ... up to
+        ``chunk`` tokens decoded host-side, so code between steps (streaming
+        the text, say) runs once per chunk instead of once per token."""
+        n = self._next_chunk
+        assert self.chunk is not None  # chunked generation
+        self._next_chunk = min(2 * n, self.chunk)
+        await self._decode_on_host(n)
+
+    async def _run_on_host(self) -> None:
+        """Drain a generation that needs no code of ours between tokens in
+        one host call (``generate``), instead of a host round trip per token:
+        same passes, same tokens, same result. Only for an unstarted
+        generation bounded by ``max_tokens`` (see :meth:`_host_decodable`);
+        anything else (stop strings, custom samplers, ...) steps here."""
+        if self._started or not self._stop.find(MaxTokens) or not self._host_decodable():
+            return
+        self._start()
+        try:
+            await self._decode_on_host(None)
+        except BaseException:
+            self._finish(None)
+            raise
 
     async def collect_json(self) -> Any:
         """Run to the end and parse the text as JSON.

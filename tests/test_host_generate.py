@@ -62,6 +62,59 @@ async def test_collect_matches_stepping(runtime, tmp_path, monkeypatch):
     assert (0, 12) in calls
 
 
+#: Steps one generation per case with ``chunk=4`` and token by token; returns
+#: both with the tokens of each step.
+CHUNKED = """
+from tartlet import Model, Sampler
+
+CASES = [
+    dict(max_tokens=13, eos=False),
+    dict(max_tokens=40, eos=True),
+    dict(max_tokens=10, eos=True, sampler=dict(temperature=0.9, top_k=40, seed=5)),
+    dict(max_tokens=9, eos=False, stop=["zzz"]),  # a stop string: token by token
+]
+
+async def one(model, case, chunk):
+    kw = dict(case)
+    s = kw.pop("sampler", None)
+    with model.new_context() as ctx:
+        ctx.user("Count from one to twenty.")
+        gen = ctx.generate(Sampler(**s) if s else None, chunk=chunk, **kw)
+        steps, texts = [], []
+        async for step in gen:
+            steps.append(len(step.tokens))
+            texts.append(step.text)
+        ctx.user("And back?")
+        more = await ctx.generate(max_tokens=4, eos=False).collect_text()
+        return {"tokens": gen.tokens, "text": gen.text, "streamed": "".join(texts), "finish": gen.finish_reason,
+                "context": ctx.tokens, "kv_len": ctx.kv_len, "more": more, "steps": steps}
+
+async def main(args):
+    model = Model.load()
+    return [[await one(model, c, chunk) for chunk in (4, None)] for c in CASES]
+"""
+
+
+async def test_chunked_steps_match_token_by_token(runtime, tmp_path, monkeypatch):
+    """``generate(chunk=4)``: steps of 1, 2, 4, 4, ... tokens decoded
+    host-side (one ``generate`` host call a step), the same tokens, text,
+    streamed text, finish reason and context as one token a step; with a
+    stop string it steps token by token."""
+    calls = []
+    orig = HostApi.generate
+    monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[3:5]) or orig(self, *a))
+    inst = await run(runtime, inline_program(tmp_path, CHUNKED))
+    assert inst.status is Status.FINISHED, inst.error
+    for chunked, stepped in inst.result:
+        assert {k: v for k, v in chunked.items() if k != "steps"} == {k: v for k, v in stepped.items() if k != "steps"}
+        assert chunked["text"] == chunked["streamed"]
+        assert set(stepped["steps"]) == {1}
+    assert inst.result[0][0]["steps"] == [1, 2, 4, 4, 2] and inst.result[0][0]["finish"] == "length"
+    assert inst.result[3][0]["steps"] == [1] * 9
+    # (first step, tokens) of each host call of case 0's chunked generation
+    assert calls[:5] == [(0, 1), (1, 2), (3, 4), (7, 4), (11, 2)]
+
+
 CONCURRENT = """
 from tartlet import Model
 
@@ -116,8 +169,9 @@ async def test_component_collect_matches_native(runtime, host_state, tmp_path):
     pytest.importorskip("componentize_py")
     from tartlet.runtime.wasm import WasmRuntime
 
-    prog = inline_program(tmp_path, BOTH)
-    native = await run(runtime, prog)
-    sandboxed = await run(WasmRuntime(host_state), prog)
-    assert sandboxed.status is Status.FINISHED, f"{sandboxed.error}\n{sandboxed.traceback}"
-    assert sandboxed.result == native.result
+    for i, source in enumerate((BOTH, CHUNKED)):
+        prog = inline_program(tmp_path, source, f"inline{i}")
+        native = await run(runtime, prog)
+        sandboxed = await run(WasmRuntime(host_state), prog)
+        assert sandboxed.status is Status.FINISHED, f"{sandboxed.error}\n{sandboxed.traceback}"
+        assert sandboxed.result == native.result

@@ -34,10 +34,11 @@ async def test_streams_text_and_stops_at_eos(runtime):
     assert "".join(inst.output) == inst.result["text"]
 
 
-async def test_abort_with_a_pass_queued_ahead_frees_its_pages(runtime):
-    """text-completion queues each next pass before streaming a step
-    (``generate(overlap=True)``): aborting it mid-stream, with a pass in
-    flight, still frees every page, and the engine keeps serving."""
+async def test_abort_mid_stream_frees_its_pages(runtime):
+    """text-completion decodes its steps host-side, several tokens each
+    (``generate(chunk=8)``, a host ``generate`` in flight while a step is
+    streamed): aborting it mid-stream still frees every page, and the
+    engine keeps serving."""
     args = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True}
     session, out = Session(), list[str | bytes]()
     session.listen(out.append)

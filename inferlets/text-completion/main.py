@@ -40,7 +40,10 @@ async def main(args: dict) -> dict:
             max_tokens=int(args.get("max_tokens", 256)),
             stop=args.get("stop"),
             eos=not args.get("ignore_eos", False),
-            overlap=True,  # the next pass runs while this step is streamed
+            # up to 8 tokens a step decoded host-side (the first at once); with
+            # stop strings one a step, the next pass running while it is streamed
+            chunk=8,
+            overlap=True,
         )
         async for step in gen:
             if step.text:
