@@ -46,13 +46,20 @@ async def main(args):
 """
 
 
-@pytest.mark.slow  # every generation run twice
-async def test_collect_matches_stepping(runtime, tmp_path, monkeypatch):
+async def run_counting_generate(runtime, tmp_path, monkeypatch, source: str):
+    """Run ``source`` to the end; returns the instance and the
+    ``(first_step, max_steps)`` of each ``HostApi.generate`` call it made."""
     calls = []
     orig = HostApi.generate
     monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[3:5]) or orig(self, *a))
-    inst = await run(runtime, inline_program(tmp_path, BOTH))
+    inst = await run(runtime, inline_program(tmp_path, source))
     assert inst.status is Status.FINISHED, inst.error
+    return inst, calls
+
+
+@pytest.mark.slow  # every generation run twice
+async def test_collect_matches_stepping(runtime, tmp_path, monkeypatch):
+    inst, calls = await run_counting_generate(runtime, tmp_path, monkeypatch, BOTH)
     for host_side, stepped in inst.result:
         assert host_side == stepped
     assert inst.result[0][0]["finish"] == "length" and len(inst.result[0][0]["tokens"]) == 12
@@ -100,11 +107,7 @@ async def test_chunked_steps_match_token_by_token(runtime, tmp_path, monkeypatch
     host-side (one ``generate`` host call a step), the same tokens, text,
     streamed text, finish reason and context as one token a step; with a
     stop string it steps token by token."""
-    calls = []
-    orig = HostApi.generate
-    monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[3:5]) or orig(self, *a))
-    inst = await run(runtime, inline_program(tmp_path, CHUNKED))
-    assert inst.status is Status.FINISHED, inst.error
+    inst, calls = await run_counting_generate(runtime, tmp_path, monkeypatch, CHUNKED)
     for chunked, stepped in inst.result:
         assert {k: v for k, v in chunked.items() if k != "steps"} == {k: v for k, v in stepped.items() if k != "steps"}
         assert chunked["text"] == chunked["streamed"]
