@@ -14,9 +14,19 @@ from tartlet.runtime.program import Program, find_program, load_program
 
 
 def drain(state: HostState) -> None:
-    """Wait until every engine has run all work queued so far."""
+    """Wait until every engine has run all work queued so far, including
+    work deferred behind its sequence's pass in flight (a context's free
+    queued while a host ``generate`` step still runs): a no-op command
+    touches no sequence, so it can run before such deferred work; repeat
+    until nothing is queued."""
     for slot in state.models.values():
-        slot.engine.scheduler.command(lambda: None).result(timeout=60)
+        sched = slot.engine.scheduler
+        for _ in range(1000):
+            sched.command(lambda: None).result(timeout=60)
+            if not sched.queued():
+                break
+        else:
+            raise AssertionError(f"{sched.queued()} items still queued after 1000 rounds")
 
 
 def assert_no_leaks(state: HostState) -> None:

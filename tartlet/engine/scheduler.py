@@ -217,6 +217,12 @@ class Scheduler:
                 self._expected.discard(id(s))
             self._cond.notify()
 
+    def queued(self) -> int:
+        """Forward requests and commands queued and not yet run (those
+        deferred behind their sequence's earlier work count too)."""
+        with self._cond:  # _build holds it while deferred items are out of the queue
+            return len(self._queue)
+
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         with self._cond:
