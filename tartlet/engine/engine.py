@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs, unsupported
 from .kv_cache import PagePool
 from .llama import LlamaModel
 from .quant_formats import QuantWeight
@@ -39,10 +40,11 @@ class EngineConfig:
     Attributes:
         model: a known model name (``tartlet model list``), a ``.gguf`` file
             or a Hugging Face folder.
-        dtype: ``auto`` (default): compute in float32 and keep the matrices
+        dtype: ``auto`` (default): on CUDA, bfloat16 with every weight
+            dequantized to it; on the CPU, compute in float32 and keep the matrices
             of a quantized GGUF file in their blocks, multiplied by the
-            quantized CPU kernels (:mod:`tartlet.engine.quant_linear`; on CUDA,
-            or without a C compiler, they are dequantized). ``float32``,
+            quantized CPU kernels (:mod:`tartlet.engine.quant_linear`; without
+            a C compiler they are dequantized). ``float32``,
             ``bfloat16`` or ``float16``: the reference path, every weight
             dequantized to that dtype.
         quantize: quantize float matrices at load (``q8_0``, ``q4_0``,
@@ -81,6 +83,10 @@ class EngineConfig:
             inside decode attention, prefill dequantizes the gathered rows.
             The fused decode step (:mod:`tartlet.engine.fused_decode`) reads
             float32 pools only, so other pools take the per-op path.
+        cuda_graphs: on CUDA, replay decode steps as CUDA graphs (one per
+            batch-size and length bucket, captured on first use; see
+            :mod:`tartlet.engine.cuda_graphs`); ``False``: launch each op.
+            Costs one page of the pool (the padded rows' scratch page).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -96,11 +102,12 @@ class EngineConfig:
     gemv_copy: bool = True
     act_bits: int | str = 16
     kv_dtype: str = "auto"
+    cuda_graphs: bool = True
 
     def torch_dtype(self) -> torch.dtype:
-        """The compute dtype (``auto`` computes in float32)."""
+        """The compute dtype (``auto``: float32 on the CPU, bfloat16 on CUDA)."""
         if self.dtype == "auto":
-            return torch.float32
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         try:
             return _DTYPES[self.dtype]
         except KeyError:
@@ -167,6 +174,9 @@ class Engine:
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
         self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype, device)
         log.info("%s", self.kv_summary())
+        if cfg.cuda_graphs and unsupported(self.model) is None and self.pool.num_pages > 1:
+            scratch = self.pool.reserve_scratch()
+            self.model.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, scratch * cfg.page_size)
         self.scheduler = Scheduler(
             self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
         )

@@ -147,6 +147,24 @@ class PagePool:
                 pages.append(p)
             return pages
 
+    def reserve_scratch(self) -> int:
+        """Take the pool's last page out of use for good and return it: a
+        page no sequence owns, which padded rows of a CUDA-graph decode
+        step write to (:mod:`tartlet.engine.cuda_graphs`). ``num_pages``
+        counts one page fewer afterwards.
+
+        Raises:
+            RuntimeError: a page has been handed out already, or the pool
+                has a single page.
+        """
+        with self.lock:
+            last = self.num_pages - 1
+            if last < 1 or len(self._free) != self.num_pages:
+                raise RuntimeError("a scratch page is reserved in a fresh pool of at least 2 pages")
+            self._free.remove(last)
+            self.num_pages = last
+            return last
+
     def ensure_available(self, n: int) -> None:
         """Raise :class:`KvCacheFullError` unless ``n`` pages can be allocated."""
         with self.lock:

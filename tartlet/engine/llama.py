@@ -52,8 +52,10 @@ from typing import Required, TypedDict, cast
 import torch
 import torch.nn.functional as F
 
+from . import cuda_attention
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecoder
 from .kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
@@ -230,6 +232,10 @@ class LlamaModel:
         self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
         #: the layer stack of decode batches in one C call, when this model's shape allows it
         self.fused = FusedDecoder.build(self) if self.kernels is not None else None
+        #: on CUDA with Triton: decode groups read the page pool in a Triton kernel (cuda_attention.py)
+        self.cuda_decode = self.device.type == "cuda" and c.attn_logit_softcapping is None and cuda_attention.available()
+        #: CUDA graphs of decode steps (cuda_graphs.py), set by the engine when it enables them
+        self.graphs: DecodeGraphs | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of weight memory the model holds (each storage counted once:
@@ -380,6 +386,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run one ragged batch: a decode step a CUDA graph covers is
+        replayed (:mod:`tartlet.engine.cuda_graphs`), anything else runs
+        op by op (:meth:`forward_eager`). Arguments and result as there."""
+        if self.graphs is not None and self.graphs.accepts(batch, k_cache):
+            return self.graphs.run(batch)
+        return self.forward_eager(batch, k_cache, v_cache)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Run one ragged batch.
 
         Args:
@@ -425,6 +440,10 @@ class LlamaModel:
             plans[None] = [prepared(g, g.mask) for g in batch.groups]
         for win in {w for w in self.windows if w is not None}:  # groups cut to the window's columns
             plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
+        # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
+        cuda = {}
+        if self.cuda_decode and k_cache.dtype == self.dtype:
+            cuda = {id(p[0]): cuda_attention.decode_plan(p[0]) for ps in plans.values() for p in ps if p[0].num_queries == 1}
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
             logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
             if logits is not None:  # the head ran in the step too
@@ -452,6 +471,9 @@ class LlamaModel:
             for g, bias, by_kernel, rows_bias in plans[self.windows[i]]:
                 if by_kernel and kern is not None:  # by_kernel: kern is not None
                     kern.paged_decode_attention(q, kc, vc, g.kv_slots, rows_bias, g.rows, g.row_start, attn_out, self.scale)
+                elif id(g) in cuda:
+                    rows, lens, mask2d = cuda[id(g)]
+                    cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)
                 else:
                     self._attend(q, attn_out, g, bias, kc, vc)
             if c.gemma_norms:  # norms after attention and MLP too, before each residual add

@@ -128,7 +128,7 @@ class SlotSampler:
                 if not bool(allowed.any()):
                     out[i] = SamplingError("the logit mask allows no token")
                     continue
-                logits[i].masked_fill_(~allowed, float("-inf"))
+                logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
         greedy = [i for i, s in enumerate(slots) if out[i] is None and isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0]
         if greedy:
             rows = logits if len(greedy) == len(slots) else logits[greedy]
@@ -139,11 +139,17 @@ class SlotSampler:
                 ids = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = t
-        for i, s in enumerate(slots):
-            if out[i] is not None:
-                continue
+        rest = [i for i in range(len(slots)) if out[i] is None]
+        if not rest:
+            return out
+        # per-row draws and probes run on the host (one copy of their rows
+        # from a GPU): a seeded draw is the same on every device
+        host = logits.index_select(0, torch.tensor(rest, device=logits.device)).cpu() if logits.device.type != "cpu" else None
+        for j, i in enumerate(rest):
+            row = logits[i] if host is None else host[j]
+            spec = slots[i].spec
             try:
-                out[i] = self._sample(logits[i], s.spec) if isinstance(s.spec, SamplerSpec) else self._probe(logits[i], s.spec)
+                out[i] = self._sample(row, spec) if isinstance(spec, SamplerSpec) else self._probe(row, spec)
             except SamplingError as e:
                 out[i] = e
         return out

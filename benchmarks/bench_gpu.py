@@ -1,0 +1,261 @@
+"""The engine on a CUDA GPU against transformers ``generate`` (issue 15).
+
+A random-weight model of Llama-3-8B's shape (bfloat16, created on the GPU:
+nothing that large is downloaded) runs in the engine and in transformers
+side by side, in alternating rounds:
+
+* decode: ``N`` concurrent sequences (1, 16, 64, 256) each prefill a
+  32-token prompt and decode 64 tokens greedily (the engine's steps chained
+  on the scheduler thread, as the host ``generate`` call chains them;
+  transformers: one ``generate`` call over the batch, ``min_new_tokens`` =
+  ``max_new_tokens`` = 64). Throughput counts the 64 x N new tokens over the
+  wall time of the whole request, prefill included; TPOT is the engine's
+  decode-only time per step.
+* prefill: one 2,048-token prompt (tokens per second, time to first token).
+* roofline: batch-1 decode against the time to read the weight bytes once
+  at the GPU's measured copy bandwidth (a device-to-device copy, bytes read
+  plus written over its time).
+
+Also the engine with its CUDA graphs off (every op launched from Python),
+to show what the graphs buy. Needs a CUDA GPU and Triton; prints a table
+and one JSON line.
+
+    python benchmarks/bench_gpu.py [--shape llama3-8b|small|tiny] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import report, run_inferlets
+
+SHAPES = {  # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B) and a small one for a quick check
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                      max_position_embeddings=8192),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096),
+    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
+}  # fmt: skip
+PROMPT, NEW, LONG = 32, 64, 2048
+DEVICE = "cuda"  # --device cpu: a dry run of this script's logic (no Triton kernel, no graphs)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_weights(c: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights of a Llama of config ``c``, on the GPU."""
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=DEVICE).normal_(0, 0.02)
+
+    H, I, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    out = {"model.embed_tokens.weight": w(c.vocab_size, H), "model.norm.weight": 1 + w(H), "lm_head.weight": w(c.vocab_size, H)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": 1 + w(H), p + "post_attention_layernorm.weight": 1 + w(H),
+                p + "self_attn.q_proj.weight": w(c.num_attention_heads * hd, H),
+                p + "self_attn.k_proj.weight": w(c.num_key_value_heads * hd, H),
+                p + "self_attn.v_proj.weight": w(c.num_key_value_heads * hd, H),
+                p + "self_attn.o_proj.weight": w(H, c.num_attention_heads * hd),
+                p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I)}  # fmt: skip
+    return out
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer of ``vocab`` tokens (the engine wants one; nothing here decodes text)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from tartlet.engine.tokenizer import Tokenizer
+
+    d = Path(tempfile.mkdtemp())
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    return Tokenizer.from_hf_folder(d)
+
+
+def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int) -> Any:
+    from tartlet.engine.config import ModelConfig
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    c = ModelConfig(architecture="llama", name="random", eos_token_ids=(), **shape)
+    cfg = EngineConfig(model="random", device=DEVICE, dtype="bfloat16", kv_cache_mb=kv_cache_mb,
+                       max_batch_tokens=LONG + 64, cuda_graphs=graphs)  # fmt: skip
+    return Engine(cfg, c, random_weights(c, torch.bfloat16), word_tokenizer(c.vocab_size))  # type: ignore[arg-type]
+
+
+def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    """Greedy ``new`` tokens for every prompt at once; returns (wall seconds,
+    seconds per decode step after the first token)."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.scheduler import ForwardRequest
+
+    sch = eng.scheduler
+    greedy = SamplerSpec(temperature=0.0)
+    seqs = [eng.new_sequence() for _ in prompts]
+    first: list[float] = []
+    done: list[Future[None]] = [Future() for _ in prompts]
+
+    def chain(i: int, left: int, f: Future[list[object]]) -> None:  # on the scheduler thread, as HostApi.generate
+        if f.exception() is not None:
+            done[i].set_exception(f.exception())
+            return
+        if left == new - 1:
+            first.append(time.perf_counter())
+        if left == 0:
+            done[i].set_result(None)
+            return
+        nxt = sch.submit(ForwardRequest(seqs[i], [int(f.result()[0])], outputs=[OutputSlot(0, greedy)]))
+        nxt.add_done_callback(lambda f2: chain(i, left - 1, f2))
+
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sch.submit(ForwardRequest(seqs[i], p, outputs=[OutputSlot(len(p) - 1, greedy)])).add_done_callback(
+            lambda f, i=i: chain(i, new - 1, f))
+    for d in done:
+        d.result(600)
+    t1 = time.perf_counter()
+    for s in seqs:
+        sch.command(s.free, s).result(60)
+    return t1 - t0, (t1 - max(first)) / max(1, new - 1)
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new: int) -> float:
+    ids = torch.tensor(prompts, device=DEVICE)
+    sync()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0)  # fmt: skip
+    sync()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (read + written), best of 5."""
+    n = 2**32 if DEVICE == "cuda" else 2**28
+    a = torch.empty(n // 2, dtype=torch.int16, device=DEVICE)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(6):
+        sync()
+        t = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    del a, b
+    return 2 * n / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only checks this script (tiny shapes)")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    shape = SHAPES[args.shape]
+    conc = [int(x) for x in args.concurrency.split(",")]
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, length: int = PROMPT) -> list[list[int]]:
+        return torch.randint(3, shape["vocab_size"], (n, length), generator=g).tolist()
+
+    bw = copy_bandwidth()
+    kv_mb = max(4096, (max(conc) * (PROMPT + NEW + 16) + LONG) * 2 * 2 * shape["num_hidden_layers"]
+                * shape["num_key_value_heads"] * shape["head_dim"] // 2**20 + 256)  # fmt: skip
+    engines = {"graphs": make_engine(shape, True, kv_mb), "eager": make_engine(shape, False, kv_mb)}
+    m = engines["graphs"].model
+    # bytes a decode step reads: every weight but the embedding table (one row of it)
+    weight_bytes = m.weight_bytes() - m.embed.numel() * m.embed.element_size()
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        try:
+            cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
+            with torch.device(DEVICE):
+                hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        except Exception as e:  # report the engine's figures even so
+            print(f"transformers baseline unavailable: {e!r}")
+    # warm-up: Triton compiles, graphs captured for every bucket used, cuBLAS chosen
+    for n in conc:
+        for eng in engines.values():
+            engine_generate(eng, prompts(n), 4)
+        if hf is not None:
+            hf_generate(hf, prompts(n), 4)
+    rows, results = [], {}
+    for n in conc:
+        runs: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": []}
+        tpot: dict[str, list[float]] = {"graphs": [], "eager": []}
+        for _ in range(args.rounds):  # alternating: engine, engine without graphs, transformers
+            for name, eng in engines.items():
+                wall, step = engine_generate(eng, prompts(n), NEW)
+                runs[name].append(wall)
+                tpot[name].append(step)
+            if hf is not None:
+                runs["hf"].append(hf_generate(hf, prompts(n), NEW))
+        med = {k: statistics.median(v) for k, v in runs.items() if v}
+        tok_s = {k: n * NEW / v for k, v in med.items()}
+        step = {k: statistics.median(v) for k, v in tpot.items()}
+        results[n] = {"tok_s": tok_s, "tpot_ms": {k: v * 1e3 for k, v in step.items()}}
+        rows.append([n, tok_s["graphs"], step["graphs"] * 1e3, tok_s["eager"], step["eager"] * 1e3,
+                     tok_s.get("hf", float("nan")), tok_s["graphs"] / tok_s["hf"] if "hf" in tok_s else float("nan")])  # fmt: skip
+    # prefill of one long prompt
+    pre: dict[str, list[float]] = {"engine": [], "hf": []}
+    for _ in range(args.rounds):
+        pre["engine"].append(engine_generate(engines["graphs"], prompts(1, LONG), 1)[0])
+        if hf is not None:
+            pre["hf"].append(hf_generate(hf, prompts(1, LONG), 1))
+    pre_s = {k: statistics.median(v) for k, v in pre.items() if v}
+    # programmability tax: the text-completion inferlet (native runtime: tokenizing, streaming
+    # text, host-side generate in chunks) against the same decode driven on the engine directly
+    tax = {}
+    for n in (1, 64):
+        pairs = []
+        for _ in range(args.rounds + 1):
+            ps = prompts(n)
+            direct = engine_generate(engines["graphs"], ps, NEW)[0]
+            t_args = [{"prompt": " ".join(f"t{t}" for t in p), "raw": True, "max_tokens": NEW, "ignore_eos": True} for p in ps]
+            pairs.append(run_inferlets(engines["graphs"], "text-completion", t_args)[1] / direct)
+        tax[n] = statistics.median(pairs) - 1
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    roof_s = weight_bytes / bw
+    b1 = results[conc[0]]["tpot_ms"]["graphs"] / 1e3 if conc[0] == 1 else float("nan")
+    payload = {
+        "device": name, "shape": args.shape, "weight_bytes": weight_bytes, "copy_bw_GBps": bw / 1e9,
+        "roofline_ms": roof_s * 1e3, "batch1_tpot_ms": b1 * 1e3, "batch1_roofline_fraction": roof_s / b1,
+        "decode": results, "prefill_2048_s": pre_s, "native_tax": tax,
+        "graphs": None if m.graphs is None else {"captures": m.graphs.captures, "replays": m.graphs.replays},
+    }  # fmt: skip
+    report(f"Decode, {args.shape} random weights, bfloat16, {name} ({PROMPT}-token prompts, {NEW} new tokens)",
+           ["concurrent", "engine tok/s", "TPOT ms", "no graphs tok/s", "no graphs TPOT ms", "transformers tok/s", "ratio"], rows, None)  # fmt: skip
+    report("Prefill of one 2,048-token prompt, and the batch-1 roofline",
+           ["what", "value"],
+           [["engine prefill tok/s", LONG / pre_s["engine"]], ["transformers prefill tok/s", LONG / pre_s["hf"] if "hf" in pre_s else float("nan")],
+            ["weight GB", weight_bytes / 1e9], ["copy bandwidth GB/s", bw / 1e9], ["roofline ms/token", roof_s * 1e3],
+            ["batch-1 TPOT ms", b1 * 1e3], ["fraction of roofline", roof_s / b1],
+            *[[f"native tax, text-completion x{n}", f"{t:+.1%}"] for n, t in tax.items()]], payload)  # fmt: skip
+    for eng in engines.values():
+        eng.close()
+    print(json.dumps({"ok": True}))
+
+
+if __name__ == "__main__":
+    main()
