@@ -73,6 +73,13 @@ class ForwardRequest:
             :meth:`Sequence.mask_range` stay hidden either way.
         outputs: results wanted at given input indexes.
         future: resolves to the list of slot results, in ``outputs`` order.
+        then: a continuation, called on the scheduler thread with the slot
+            results when the pass is done: it returns the next pass's
+            ``(tokens, outputs)`` for the same sequence, and the request is
+            queued again with them (same future, no new request object: a
+            host-side ``generate`` costs no submission per token), or
+            ``None`` to resolve the future with these results. An exception
+            it raises fails the future.
     """
 
     seq: Sequence
@@ -91,6 +98,16 @@ class ForwardRequest:
     waiting_since: float = 0.0
     #: who the tokens count for in the per-user fair share of a round
     user: str = ""
+    then: "Callable[[list[object]], tuple[list[int], list[OutputSlot]] | None] | None" = None
+
+
+def _check_pass(tokens: list[int], outputs: list[OutputSlot]) -> None:
+    """Raises ValueError: no input token, or an output index outside them."""
+    if not tokens:
+        raise ValueError("a forward pass needs at least one input token")
+    for s in outputs:
+        if not 0 <= s.index < len(tokens):
+            raise ValueError(f"output index {s.index} outside the {len(tokens)} input tokens")
 
 
 @dataclass
@@ -191,11 +208,7 @@ class Scheduler:
         Raises:
             ValueError: empty input, or an output index outside the input.
         """
-        if not req.tokens:
-            raise ValueError("a forward pass needs at least one input token")
-        for s in req.outputs:
-            if not 0 <= s.index < len(req.tokens):
-                raise ValueError(f"output index {s.index} outside the {len(req.tokens)} input tokens")
+        _check_pass(req.tokens, req.outputs)
         req.enqueued_at = time.perf_counter()
         self._put(req, req.seq)
         return req.future
@@ -314,7 +327,8 @@ class Scheduler:
                 waiting.add(id(seq))
                 continue
             if not req.started:
-                if not req.future.set_running_or_notify_cancel():
+                # a request queued again by its continuation is running already
+                if not (req.future.running() or req.future.set_running_or_notify_cancel()):
                     q.popleft()  # cancelled while queued
                     continue
                 req.started = True
@@ -377,6 +391,26 @@ class Scheduler:
             if hi < len(req.tokens):  # the rest of this prefill goes in the next round
                 left.append(req)
                 waiting.add(id(seq))
+
+    def _continue(self, req: ForwardRequest) -> bool:
+        """Run the continuation of ``req`` (its pass is done and succeeded):
+        queue ``req`` again with the next pass it returns, or fail its
+        future with what it raised. False when it returns ``None`` (the
+        caller resolves the future)."""
+        assert req.then is not None  # called for requests with a continuation
+        try:
+            nxt = req.then(req.results)
+            if nxt is None:
+                return False
+            tokens, outputs = nxt
+            _check_pass(tokens, outputs)
+            req.tokens, req.outputs = tokens, outputs
+            req.started, req.done, req.start_len, req.results, req.waiting_since = False, 0, -1, [], 0.0
+            req.enqueued_at = time.perf_counter()
+            self._put(req, req.seq)
+        except BaseException as e:  # reported to the submitter
+            req.future.set_exception(e)
+        return True
 
     def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
         """The error for appending ``n`` tokens to ``seq`` when the result
@@ -452,6 +486,6 @@ class Scheduler:
             if err is not None:
                 self._rollback(req)
                 req.future.set_exception(err)
-            else:
+            elif req.then is None or not self._continue(req):
                 req.future.set_result(req.results)
         st.overhead_seconds += time.perf_counter() - t1

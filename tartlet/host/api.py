@@ -440,6 +440,19 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         Raises:
             ValueError: any malformed argument (nothing is queued then).
         """
+        return self._forward(handle, tokens, positions, attention, outputs)
+
+    def _forward(
+        self,
+        handle: int,
+        tokens: list[int],
+        positions: list[int] | None = None,
+        attention: list[list[int]] | None = None,
+        outputs: list[OutputSlot] | None = None,
+        then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
+    ) -> Future[list[object]]:
+        """:meth:`forward`, and ``then(ctx)`` as the request's continuation
+        (:class:`~tartlet.engine.scheduler.ForwardRequest`), if given."""
         ctx = self._ctx(handle)
         e = ctx.engine
         if not isinstance(tokens, list) or not tokens:
@@ -468,15 +481,28 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                     raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
             slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
-            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner)
+            span = [start, end]  # the tokens of the request's current pass in ctx.tokens
+            cont = None
+            if then is not None:
+                inner = then(ctx)
+
+                def cont(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:
+                    nxt = inner(results)
+                    if nxt is not None:
+                        with ctx.lock:
+                            span[:] = [len(ctx.tokens), len(ctx.tokens) + len(nxt[0])]
+                            ctx.tokens.extend(nxt[0])
+                    return nxt
+
+            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner, then=cont)
             fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
         def on_done(f: Future[list[object]]) -> None:
             if f.cancelled() or f.exception() is not None:
-                with ctx.lock:  # the scheduler rolled the sequence back
-                    if len(ctx.tokens) == end:
-                        del ctx.tokens[start:]
+                with ctx.lock:  # the scheduler rolled the sequence back (the failed pass)
+                    if len(ctx.tokens) == span[1]:
+                        del ctx.tokens[span[0] :]
 
         fut.add_done_callback(on_done)
         return fut
@@ -534,26 +560,33 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             step = None if seed is None else step_seed(seed, first_step + len(out))
             return replace(sampler, index=n_inputs - 1, seed=step)
 
-        def done(f: Future[list[object]]) -> None:  # on the scheduler thread
+        def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
+            e = ctx.engine
+
+            def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
+                if result.done():  # cancelled by the caller: stop after this pass
+                    return None
+                tok = int(cast(int, results[0]))  # a `sample` slot yields its token id
+                out.append(tok)
+                if len(out) >= max_steps or tok in stop:
+                    return None
+                return [tok], [self._slot(e, slot(1), 1)]
+
+            return then
+
+        def done(f: Future[list[object]]) -> None:
             if result.done():  # cancelled by the caller
                 return
             if f.cancelled():
                 result.cancel()
-                return
-            if f.exception() is not None:
+            elif f.exception() is not None:
                 result.set_exception(f.exception())
-                return
-            tok = int(cast(int, f.result()[0]))  # a `sample` slot yields its token id
-            out.append(tok)
-            if len(out) >= max_steps or tok in stop:
+            else:
                 result.set_result(out)
-                return
-            try:
-                self.forward(handle, [tok], None, None, [slot(1)]).add_done_callback(done)
-            except BaseException as e:  # a quota or a freed context: the generation ends with it
-                result.set_exception(e)
 
-        self.forward(handle, list(tokens), None, None, [slot(len(tokens))]).add_done_callback(done)
+        # each next pass is queued by the scheduler itself when the pass
+        # before it is done, before it builds the next batch (ForwardRequest.then)
+        self._forward(handle, list(tokens), None, None, [slot(len(tokens))], then=continuation).add_done_callback(done)
         return result
 
     def _slot(self, e: Engine, o: OutputSlot, n_inputs: int) -> EngineSlot:
