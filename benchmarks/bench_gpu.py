@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks this script (tiny shapes)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler's top kernels of a 2,048-token prefill and of batch-1 decode steps")  # fmt: skip
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -217,8 +219,11 @@ def main() -> None:
         results[n] = {"tok_s": tok_s, "tpot_ms": {k: v * 1e3 for k, v in step.items()}}
         rows.append([n, tok_s["graphs"], step["graphs"] * 1e3, tok_s["eager"], step["eager"] * 1e3,
                      tok_s.get("hf", float("nan")), tok_s["graphs"] / tok_s["hf"] if "hf" in tok_s else float("nan")])  # fmt: skip
-    # prefill of one long prompt
+    # prefill of one long prompt (a first, untimed round picks the kernels for its shapes)
     pre: dict[str, list[float]] = {"engine": [], "hf": []}
+    engine_generate(engines["graphs"], prompts(1, LONG), 1)
+    if hf is not None:
+        hf_generate(hf, prompts(1, LONG), 1)
     for _ in range(args.rounds):
         pre["engine"].append(engine_generate(engines["graphs"], prompts(1, LONG), 1)[0])
         if hf is not None:
@@ -252,9 +257,28 @@ def main() -> None:
             ["weight GB", weight_bytes / 1e9], ["copy bandwidth GB/s", bw / 1e9], ["roofline ms/token", roof_s * 1e3],
             ["batch-1 TPOT ms", b1 * 1e3], ["fraction of roofline", roof_s / b1],
             *[[f"native tax, text-completion x{n}", f"{t:+.1%}"] for n, t in tax.items()]], payload)  # fmt: skip
+    if args.profile:
+        profile(engines, prompts)
     for eng in engines.values():
         eng.close()
     print(json.dumps({"ok": True}))
+
+
+def profile(engines: dict[str, Any], prompts: Any) -> None:
+    """torch.profiler's kernel table of one 2,048-token prefill, of 8
+    batch-1 decode steps op by op and of 8 replayed from the graphs."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+    for what, eng, ps, new in (("prefill of 2,048 tokens", engines["graphs"], prompts(1, LONG), 1),
+                               ("8 batch-1 decode steps, op by op", engines["eager"], prompts(1), 9),
+                               ("8 batch-1 decode steps, CUDA graphs", engines["graphs"], prompts(1), 9)):  # fmt: skip
+        with torch_profile(activities=acts) as prof:
+            engine_generate(eng, ps, new)
+        print(f"\nprofile: {what}")
+        print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
 
 
 if __name__ == "__main__":

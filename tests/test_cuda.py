@@ -1,5 +1,5 @@
-"""The CUDA engine path (issue 15): Triton paged decode attention, CUDA
-graphs of decode steps, sampling with GPU logits.
+"""The CUDA engine path (issue 15): Triton paged decode attention and
+fused RoPE + KV write, CUDA graphs of decode steps, sampling with GPU logits.
 
 Engine tests need a CUDA GPU and skip without one (CI has none; they ran
 on the device machine, see docs/benchmarks.md "GPU"). The kernel test also
@@ -82,6 +82,38 @@ def test_decode_kernel_matches_reference(dtype, nh, nkv, hd, B, L, masked):
     assert float((out.float() - want).abs().max()) <= tol
     if B > 1:
         assert not out[rows[1].long()].any(), "a request with no slot gets zeros"
+
+
+@pytest.mark.parametrize("dtype,nh,nkv,hd,T", [(torch.float32, 4, 2, 16, 5), (torch.float32, 6, 6, 80, 3),
+                                                (torch.bfloat16 if HAS_CUDA else torch.float16, 32, 8, 128, 7)])
+def test_rope_kv_kernel_matches_reference(dtype, nh, nkv, hd, T):
+    """The fused RoPE + KV write equals rotate_half RoPE in float32 (queries
+    rotated in place, keys and values in their pool rows, other rows untouched)."""
+    from tartlet.engine.cuda_rope import rope_qkv_store
+
+    torch.manual_seed(0)
+    dev, S = KERNEL_DEVICE, 64
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, device=dev).to(dtype)
+    ref = qkv.float().clone()
+    ang = torch.rand(T, hd // 2, device=dev) * 6
+    cos, sin = ang.cos(), ang.sin()
+    kc, vc = torch.zeros(S, nkv, hd, device=dev, dtype=dtype), torch.zeros(S, nkv, hd, device=dev, dtype=dtype)
+    slots = torch.randperm(S, device=dev)[:T]
+    q = rope_qkv_store(qkv, cos, sin, kc, vc, slots, nh, nkv, hd)
+
+    def rot(x):  # [T, heads, hd]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+    heads = ref.view(T, nh + 2 * nkv, hd)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((q.float() - rot(heads[:, :nh])).abs().max()) <= tol
+    assert float((kc[slots].float() - rot(heads[:, nh : nh + nkv])).abs().max()) <= tol
+    assert float((vc[slots].float() - heads[:, nh + nkv :]).abs().max()) <= tol
+    rest = torch.ones(S, dtype=torch.bool, device=dev)
+    rest[slots] = False
+    assert not kc[rest].any() and not vc[rest].any()
 
 
 def test_decode_kernel_rejects_bad_shapes():

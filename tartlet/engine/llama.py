@@ -52,7 +52,7 @@ from typing import Required, TypedDict, cast
 import torch
 import torch.nn.functional as F
 
-from . import cuda_attention
+from . import cuda_attention, cuda_rope
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
@@ -358,6 +358,12 @@ class LlamaModel:
         k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         cap = self.config.attn_logit_softcapping
+        gqa = self.nkv != self.nh
+        if cap is None and gqa and q.is_cuda:
+            # KV heads repeated for the query heads: SDPA's fused (flash)
+            # kernels then run a long prefill instead of its unfused path
+            rep = self.nh // self.nkv
+            k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
         if cap is None:
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
@@ -366,7 +372,7 @@ class LlamaModel:
                 attn_mask=bias,
                 is_causal=bias is None and Q > 1,
                 scale=self.scale,
-                enable_gqa=self.nkv != self.nh,
+                enable_gqa=gqa,
             )
         else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py)
             rep = self.nh // self.nkv
@@ -418,12 +424,14 @@ class LlamaModel:
             x = self.embed.index_select(0, batch.input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        # on CUDA, RoPE and the KV write run in one Triton kernel (cuda_rope.py) when the pool holds the compute dtype
+        fused_rope = self.cuda_decode and k_cache.dtype == self.dtype
         ropes = {}  # per distinct Rotary: cos, sin
         for rot in dict.fromkeys(self.layer_rope):
             cos, sin = rot.cos_sin(batch.positions)
-            if kern is None:  # [T, 1, hd], sin's first half negated (see _rope)
+            if kern is None and not fused_rope:  # [T, 1, hd], sin's first half negated (see _rope)
                 cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
-            ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernel
+            ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernels
         T = x.shape[0]
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         # once per pass, not per layer: additive masks (as [B, L] rows for
@@ -460,7 +468,9 @@ class LlamaModel:
                 qh.copy_(F.rms_norm(qh, (hd,), layer["q_norm"], eps))
                 kh.copy_(F.rms_norm(kh, (hd,), layer["k_norm"], eps))
             cos, sin = ropes[self.layer_rope[i]]
-            if kern is None:
+            if fused_rope:
+                q = cuda_rope.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
+            elif kern is None:
                 # RoPE once over the query and key heads together
                 qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
                 q = qk[:, :nh]
