@@ -242,3 +242,27 @@ def test_users_share_a_round_fairly(engine):
     # the first round gave the prefill half the budget; alone, it gets all of it
     half = sched.max_batch_tokens // 2
     assert done_at["long"] == 1 + -(-(len(long_ids) - half) // sched.max_batch_tokens)
+
+
+def test_prompts_of_one_length_share_an_attention_group(engine):
+    """Whole prompts of equal length in one batch form one attention group
+    (B requests x Q queries), in row order or interleaved with others."""
+    from tartlet.engine.batch import BatchItem, build_batch
+
+    seqs = [engine.new_sequence() for _ in range(4)]
+    items = []
+    for s, n in zip(seqs, (5, 3, 5, 1)):
+        toks = list(range(10, 10 + n))
+        items.append(BatchItem(s, toks, 0, s.reserve(toks, list(range(n)), custom_attention=False), [n - 1], None))
+    try:
+        b = build_batch(items)
+        by_q = {g.num_queries: g for g in b.groups}
+        assert sorted(by_q) == [1, 3, 5]
+        five = by_q[5]
+        assert five.kv_slots.shape == (2, 5) and five.mask is None
+        assert five.rows.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]  # rows 5-7: the 3-token prompt
+        assert five.kv_slots.tolist() == [items[0].slot_mapping, items[2].slot_mapping]
+        assert build_batch([items[0], items[2]]).groups[0].rows is None  # adjacent: a row range
+    finally:
+        for s in seqs:
+            s.free()

@@ -141,10 +141,13 @@ def test_family_matches_transformers(family, kernels, tokenizer, tmp_path):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, tokenizer.vocab_size, (PROMPT + STEPS,), generator=g).tolist()
     other = torch.randint(3, tokenizer.vocab_size, (23 + 9,), generator=g).tolist()
-    got = run_engine(path, {"main": (ids[:PROMPT], ids[PROMPT:]), "other": (other[:23], other[23:])}, cpu_kernels=kernels)
+    twin = torch.randint(3, tokenizer.vocab_size, (PROMPT + 4,), generator=g).tolist()  # as long as main: one attention group
+    got = run_engine(path, {"main": (ids[:PROMPT], ids[PROMPT:]), "other": (other[:23], other[23:]),
+                            "twin": (twin[:PROMPT], twin[PROMPT:])}, cpu_kernels=kernels)  # fmt: skip
     want = reference(ref, ids)
     check(got["main"], want, f"{family} prompt + decode, batched")
     check(got["other"], reference(ref, other), f"{family} other sequence of the batch")
+    check(got["twin"], reference(ref, twin), f"{family} prompt of main's length, sharing its attention group")
     check(got["fork"], want[PROMPT:], f"{family} fork after the prompt")
     check(got["cached"], want[PROMPT - 1 :], f"{family} prefix-cache hit")
     assert got["reused"] == 32  # two full pages of the prompt came from the cache

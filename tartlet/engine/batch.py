@@ -4,7 +4,8 @@ A batch packs the input tokens of many forward-pass requests into one flat
 row dimension ``T``. Attention is computed per :class:`AttentionGroup`: a set
 of requests whose queries and KV are gathered into one padded
 ``scaled_dot_product_attention`` call (all single-token decode requests form
-one group; each multi-token request is a group of its own).
+one group; whole prompts of one length form one group; every other
+multi-token request is a group of its own).
 
 :func:`build_batch` turns the scheduler's chosen chunks (:class:`BatchItem`)
 into these tensors: KV slots from each sequence's page table, masks for
@@ -120,8 +121,8 @@ class BatchInputs:
 
 def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = False) -> BatchInputs:
     """The tensors of one model call over ``items`` (in order): flat rows,
-    one attention group per multi-token item and one for all single-token
-    (decode) items. ``indexes``: fill ``q_index``/``kv_index`` (models with
+    one attention group for all single-token (decode) items, one for the
+    whole causal prompts of each length, and one per other multi-token item. ``indexes``: fill ``q_index``/``kv_index`` (models with
     sliding-window layers)."""
     ids: list[int] = []
     pos: list[int] = []
@@ -129,6 +130,7 @@ def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = Fals
     out_rows: list[int] = []
     groups: list[AttentionGroup] = []
     decode: list[tuple[int, BatchItem]] = []
+    fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}  # whole causal prompts by length: (first row, KV slots)
     for it in items:
         row0 = len(ids)
         ids.extend(it.token_ids)
@@ -137,13 +139,18 @@ def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = Fals
         out_rows.extend(row0 + i for i in it.output_index)
         if it.n == 1:
             decode.append((row0, it))
-        else:
-            kv, mask, logical = _kv_and_mask(it)
-            g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
-            if indexes:
-                g.q_index = torch.arange(it.start, it.start + it.n)[None]
-                g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
-            groups.append(g)
+            continue
+        kv, mask, logical = _kv_and_mask(it)
+        if it.start == 0 and mask is None and logical is None:
+            fresh.setdefault(it.n, []).append((row0, kv))
+            continue
+        g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
+        if indexes:
+            g.q_index = torch.arange(it.start, it.start + it.n)[None]
+            g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
+        groups.append(g)
+    for n, prompts in fresh.items():  # one attention call for prompts of one length
+        groups.append(_prompt_group(n, prompts, indexes))
     if decode:
         groups.append(_decode_group(decode, indexes))
     return BatchInputs(
@@ -184,6 +191,24 @@ def _kv_and_mask(it: BatchItem) -> tuple[torch.Tensor, torch.Tensor | None, torc
     self_col = (logical[None, :] == q_idx[:, None])
     mask |= self_col
     return slots, mask, logical
+
+
+def _prompt_group(n: int, prompts: list[tuple[int, torch.Tensor]], indexes: bool) -> AttentionGroup:
+    """One attention group for whole prompts of ``n`` tokens each (plain
+    causal over their own ``n`` fresh slots, no mask): ``B`` requests of
+    ``Q = L = n``, so that ``B`` equal prompts arriving together cost one
+    attention call per layer, not ``B``."""
+    B = len(prompts)
+    first = [r for r, _ in prompts]
+    if first == list(range(first[0], first[0] + B * n, n)):
+        rows = None
+    else:
+        rows = (torch.tensor(first)[:, None] + torch.arange(n)).view(-1)
+    g = AttentionGroup(rows, first[0], n, torch.stack([kv for _, kv in prompts]), None)
+    if indexes:
+        g.q_index = torch.arange(n).expand(B, n)
+        g.kv_index = torch.arange(n).expand(B, n)
+    return g
 
 
 def _decode_group(decode: list[tuple[int, BatchItem]], indexes: bool) -> AttentionGroup:
