@@ -258,10 +258,40 @@ def main() -> None:
             ["batch-1 TPOT ms", b1 * 1e3], ["fraction of roofline", roof_s / b1],
             *[[f"native tax, text-completion x{n}", f"{t:+.1%}"] for n, t in tax.items()]], payload)  # fmt: skip
     if args.profile:
+        sdpa_gqa_check(shape)
         profile(engines, prompts)
     for eng in engines.values():
         eng.close()
     print(json.dumps({"ok": True}))
+
+
+def sdpa_gqa_check(shape: dict[str, Any]) -> None:
+    """Causal prefill attention through SDPA with ``enable_gqa`` against the
+    KV heads repeated first (what the engine does from 256 queries on),
+    for one long prompt and for 64 short ones (ms, median of 20)."""
+    import torch.nn.functional as F
+
+    nh, nkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    rows = []
+    for B, L in ((1, 2048), (1, 256), (64, 32)):
+        q = torch.randn(B, nh, L, hd, device=DEVICE, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, nkv, L, hd, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        ways = {"enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                "repeated": lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1),
+                                                                   is_causal=True)}  # fmt: skip
+        ms = {}
+        for name, fn in ways.items():
+            fn()
+            times = []
+            for _ in range(20):
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t)
+            ms[name] = statistics.median(times) * 1e3
+        rows.append([f"{B} x {L}", ms["enable_gqa"], ms["repeated"]])
+    report("Prefill attention of one layer, SDPA (ms)", ["prompts x tokens", "enable_gqa", "KV heads repeated"], rows, None)
 
 
 def profile(engines: dict[str, Any], prompts: Any) -> None:

@@ -1,5 +1,5 @@
-"""The CUDA engine path (issue 15): Triton paged decode attention and
-fused RoPE + KV write, CUDA graphs of decode steps, sampling with GPU logits.
+"""The CUDA engine path (issue 15): Triton paged decode attention, fused
+RoPE + KV write and RMSNorm, CUDA graphs of decode steps, sampling with GPU logits.
 
 Engine tests need a CUDA GPU and skip without one (CI has none; they ran
 on the device machine, see docs/benchmarks.md "GPU"). The kernel test also
@@ -114,6 +114,19 @@ def test_rope_kv_kernel_matches_reference(dtype, nh, nkv, hd, T):
     rest = torch.ones(S, dtype=torch.bool, device=dev)
     rest[slots] = False
     assert not kc[rest].any() and not vc[rest].any()
+
+
+@pytest.mark.parametrize("dtype,T,H", [(torch.float32, 3, 64), (torch.float32, 2, 100),
+                                       (torch.bfloat16 if HAS_CUDA else torch.float16, 5, 4096)])
+def test_rms_norm_kernel_matches_torch(dtype, T, H):
+    from tartlet.engine.cuda_rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x = (torch.randn(T, H + 8, device=KERNEL_DEVICE) * 3).to(dtype)[:, :H]  # rows with a stride, as slices are
+    w = torch.randn(H, device=KERNEL_DEVICE).to(dtype)
+    want = torch.nn.functional.rms_norm(x.float(), (H,), w.float(), 1e-5)
+    got = rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and float((got.float() - want).abs().max()) <= (1e-5 if dtype == torch.float32 else 3e-2) * float(want.abs().max())
 
 
 def test_decode_kernel_rejects_bad_shapes():
