@@ -360,14 +360,6 @@ class LlamaModel:
         k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         cap = self.config.attn_logit_softcapping
-        gqa = self.nkv != self.nh
-        if cap is None and gqa and q.is_cuda and Q >= 256:
-            # a long prefill: KV heads repeated for the query heads so that
-            # SDPA runs its fused (flash) kernel (measured on an H200, 2,048
-            # tokens of Llama-3-8B: 5.2k -> 38k tok/s); short ones keep
-            # enable_gqa (the repeat's copies cost more than they save there)
-            rep = self.nh // self.nkv
-            k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
         if cap is None:
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
@@ -376,7 +368,7 @@ class LlamaModel:
                 attn_mask=bias,
                 is_causal=bias is None and Q > 1,
                 scale=self.scale,
-                enable_gqa=gqa,
+                enable_gqa=self.nkv != self.nh,
             )
         else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py)
             rep = self.nh // self.nkv
