@@ -30,9 +30,8 @@ import json
 import statistics
 import tempfile
 import time
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from common import report, run_inferlets
@@ -99,35 +98,34 @@ def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int) -> Any:
 
 
 def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
-    """Greedy ``new`` tokens for every prompt at once; returns (wall seconds,
-    seconds per decode step after the first token)."""
+    """Greedy ``new`` tokens for every prompt at once, each sequence one
+    request whose continuation feeds the sampled token back (as the host
+    ``generate`` call runs); returns (wall seconds, seconds per decode step
+    after the first token)."""
     from tartlet.engine.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.scheduler import ForwardRequest
 
     sch = eng.scheduler
-    greedy = SamplerSpec(temperature=0.0)
+    slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]
     seqs = [eng.new_sequence() for _ in prompts]
     first: list[float] = []
-    done: list[Future[None]] = [Future() for _ in prompts]
 
-    def chain(i: int, left: int, f: Future[list[object]]) -> None:  # on the scheduler thread, as HostApi.generate
-        if f.exception() is not None:
-            done[i].set_exception(f.exception())
-            return
-        if left == new - 1:
-            first.append(time.perf_counter())
-        if left == 0:
-            done[i].set_result(None)
-            return
-        nxt = sch.submit(ForwardRequest(seqs[i], [int(f.result()[0])], outputs=[OutputSlot(0, greedy)]))
-        nxt.add_done_callback(lambda f2: chain(i, left - 1, f2))
+    def continuation() -> Any:
+        left = [new]
+
+        def then(results: list[object]) -> tuple[list[int], list[OutputSlot]] | None:  # on the scheduler thread
+            if left[0] == new:
+                first.append(time.perf_counter())
+            left[0] -= 1
+            return ([int(cast(int, results[0]))], slot) if left[0] else None
+
+        return then
 
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        sch.submit(ForwardRequest(seqs[i], p, outputs=[OutputSlot(len(p) - 1, greedy)])).add_done_callback(
-            lambda f, i=i: chain(i, new - 1, f))
-    for d in done:
-        d.result(600)
+    futs = [sch.submit(ForwardRequest(s, p, outputs=[OutputSlot(len(p) - 1, slot[0].spec)], then=continuation()))
+            for s, p in zip(seqs, prompts)]  # fmt: skip
+    for f in futs:
+        f.result(600)
     t1 = time.perf_counter()
     for s in seqs:
         sch.command(s.free, s).result(60)

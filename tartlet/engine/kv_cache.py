@@ -206,6 +206,11 @@ class PagePool:
         with self.lock:
             return self._refcount[page]
 
+    def is_private(self, page: int) -> bool:
+        """Held by one page table only and not in the prefix cache (writable in place)."""
+        with self.lock:
+            return self._refcount[page] == 1 and self._key[page] is None
+
     def is_committed(self, page: int) -> bool:
         with self.lock:
             return self._key[page] is not None

@@ -90,6 +90,7 @@ class ForwardRequest:
     future: Future[list[object]] = field(default_factory=Future)
     # progress of a chunked prefill
     started: bool = False
+    continued: bool = False  # queued again by ``then`` (its future runs already)
     done: int = 0
     start_len: int = -1
     results: list[object] = field(default_factory=list)
@@ -328,7 +329,7 @@ class Scheduler:
                 continue
             if not req.started:
                 # a request queued again by its continuation is running already
-                if not (req.future.running() or req.future.set_running_or_notify_cancel()):
+                if not (req.continued or req.future.set_running_or_notify_cancel()):
                     q.popleft()  # cancelled while queued
                     continue
                 req.started = True
@@ -405,7 +406,7 @@ class Scheduler:
             tokens, outputs = nxt
             _check_pass(tokens, outputs)
             req.tokens, req.outputs = tokens, outputs
-            req.started, req.done, req.start_len, req.results, req.waiting_since = False, 0, -1, [], 0.0
+            req.started, req.continued, req.done, req.start_len, req.results, req.waiting_since = False, True, 0, -1, [], 0.0
             req.enqueued_at = time.perf_counter()
             self._put(req, req.seq)
         except BaseException as e:  # reported to the submitter
@@ -422,6 +423,8 @@ class Scheduler:
         pages of one chunk and the ``W - 1`` tokens before it."""
         ps = self.pool.page_size
         end = len(seq) + n
+        if max(len(seq.pages), -(-end // ps)) <= self.pool.num_pages:  # a bound of `need` below: most calls stop here
+            return None
         need = seq.live_pages() + max(0, -(-end // ps) - len(seq.pages))
         w = self.pool.window
         if w is not None:

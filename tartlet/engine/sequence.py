@@ -180,7 +180,7 @@ class Sequence:
 
     def _tail_private(self) -> bool:
         p = self.pages[-1]
-        return p is not None and self.pool.refcount(p) == 1 and not self.pool.is_committed(p)
+        return p is not None and self.pool.is_private(p)
 
     def commit_full_pages(self) -> None:
         """Register pages that became full (after a forward pass wrote them)
