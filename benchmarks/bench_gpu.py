@@ -296,7 +296,7 @@ def sdpa_gqa_check(shape: dict[str, Any]) -> None:
 def profile(engines: dict[str, Any], prompts: Any) -> None:
     """torch.profiler's kernel table of one 2,048-token prefill, of 8
     batch-1 decode steps op by op and of 8 replayed from the graphs, and
-    of 8 steps of 64 sequences."""
+    of 8 steps of 64 and of 256 sequences (their prompts' prefill included)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -305,7 +305,8 @@ def profile(engines: dict[str, Any], prompts: Any) -> None:
     for what, eng, ps, new in (("prefill of 2,048 tokens", engines["graphs"], prompts(1, LONG), 1),
                                ("8 batch-1 decode steps, op by op", engines["eager"], prompts(1), 9),
                                ("8 batch-1 decode steps, CUDA graphs", engines["graphs"], prompts(1), 9),
-                               ("8 decode steps of 64 sequences, CUDA graphs", engines["graphs"], prompts(64), 9)):  # fmt: skip
+                               ("8 decode steps of 64 sequences, CUDA graphs", engines["graphs"], prompts(64), 9),
+                               ("8 decode steps of 256 sequences, CUDA graphs", engines["graphs"], prompts(256), 9)):  # fmt: skip
         with torch_profile(activities=acts) as prof:
             engine_generate(eng, ps, new)
         print(f"\nprofile: {what}")

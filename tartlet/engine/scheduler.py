@@ -393,11 +393,11 @@ class Scheduler:
                 left.append(req)
                 waiting.add(id(seq))
 
-    def _continue(self, req: ForwardRequest) -> bool:
+    def _continue(self, req: ForwardRequest, again: list[ForwardRequest]) -> bool:
         """Run the continuation of ``req`` (its pass is done and succeeded):
-        queue ``req`` again with the next pass it returns, or fail its
-        future with what it raised. False when it returns ``None`` (the
-        caller resolves the future)."""
+        re-arm ``req`` with the next pass it returns and add it to ``again``
+        (the caller queues them), or fail its future with what it raised.
+        False when it returns ``None`` (the caller resolves the future)."""
         assert req.then is not None  # called for requests with a continuation
         try:
             nxt = req.then(req.results)
@@ -408,7 +408,7 @@ class Scheduler:
             req.tokens, req.outputs = tokens, outputs
             req.started, req.continued, req.done, req.start_len, req.results, req.waiting_since = False, True, 0, -1, [], 0.0
             req.enqueued_at = time.perf_counter()
-            self._put(req, req.seq)
+            again.append(req)
         except BaseException as e:  # reported to the submitter
             req.future.set_exception(e)
         return True
@@ -483,12 +483,22 @@ class Scheduler:
         # that races with this line is not waited for.
         with self._cond:
             self._expected = {id(r.seq) for r in finished}
+        again: list[ForwardRequest] = []  # re-armed by their continuation
         for req in finished:
             st.queue_wait_seconds += t0 - req.enqueued_at
             err = next((r for r in req.results if isinstance(r, Exception)), None)
             if err is not None:
                 self._rollback(req)
                 req.future.set_exception(err)
-            elif req.then is None or not self._continue(req):
+            elif req.then is None or not self._continue(req, again):
                 req.future.set_result(req.results)
+        if again:  # queued together: one lock round for the whole batch
+            with self._cond:
+                if self._running:
+                    self._queue.extend(again)
+                    self._expected.difference_update(id(r.seq) for r in again)
+                    self._cond.notify()
+                    again = []
+            for req in again:  # the scheduler is stopping
+                req.future.set_exception(RuntimeError("the engine stopped"))
         st.overhead_seconds += time.perf_counter() - t1
