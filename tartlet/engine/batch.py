@@ -122,7 +122,8 @@ class BatchInputs:
 def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = False) -> BatchInputs:
     """The tensors of one model call over ``items`` (in order): flat rows,
     one attention group for all single-token (decode) items, one for the
-    whole causal prompts of each length, and one per other multi-token item. ``indexes``: fill ``q_index``/``kv_index`` (models with
+    whole causal prompts of each length, and one per other multi-token
+    item. ``indexes``: fill ``q_index``/``kv_index`` (models with
     sliding-window layers)."""
     ids: list[int] = []
     pos: list[int] = []

@@ -442,15 +442,10 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         """
         return self._forward(handle, tokens, positions, attention, outputs)
 
-    def _forward(
-        self,
-        handle: int,
-        tokens: list[int],
-        positions: list[int] | None = None,
-        attention: list[list[int]] | None = None,
-        outputs: list[OutputSlot] | None = None,
-        then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
-    ) -> Future[list[object]]:
+    def _forward(self, handle: int, tokens: list[int], positions: list[int] | None, attention: list[list[int]] | None,
+                 outputs: list[OutputSlot] | None,
+                 then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
+                 ) -> Future[list[object]]:  # fmt: skip
         """:meth:`forward`, and ``then(ctx)`` as the request's continuation
         (:class:`~tartlet.engine.scheduler.ForwardRequest`), if given."""
         ctx = self._ctx(handle)
