@@ -266,3 +266,41 @@ def test_prompts_of_one_length_share_an_attention_group(engine):
     finally:
         for s in seqs:
             s.free()
+
+
+def test_continuation_rearms_one_request(engine):
+    """A request whose continuation (``ForwardRequest.then``) feeds each
+    sampled token back runs the passes a chain of separate requests runs:
+    the same greedy tokens and sequence length, one future resolved with
+    the last pass's results. An exception raised by the continuation fails
+    the future; the pass before it stays."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.scheduler import ForwardRequest
+
+    sched = engine.scheduler
+    prompt = engine.tokenizer.encode("The capital of France is")
+    greedy = [OutputSlot(0, SamplerSpec(temperature=0.0))]
+    first = [OutputSlot(len(prompt) - 1, SamplerSpec(temperature=0.0))]
+    chained, seq = [], engine.new_sequence()
+    chained.append(int(sched.submit(ForwardRequest(seq, prompt, outputs=first)).result(60)[0]))
+    for _ in range(7):
+        chained.append(int(sched.submit(ForwardRequest(seq, [chained[-1]], outputs=greedy)).result(60)[0]))
+    n = len(seq)
+    sched.command(seq.free, seq).result(60)
+
+    got, seq = [], engine.new_sequence()
+
+    def then(results):
+        got.append(int(results[0]))
+        return ([got[-1]], greedy) if len(got) < 8 else None
+
+    last = sched.submit(ForwardRequest(seq, prompt, outputs=first, then=then)).result(60)
+    assert got == chained and int(last[0]) == chained[-1] and len(seq) == n
+
+    def boom(results):
+        raise RuntimeError("the continuation failed")
+
+    with pytest.raises(RuntimeError, match="the continuation failed"):
+        sched.submit(ForwardRequest(seq, [got[-1]], outputs=greedy, then=boom)).result(60)
+    assert len(seq) == n + 1
+    sched.command(seq.free, seq).result(60)

@@ -173,10 +173,10 @@ class Engine:
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
         self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype, device)
-        log.info("%s", self.kv_summary())
         if cfg.cuda_graphs and unsupported(self.model) is None and self.pool.num_pages > 1:
             scratch = self.pool.reserve_scratch()
             self.model.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, scratch * cfg.page_size)
+        log.info("%s", self.kv_summary())
         self.scheduler = Scheduler(
             self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
         )
