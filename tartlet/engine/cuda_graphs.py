@@ -17,8 +17,10 @@ rows past ``B`` write their K and V into a scratch page of the pool that no
 sequence owns and attend to nothing; columns past each request's length are
 never read (the Triton kernel of :mod:`tartlet.engine.cuda_attention`
 loops to each request's own length). Graphs are captured on first use of a
-bucket and share one memory pool. Anything else (prefill, mixed batches,
-custom positions, sliding windows, MoE layers, dynamic RoPE) runs op by op.
+bucket and share one memory pool. Positions and hidden tokens are inputs
+like the others. Anything else (prefill, mixed batches, pools of another
+dtype than the model's, sliding windows, MoE layers, dynamic RoPE) runs op
+by op.
 """
 
 from __future__ import annotations
