@@ -345,7 +345,7 @@ class CodeSandbox:
                 lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
                 status, error = "crashed", f"the sandbox crashed: {lines[-1] if lines else 'wasm trap'}"
         finally:
-            del store
+            store.close()  # now, while its WASI callbacks live (see runtime/wasm.py _Run.release)
         elapsed = time.monotonic() - t0
         with lock:
             text = bytes(out).decode("utf-8", "replace")

@@ -192,9 +192,11 @@ class WasmRuntime(BaseRuntime):
             if run is None:
                 raise WasmInstanceError(f"component {path.name} exports no `run` function (not a tartlet inferlet)")
         except WasmtimeError as e:
+            store.close()  # now, while its WASI callbacks live (see _Run.release)
             _drop_scratch(scratch)
             raise WasmInstanceError(f"cannot instantiate {path.name}: {_first_line(e)}") from None
         except BaseException:
+            store.close()
             _drop_scratch(scratch)
             raise
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
@@ -335,8 +337,17 @@ class _Run:
         return bytes(self.output[-_OUTPUT_TAIL:]).decode("utf-8", "replace").strip()
 
     def release(self) -> None:
+        """Delete the store now, on this thread, while the callbacks it holds
+        (the epoch deadline's, WASI output capture) are still alive. Left to
+        the garbage collector, a reference cycle holding the store and those
+        ctypes callbacks can free the callbacks first, and the store's
+        deletion then calls freed code (seen in CI: a segfault in
+        ``wasmtime_store_delete`` during a collection)."""
         self.run = None
-        self.store = None  # type: ignore[assignment]
+        store, self.store = self.store, None  # type: ignore[assignment]
+        if store is not None:
+            store.close()
+        self._keep = ()
         _drop_scratch(self.scratch)
 
 
