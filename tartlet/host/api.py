@@ -557,6 +557,9 @@ class HostApi(IoHostMixin, GrammarHostMixin):
 
         def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
             e = ctx.engine
+            # the engine slot of a one-token pass, built and validated once (a
+            # grammar's slot is built per pass: its mask is the matcher's now)
+            base = None if sampler.grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
 
             def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
                 if result.done():  # cancelled by the caller: stop after this pass
@@ -565,7 +568,12 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 out.append(tok)
                 if len(out) >= max_steps or tok in stop:
                     return None
-                return [tok], [self._slot(e, slot(1), 1)]
+                if base is None:
+                    return [tok], [self._slot(e, slot(1), 1)]
+                if seed is None:
+                    return [tok], [base]
+                spec = replace(cast(SamplerSpec, base.spec), seed=step_seed(seed, first_step + len(out)))
+                return [tok], [replace(base, spec=spec)]
 
             return then
 
