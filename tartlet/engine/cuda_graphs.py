@@ -119,39 +119,14 @@ class DecodeGraphs:
         if graph is None:
             graph = self._graphs[key] = self._capture(*key, batch)
         else:
-            self._fill(graph.inputs, batch)
+            fill_static(graph.inputs, batch, self.scratch_slot)
         graph.graph.replay()
         self.replays += 1
         return graph.logits.index_select(0, batch.output_rows)
 
-    def _fill(self, st: BatchInputs, batch: BatchInputs) -> None:
-        """Copy ``batch`` into the static inputs ``st``; pad the rest."""
-        g, sg = batch.groups[0], st.groups[0]
-        B, L = g.kv_slots.shape
-        st.input_ids[:B].copy_(batch.input_ids)
-        st.positions[:B].copy_(batch.positions)
-        st.write_slots[:B].copy_(batch.write_slots)
-        st.write_slots[B:].fill_(self.scratch_slot)
-        sg.kv_slots[:B, :L].copy_(g.kv_slots)
-        assert sg.mask is not None  # static groups always carry one
-        sg.mask.zero_()
-        if g.mask is None:
-            sg.mask[:B, :, :L] = True
-        else:
-            sg.mask[:B, :, :L].copy_(g.mask)
-
     def _capture(self, bsz: int, cols: int, batch: BatchInputs) -> _Graph:
-        dev = self.k.device
-        group = AttentionGroup(None, 0, 1, torch.zeros(bsz, cols, dtype=torch.long, device=dev),
-                               torch.zeros(bsz, 1, cols, dtype=torch.bool, device=dev))  # fmt: skip
-        st = BatchInputs(
-            input_ids=torch.zeros(bsz, dtype=torch.long, device=dev),
-            positions=torch.zeros(bsz, dtype=torch.long, device=dev),
-            write_slots=torch.full((bsz,), self.scratch_slot, dtype=torch.long, device=dev),
-            groups=[group],
-            output_rows=torch.arange(bsz, device=dev),
-        )
-        self._fill(st, batch)
+        st = static_inputs(bsz, cols, self.scratch_slot, self.k.device)
+        fill_static(st, batch, self.scratch_slot)
         # warm up on a side stream first (Triton compiles, cuBLAS picks its
         # kernels); it writes this step's K and V, which the replay rewrites
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -165,3 +140,39 @@ class DecodeGraphs:
         self.captures += 1
         log.info("captured the decode step for %d rows x %d slots (%d graphs)", bsz, cols, self.captures)
         return _Graph(graph, st, logits)
+
+
+def static_inputs(bsz: int, cols: int, scratch_slot: int, device: torch.device) -> BatchInputs:
+    """The static inputs of a decode graph for ``bsz`` requests over at most
+    ``cols`` slots each: one decode group whose mask is always present
+    (padding), every row an output, padded rows writing to ``scratch_slot``."""
+    group = AttentionGroup(None, 0, 1, torch.zeros(bsz, cols, dtype=torch.long, device=device),
+                           torch.zeros(bsz, 1, cols, dtype=torch.bool, device=device))  # fmt: skip
+    return BatchInputs(
+        input_ids=torch.zeros(bsz, dtype=torch.long, device=device),
+        positions=torch.zeros(bsz, dtype=torch.long, device=device),
+        write_slots=torch.full((bsz,), scratch_slot, dtype=torch.long, device=device),
+        groups=[group],
+        output_rows=torch.arange(bsz, device=device),
+    )
+
+
+def fill_static(st: BatchInputs, batch: BatchInputs, scratch_slot: int) -> None:
+    """Copy the decode step ``batch`` (one group of ``B`` single-token
+    requests over ``L`` slots, ``B`` and ``L`` within ``st``'s) into the
+    static inputs ``st``: rows past ``B`` write to ``scratch_slot`` and see
+    no slot, columns past each request's ``L`` are masked (their slot
+    numbers are left from earlier steps: never read)."""
+    g, sg = batch.groups[0], st.groups[0]
+    B, L = g.kv_slots.shape
+    st.input_ids[:B].copy_(batch.input_ids)
+    st.positions[:B].copy_(batch.positions)
+    st.write_slots[:B].copy_(batch.write_slots)
+    st.write_slots[B:].fill_(scratch_slot)
+    sg.kv_slots[:B, :L].copy_(g.kv_slots)
+    assert sg.mask is not None  # static groups always carry one
+    sg.mask.zero_()
+    if g.mask is None:
+        sg.mask[:B, :, :L] = True
+    else:
+        sg.mask[:B, :, :L].copy_(g.mask)
