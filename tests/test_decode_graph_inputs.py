@@ -21,7 +21,7 @@ def test_padded_static_inputs_give_the_steps_logits(loaded_model):
     from tartlet.engine.scheduler import ForwardRequest
 
     lm = loaded_model
-    eng = Engine(EngineConfig(kv_cache_mb=16), lm.config, dict(lm.weights), lm.tokenizer)
+    eng = Engine(EngineConfig(kv_cache_mb=16, device="cpu"), lm.config, dict(lm.weights), lm.tokenizer)
     try:
         ps = eng.pool.page_size
         scratch = eng.pool.reserve_scratch() * ps
