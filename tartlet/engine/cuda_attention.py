@@ -88,10 +88,6 @@ def _kernel() -> Any:
     return decode_attention
 
 
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -136,13 +132,15 @@ def paged_decode_attention(
         raise ValueError(f"out must be a contiguous [{T}, {nh * hd}], got {tuple(out.shape)}")
     if B == 0:
         return
+    from triton import next_power_of_2 as pow2
+
     rep = nh // nkv
     m = kv_slots if mask is None else mask  # any tensor: HAS_MASK is False
     _kernel()[(B, nkv)](
         q, k_cache, v_cache, kv_slots, lens, m, rows, out,
         q.stride(0), k_cache.stride(0), v_cache.stride(0), kv_slots.stride(0), m.stride(0), out.stride(0),
         scale,
-        REP=rep, REP_P=_pow2(rep, 16), HD=hd, HD_P=_pow2(hd, 16), BLOCK_N=32 if hd > 128 else 64,
+        REP=rep, REP_P=max(16, pow2(rep)), HD=hd, HD_P=max(16, pow2(hd)), BLOCK_N=32 if hd > 128 else 64,
         HAS_MASK=mask is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
 

@@ -46,5 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     T, H = x.shape
     if T:
-        _kernel()[(T,)](x, weight, y, x.stride(0), y.stride(0), H, eps, BLOCK=max(16, 1 << (H - 1).bit_length()))
+        from triton import next_power_of_2
+
+        _kernel()[(T,)](x, weight, y, x.stride(0), y.stride(0), H, eps, BLOCK=max(16, next_power_of_2(H)))
     return y

@@ -85,9 +85,11 @@ def rope_qkv_store(
     if k_pool.dtype != qkv.dtype or write_slots.shape != (T,):
         raise ValueError(f"the pool must hold {qkv.dtype} and write_slots one row per token")
     if T:
+        from triton import next_power_of_2
+
         _kernel()[(T, nh + nkv)](
             qkv, cos, sin, k_pool, v_pool, write_slots,
             qkv.stride(0), cos.stride(0), k_pool.stride(0), v_pool.stride(0),
-            NH=nh, NKV=nkv, HD=hd, HALF_P=max(16, 1 << (hd // 2 - 1).bit_length()),
+            NH=nh, NKV=nkv, HD=hd, HALF_P=max(16, next_power_of_2(hd // 2)),
         )  # fmt: skip
     return qkv[:, : nh * hd].view(T, nh, hd)

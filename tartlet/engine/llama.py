@@ -420,12 +420,12 @@ class LlamaModel:
             x = self.embed.index_select(0, batch.input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        # on CUDA, RoPE and the KV write run in one Triton kernel (cuda_rope.py) when the pool holds the compute dtype
-        fused_rope = self.cuda_decode and k_cache.dtype == self.dtype
+        # on CUDA the Triton kernels (RoPE + KV write, decode attention) run when the pool holds the compute dtype
+        triton_kv = self.cuda_decode and k_cache.dtype == self.dtype
         ropes = {}  # per distinct Rotary: cos, sin
         for rot in dict.fromkeys(self.layer_rope):
             cos, sin = rot.cos_sin(batch.positions)
-            if kern is None and not fused_rope:  # [T, 1, hd], sin's first half negated (see _rope)
+            if kern is None and not triton_kv:  # [T, 1, hd], sin's first half negated (see _rope)
                 cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
             ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernels
         T = x.shape[0]
@@ -446,7 +446,7 @@ class LlamaModel:
             plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
         # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
         cuda = {}
-        if self.cuda_decode and k_cache.dtype == self.dtype:
+        if triton_kv:
             cuda = {id(p[0]): cuda_attention.decode_plan(p[0]) for ps in plans.values() for p in ps if p[0].num_queries == 1}
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
             logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
@@ -464,7 +464,7 @@ class LlamaModel:
                 qh.copy_(F.rms_norm(qh, (hd,), layer["q_norm"], eps))
                 kh.copy_(F.rms_norm(kh, (hd,), layer["k_norm"], eps))
             cos, sin = ropes[self.layer_rope[i]]
-            if fused_rope:
+            if triton_kv:
                 q = cuda_rope.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             elif kern is None:
                 # RoPE once over the query and key heads together
