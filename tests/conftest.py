@@ -163,6 +163,24 @@ def q8_engine(gguf_path, quant_loaded):
     eng.close()
 
 
+@pytest.fixture(scope="module")
+def bf16_engine(gguf_path, quant_loaded):
+    """The default model, quantized weights, the panel GEMM in bfloat16
+    (``matmul_dtype="bfloat16"``); skips on CPUs without AVX-512 and
+    AVX512_BF16 (tests/test_fused_decode.py)."""
+    from tartlet.engine import quant_kernels
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    kern = quant_kernels.load()
+    if kern is None or kern.best_isa < 3 or not kern.has_bf16:
+        pytest.skip("the bfloat16 panel GEMM needs AVX-512 with AVX512_BF16")
+    lm = quant_loaded
+    cfg = EngineConfig(model=str(gguf_path), kv_cache_mb=32, matmul_dtype="bfloat16")
+    eng = Engine(cfg, lm.config, dict(lm.weights), lm.tokenizer)
+    yield eng
+    eng.close()
+
+
 @pytest.fixture(scope="session")
 def quant_host_state(quant_engine):
     return _host_state(quant_engine)

@@ -57,6 +57,7 @@ def test_paths_filled_from_data_dir(tmp_path):
         ({"models": [{"dtype": "float64"}]}, ["[[models]] #1 dtype"]),
         ({"models": [{"quantize": "q9"}]}, ["quantize", "q8_0"]),
         ({"models": [{"act_bits": 4}]}, ["act_bits"]),
+        ({"models": [{"matmul_dtype": "float16"}]}, ["matmul_dtype", "bfloat16"]),
         ({"mcp": {"servers": {"gh": {}}}}, ["[mcp.servers.gh] url: missing"]),
         ({"mcp": {"servers": {"gh": {"url": "ftp://x"}}}}, ["[mcp.servers.gh] url", "http"]),
         ({"mcp": {"servers": {"gh": {"url": "http://x", "token": "t"}}}}, ["[mcp.servers.gh] token: unknown key"]),

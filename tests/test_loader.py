@@ -171,7 +171,7 @@ def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: boo
     from tartlet.engine.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.scheduler import ForwardRequest
 
-    cfg = EngineConfig(model=str(path), dtype=dtype, kv_cache_mb=8, cpu_kernels=cpu_kernels, **cfg_kw)
+    cfg = EngineConfig(model=str(path), dtype=dtype, cpu_kernels=cpu_kernels, **{"kv_cache_mb": 8, **cfg_kw})
     loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=cfg.keeps_quantized())
     eng = Engine(cfg, loaded.config, loaded.weights, loaded.tokenizer)
     try:

@@ -220,6 +220,81 @@ def test_panel_gemm_matches_dequantized_product(kern, type_name):
     kern.set_isa(-1)
 
 
+def bf16_panel(kern):
+    if kern.best_isa < 3 or not kern.has_bf16:
+        pytest.skip("the bfloat16 panel GEMM needs AVX-512 with AVX512_BF16")
+    kern.set_isa(3)
+
+
+def bf16_round(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bfloat16 (to nearest even, as ``vcvtne2ps2bf16``), in float64."""
+    return t.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_bf16_panel_gemm_matches_rounded_product(kern, type_name):
+    """``bf16=True`` (``matmul_dtype="bfloat16"``): the panel GEMM multiplies
+    the bfloat16-rounded activations and dequantized weights with float32
+    sums (``vdpbf16ps``). Every format, partial panels, row counts
+    ``panel_rows``..33 and 77, a bias and a residual: against the float64
+    product of the same rounded values within float32 summation error
+    (1e-5 of the largest output; measured ~1e-6), and within 1e-2 of the
+    float32 product (the rounding; measured ~2.5e-3). Below ``panel_rows``
+    rows the 16-bit integer kernel runs, as without ``bf16``."""
+    bf16_panel(kern)
+    k = 256 if type_name in K_QUANTS else (40 if type_name in ("F16", "BF16") else 96)
+    try:
+        for n in (75, 64, 9):
+            raw = random_gguf(type_name, n, k, seed=n)
+            w = from_gguf(raw, type_name, n, k)
+            bias = torch.randn(n)
+            lin, ref16 = QuantLinear([w], bias, kern, act_bits=16, bf16=True), QuantLinear([w], bias, kern, act_bits=16)
+            held = kern.dequantize(w)
+            g = torch.Generator().manual_seed(n)
+            for rows in (*range(kern.panel_rows, 34), 77):
+                x, res = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+                got = lin(x, residual=res)
+                exact = bf16_round(x) @ bf16_round(held).T + bias.double() + res.double()
+                assert rel_err(got.double(), exact) < 1e-5, (type_name, n, rows)
+                assert rel_err(got, x @ held.T + bias + res) < 1e-2, (type_name, n, rows)
+            x = torch.randn(kern.panel_rows - 1, k, generator=g)
+            assert torch.equal(lin(x), ref16(x)), "fewer rows than panel_rows: the integer kernel"
+    finally:
+        kern.set_isa(-1)
+
+
+def test_bf16_panel_rows_result_does_not_depend_on_the_batch(kern):
+    """On the bfloat16 panel a row's result is one ``vdpbf16ps`` chain per
+    output whatever shares its call: bitwise equal in every slice of
+    ``panel_rows`` rows or more, through ``QuantLinear`` and the parts of a
+    mixed-format projection."""
+    bf16_panel(kern)
+    k = 256
+    parts = [from_gguf(random_gguf(t, n, k, seed=i), t, n, k) for i, (t, n) in enumerate((("Q4_K", 40), ("Q6_K", 24), ("F16", 8)))]
+    lin = QuantLinear(parts, torch.randn(72), kern, act_bits=16, bf16=True)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(5))
+    p = kern.panel_rows
+    try:
+        full = lin(x)
+        for lo, hi in ((0, p), (3, 40), (13, 64), (50, 64), (7, 7 + p)):
+            assert torch.equal(lin(x[lo:hi]), full[lo:hi]), (lo, hi)
+    finally:
+        kern.set_isa(-1)
+
+
+def test_bf16_descriptor_needs_16_bit_activations_and_an_even_width(kern):
+    w = from_gguf(random_gguf("F16", 8, 33), "F16", 8, 33)
+    q = from_gguf(random_gguf("Q8_0", 8, 64), "Q8_0", 8, 64)
+    if not kern.has_bf16:
+        with pytest.raises(ValueError, match="need AVX512_BF16"):
+            kern.linear_desc([q], None, 16, bf16=True)
+        return
+    with pytest.raises(ValueError, match=r"16-bit activations \(got 8\)"):
+        kern.linear_desc([q], None, 8, bf16=True)
+    with pytest.raises(ValueError, match=r"an even width \(got 33\)"):
+        kern.linear_desc([w], None, 16, bf16=True)
+
+
 @pytest.mark.parametrize("bits", [8, 16])
 def test_activation_quantization_same_on_every_isa(kern, bits):
     """The SIMD quantizers round exactly as the portable C one (half to even,

@@ -241,3 +241,37 @@ def test_mixed_activation_precision(gguf_path, engine):
     assert torch.equal(got[-12:].argmax(-1), want[-12:].argmax(-1))
     with pytest.raises(ValueError, match="act_bits must be 8, 16 or 'auto'"):
         engine_logits(gguf_path, "auto", ids[:3], split=2, act_bits=4)
+
+
+@pytest.mark.slow  # two engines loaded, a 321-token prefill on each
+def test_bfloat16_matmul_close_to_float_path(gguf_path, engine):
+    """``matmul_dtype="bfloat16"``: the calls of 8+ rows (here one prefill of
+    the printing-press text, 321 positions, all through the bfloat16 panel
+    GEMM) against the float32 reference path on the same file: top-1 equal
+    on 99.7% of the positions measured (bound 98%), max abs logit diff
+    0.44 on logits of ~38 (bound 1.0; the float32 panel: 1.5e-4), and the
+    argmax over the README answer equals the float32 path's. A bad value,
+    or bfloat16 on a CPU without AVX512_BF16, is a clear error."""
+    from tartlet.engine import quant_kernels
+
+    from test_loader import engine_logits
+
+    kern = quant_kernels.load()
+    ids = chat_ids(engine, "Tell me about the printing press.") + engine.tokenizer.encode(TEACHER_TEXT)
+    if kern is None or not kern.has_bf16:
+        with pytest.raises(ValueError, match="needs a CPU with AVX512_BF16"):
+            engine_logits(gguf_path, "auto", ids[:3], split=3, matmul_dtype="bfloat16")
+        return
+    want = engine_logits(gguf_path, "float32", ids, split=len(ids), kv_cache_mb=64)
+    got = engine_logits(gguf_path, "auto", ids, split=len(ids), kv_cache_mb=64, matmul_dtype="bfloat16")
+    diff = float((got - want).abs().max())
+    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    print(f"bfloat16 panel vs float32 path: {len(ids)} positions, max abs logit diff {diff:.3f}, top-1 agreement {agree:.4f}")
+    assert agree >= 0.98
+    assert diff <= 1.0
+    answer = chat_ids(engine, "What is the capital of France?") + engine.tokenizer.encode(" The capital of France is Paris.")
+    want = engine_logits(gguf_path, "float32", answer, split=len(answer))
+    got = engine_logits(gguf_path, "auto", answer, split=len(answer), matmul_dtype="bfloat16")
+    assert torch.equal(got[-12:].argmax(-1), want[-12:].argmax(-1))
+    with pytest.raises(ValueError, match="matmul_dtype must be one of float32, bfloat16, got 'float16'"):
+        engine_logits(gguf_path, "auto", ids[:3], split=3, matmul_dtype="float16")

@@ -114,7 +114,8 @@ static inline int desc_has_blocks(const tq_linear_desc *L) {
 /* Output columns [lo, hi) of y = x @ W^T (+ bias) (+ res) for M rows (a
  * range of W's stacked output rows, crossing part boundaries). x: float rows
  * (for float16 parts and the panel GEMM), qa/fa: the same rows quantized
- * (for the integer kernels); pbuf: this thread's panel buffer [K, PANEL_N]. y
+ * (for the integer kernels), or qa the same rows in bfloat16 (for the
+ * bfloat16 panel GEMM, L->bf16; see quantize_for); pbuf: this thread's panel buffer [K, PANEL_N]. y
  * and res have row stride n_total; res may alias y (each element is read,
  * then written, by the one chunk that owns its column). */
 static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa, const float *fa, int64_t M, float *y,
@@ -130,7 +131,7 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
             if (panel_route(L->bits, p->kind, M)) { /* the calling thread's panel buffer: cannot fail */
                 const int64_t eb = p->kind >= 4 ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
                 panel_call((int)p->kind, p->q + a * eb, p->d ? p->d + a * nb * sc : 0, p->m ? p->m + a * nb : 0, b - a,
-                           K, x, K, M, y + c, N, bias, r, N, pbuf);
+                           K, x, K, L->bf16 ? (const uint16_t *)qa : 0, M, y + c, N, bias, r, N, pbuf);
             } else if (p->kind >= 4) {
                 tq_matmul_half(p->kind == 5, (const uint16_t *)p->q + a * K, b - a, K, x, K, M, y + c, N, bias, r, N);
             } else {
@@ -144,9 +145,13 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
 }
 
 /* Quantize M rows of x [M, K] for L's activation precision (if it has
- * block parts for the integer kernels): called by one thread. */
+ * block parts for the integer kernels), or round them to bfloat16 into qa
+ * for the bfloat16 panel GEMM: called by one thread. */
 static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t M, void *qa, float *fa) {
-    if (desc_has_blocks(L) && !panel_route(L->bits, 0, M)) tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
+    if (panel_bf16(L, M))
+        panel_x(x, L->k, M, L->k, (uint16_t *)qa);
+    else if (desc_has_blocks(L) && !panel_route(L->bits, 0, M))
+        tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
 }
 
 /* RMSNorm of T rows of x [T, H] with weight w into xn, then their

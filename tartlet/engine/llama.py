@@ -61,7 +61,7 @@ from .kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_formats import F16, KIND_NAMES, QuantWeight
-from .quant_linear import QuantLinear, embedding_rows
+from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 
 #: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
@@ -115,6 +115,21 @@ class LlamaModel:
             the output head), whose norm weights scale a few channels to
             100-470x the block median, and 8 bits into the output and down
             projections (see :mod:`tartlet.engine.quant_linear`).
+        matmul_dtype: with quantized weights, the precision of the float GEMM
+            that calls of 8+ rows (prompts, decode batches) take on AVX-512
+            (the panel GEMM, ``panel_gemm_avx512.h``): ``"float32"``
+            (default), or ``"bfloat16"``: bfloat16-rounded activations and
+            weights with float32 sums (``panel_gemm_bf16.h``; needs
+            AVX512_BF16), ~1.8x faster products at 64 rows, but a row's
+            result then depends on whether its batch has 8+ rows (1-7 rows
+            keep the 16-bit integer kernel), so batching can change greedy
+            outputs at near-ties. Projections with 8-bit activations keep
+            their integer kernels at any row count.
+
+    Raises:
+        ValueError: a missing tensor, quantized weights off the CPU or not in
+            float32, a bad ``act_bits`` or ``matmul_dtype``, or
+            ``matmul_dtype="bfloat16"`` on a CPU without AVX512_BF16.
     """
 
     def __init__(
@@ -126,6 +141,7 @@ class LlamaModel:
         gemv_copy: bool = True,
         cpu_kernels: bool = True,
         act_bits: int | str = 16,
+        matmul_dtype: str = "float32",
     ):
         self.config = config
         self.dtype = dtype
@@ -166,6 +182,13 @@ class LlamaModel:
 
         if act_bits not in (8, 16, "auto"):
             raise ValueError(f"act_bits must be 8, 16 or 'auto', got {act_bits!r}")
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+        bf16 = matmul_dtype == "bfloat16" and self.quant is not None  # the panel GEMM in bfloat16
+        if bf16 and self.quant is not None and not self.quant.has_bf16:
+            raise ValueError("matmul_dtype='bfloat16' needs a CPU with AVX512_BF16; this one has none")
+        #: the panel GEMM's precision in use ("float32" or "bfloat16"; None without quantized weights)
+        self.matmul_dtype = None if self.quant is None else ("bfloat16" if bf16 else "float32")
 
         def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy, normed: bool = True) -> "Linear | QuantLinear":
             # normed: the input comes straight from an RMSNorm (see act_bits)
@@ -173,7 +196,8 @@ class LlamaModel:
             if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
                 quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
                 bits = act_bits if isinstance(act_bits, int) else (16 if normed else 8)  # act_bits: 8, 16 or "auto"
-                return QuantLinear(quant, bias, self.quant, act_bits=bits)
+                return QuantLinear(quant, bias, self.quant, act_bits=bits,
+                                   bf16=bf16 and bits == 16 and quant[0].shape[1] % 2 == 0)
             return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
 
         def norm(name: str) -> torch.Tensor:

@@ -149,20 +149,10 @@ INLINE void panel_fill16(const int kind, const uint8_t *wq, const uint16_t *wd, 
     }
 }
 
-/* y rows r0 .. r0 + R - 1, columns n0 .. n0 + nc - 1 (nc <= 32) from panel P. */
-INLINE void panel_tile(const int R, const float *P, int64_t K, const float *x, int64_t ldx, int64_t r0, int64_t n0,
-                       int64_t nc, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
-    __m512 acc[PANEL_MR][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const float *xr = x + r0 * ldx;
-    for (int64_t k = 0; k < K; k++) {
-        const __m512 w0 = _mm512_load_ps(P + k * PANEL_N), w1 = _mm512_load_ps(P + k * PANEL_N + 16);
-        for (int r = 0; r < R; r++) {
-            const __m512 a = _mm512_set1_ps(xr[r * ldx + k]);
-            acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
-        }
-    }
+/* Write a tile's accumulators acc [R][2] (columns n0 .. n0 + nc - 1, nc <=
+ * 32) to rows r0 .. r0 + R - 1 of y, adding bias and res where given. */
+INLINE void panel_store(const int R, __m512 acc[][2], int64_t r0, int64_t n0, int64_t nc, float *y, int64_t ldy,
+                        const float *bias, const float *res, int64_t ldr) {
     const __mmask16 m0 = nc >= 16 ? 0xffff : (__mmask16)((1u << nc) - 1u),
                     m1 = nc >= 32 ? 0xffff : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1u);
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
@@ -180,8 +170,52 @@ INLINE void panel_tile(const int R, const float *P, int64_t K, const float *x, i
     }
 }
 
+/* y rows r0 .. r0 + R - 1, columns n0 .. n0 + nc - 1 (nc <= 32) from panel P. */
+INLINE void panel_tile(const int R, const float *P, int64_t K, const float *x, int64_t ldx, int64_t r0, int64_t n0,
+                       int64_t nc, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    __m512 acc[PANEL_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float *xr = x + r0 * ldx;
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_load_ps(P + k * PANEL_N), w1 = _mm512_load_ps(P + k * PANEL_N + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(xr[r * ldx + k]);
+            acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+        }
+    }
+    panel_store(R, acc, r0, n0, nc, y, ldy, bias, res, ldr);
+}
+
 static _Thread_local float *panel_buf;
 static _Thread_local size_t panel_cap;
+
+/* This thread's panel buffer of at least K * PANEL_N floats, or NULL when it cannot be allocated. */
+static float *panel_thread_buf(int64_t K) {
+    const size_t bytes = (size_t)K * PANEL_N * sizeof(float);
+    if (bytes > panel_cap) {
+        free(panel_buf);
+        panel_buf = aligned_alloc(64, bytes);
+        panel_cap = panel_buf ? bytes : 0;
+    }
+    return panel_buf;
+}
+
+/* Dequantize weight rows n0 .. n0 + nc - 1 (nc <= PANEL_N) of W into the panel P [K][PANEL_N]. */
+static void panel_fill(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t n0,
+                       int64_t nc, int64_t K, float *P) {
+    for (int h = 0; h < PANEL_N; h += 16) {
+        const int64_t nr = nc - h < 0 ? 0 : nc - h < 16 ? nc - h : 16;
+        switch (kind) { /* kind a constant in each instance */
+        case K_Q8: panel_fill16(K_Q8, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case K_Q4: panel_fill16(K_Q4, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case K_Q5: panel_fill16(K_Q5, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case K_Q6: panel_fill16(K_Q6, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 4: panel_fill16(4, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        default: panel_fill16(5, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        }
+    }
+}
 
 /* y = x @ W^T (+ bias) (+ res) for W [N, K] of `kind` (see the top of this
  * file), x float32 [M, K] (row stride ldx); y, res row strides ldy, ldr.
@@ -196,29 +230,13 @@ static int panel_gemm(const int kind, const uint8_t *wq, const uint16_t *wd, con
     int failed = 0;
 #pragma omp parallel for if (!buf && N * M * nb >= par_min) schedule(static)
     for (int64_t pi = 0; pi < panels; pi++) {
-        const size_t bytes = (size_t)K * PANEL_N * sizeof(float);
-        if (!buf && bytes > panel_cap) {
-            free(panel_buf);
-            panel_buf = aligned_alloc(64, bytes);
-            panel_cap = panel_buf ? bytes : 0;
-        }
-        float *const P = buf ? buf : panel_buf;
+        float *const P = buf ? buf : panel_thread_buf(K);
         if (!P) {
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
             continue;
         }
         const int64_t n0 = pi * PANEL_N, nc = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        for (int h = 0; h < PANEL_N; h += 16) {
-            const int64_t nr = nc - h < 0 ? 0 : nc - h < 16 ? nc - h : 16;
-            switch (kind) { /* kind a constant in each instance */
-            case K_Q8: panel_fill16(K_Q8, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            case K_Q4: panel_fill16(K_Q4, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            case K_Q5: panel_fill16(K_Q5, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            case K_Q6: panel_fill16(K_Q6, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            case 4: panel_fill16(4, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            default: panel_fill16(5, wq, wd, wm, n0 + h, nr, K, P, h); break;
-            }
-        }
+        panel_fill(kind, wq, wd, wm, n0, nc, K, P);
         int64_t r0 = 0;
         for (; r0 + PANEL_MR <= M; r0 += PANEL_MR)
             panel_tile(PANEL_MR, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr);

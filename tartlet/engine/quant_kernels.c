@@ -201,6 +201,11 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #include "quant_kernels_avx512.h"
 #include "panel_gemm_avx512.h"
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")
+#include "panel_gemm_bf16.h"
+#pragma GCC pop_options
 #endif
 
 /* ------------------------------------------------------------- dispatch */
@@ -234,6 +239,16 @@ static inline int cur_isa(void) {
     return isa;
 }
 
+/* 1 when the CPU has AVX512_BF16 (the panel GEMM's bfloat16 products, panel_gemm_bf16.h). */
+int tq_has_bf16(void) {
+#ifdef TQ_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 /* Products of at least this many activation rows take the float panel GEMM
  * (panel_gemm_avx512.h) on the AVX-512 level (tq_set_panel_rows). Whole
  * decode steps of the default model on 2 threads, byte-split kernel vs
@@ -265,16 +280,28 @@ static inline int panel_route(int64_t bits, int64_t kind, int64_t M) {
 #define PANEL_N 32
 #endif
 
-/* panel_gemm where it is built (the caller checked panel_route). */
+/* panel_gemm where it is built (the caller checked panel_route): float32
+ * products from x (row stride ldx), or bfloat16 ones from xb [M, K] (the
+ * same rows rounded by panel_x_bf16) when xb is not NULL. */
 static inline int panel_call(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                             const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
-                             const float *res, int64_t ldr, float *buf) {
+                             const float *x, int64_t ldx, const uint16_t *xb, int64_t M, float *y, int64_t ldy,
+                             const float *bias, const float *res, int64_t ldr, float *buf) {
 #ifdef TQ_X86
+    if (xb) return panel_gemm_bf16(kind, wq, wd, wm, N, K, xb, M, y, ldy, bias, res, ldr, buf);
     return panel_gemm(kind, wq, wd, wm, N, K, x, ldx, M, y, ldy, bias, res, ldr, buf);
 #else
-    (void)kind, (void)wq, (void)wd, (void)wm, (void)N, (void)K, (void)x, (void)ldx, (void)M, (void)y, (void)ldy;
-    (void)bias, (void)res, (void)ldr, (void)buf;
+    (void)kind, (void)wq, (void)wd, (void)wm, (void)N, (void)K, (void)x, (void)ldx, (void)xb, (void)M, (void)y;
+    (void)ldy, (void)bias, (void)res, (void)ldr, (void)buf;
     return -1;
+#endif
+}
+
+/* Round M rows of x (row stride ldx) to bfloat16 rows xb [M, K] for panel_call (K even). */
+static inline void panel_x(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb) {
+#ifdef TQ_X86
+    panel_x_bf16(x, ldx, M, K, xb);
+#else
+    (void)x, (void)ldx, (void)M, (void)K, (void)xb;
 #endif
 }
 
@@ -326,11 +353,17 @@ typedef struct {
     const uint16_t *d, *m;
 } tq_part;
 
+/* bf16: 1 when the panel GEMM multiplies bfloat16 values (bits 16, K even,
+ * the CPU has AVX512_BF16: checked by the caller that builds the descriptor). */
 typedef struct {
     int64_t nparts, bits, k, n_total;
     const float *bias;
     tq_part parts[TQ_MAX_PARTS];
+    int64_t bf16;
 } tq_linear_desc;
+
+/* Whether M rows through L take the bfloat16 panel GEMM (every part does then: bits 16). */
+static inline int panel_bf16(const tq_linear_desc *L, int64_t M) { return L->bf16 && panel_route(L->bits, 0, M); }
 
 static _Thread_local void *act_buf;
 static _Thread_local size_t act_cap;
@@ -352,6 +385,12 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
     if (M <= 0) return 0; /* e.g. a pass whose rows want no logits: no buffer to ask for */
     void *qa = 0;
     float *fa = 0;
+    uint16_t *xb = 0;
+    if (panel_bf16(L, M)) {
+        xb = scratch((size_t)M * K * sizeof(uint16_t));
+        if (!xb) return -1;
+        panel_x(x, ldx, M, K, xb);
+    }
     for (int64_t i = 0; i < L->nparts; i++)
         if (L->parts[i].kind < 4 && !qa && !panel_route(L->bits, L->parts[i].kind, M)) {
             const size_t qbytes = (size_t)(M * K * (L->bits / 8) + 63) / 64 * 64;
@@ -366,7 +405,8 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
         const tq_part *p = &L->parts[i];
         const float *b = L->bias ? L->bias + n0 : 0, *r = res ? res + n0 : 0;
         if (panel_route(L->bits, p->kind, M)) {
-            if (panel_call((int)p->kind, p->q, p->d, p->m, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr, 0)) return -1;
+            if (panel_call((int)p->kind, p->q, p->d, p->m, p->n, K, x, ldx, xb, M, y + n0, L->n_total, b, r, ldr, 0))
+                return -1;
         } else if (p->kind >= 4)
             tq_matmul_half(p->kind == 5, (const uint16_t *)p->q, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr);
         else

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
-                                    "float_kernels.h", "kv_int8.h", "decode_step.h"))
+                                    "panel_gemm_bf16.h", "float_kernels.h", "kv_int8.h", "decode_step.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
@@ -52,7 +52,8 @@ class LinearDesc(ctypes.Structure):
     per :class:`~tartlet.engine.quant_linear.QuantLinear`, so a call passes
     one pointer instead of a dozen arguments per part."""
 
-    _fields_ = [("nparts", _I), ("bits", _I), ("k", _I), ("n_total", _I), ("bias", _P), ("parts", _Part * MAX_PARTS)]
+    _fields_ = [("nparts", _I), ("bits", _I), ("k", _I), ("n_total", _I), ("bias", _P), ("parts", _Part * MAX_PARTS),
+                ("bf16", _I)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -140,7 +141,11 @@ class QuantKernels:
         lib.tq_set_isa.argtypes = [ctypes.c_int]
         lib.tq_set_isa.restype = ctypes.c_int
         lib.tq_best_isa.restype = ctypes.c_int
+        lib.tq_has_bf16.restype = ctypes.c_int
         self.best_isa: int = lib.tq_best_isa()
+        #: Whether the CPU has AVX512_BF16, the panel GEMM's bfloat16 products
+        #: (:meth:`linear_desc` ``bf16``).
+        self.has_bf16: bool = bool(lib.tq_has_bf16())
         self.isa: int = lib.tq_set_isa(-1)
 
     def set_isa(self, level: int) -> int:
@@ -212,19 +217,30 @@ class QuantKernels:
         self._lib.tq_matmul(w.kind, 8 if qa.dtype == torch.int8 else 16, w.q.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, K, qa.data_ptr(), fa.data_ptr(), qa.shape[0],
           out.data_ptr(), out.stride(0), _ptr(bias), _ptr(residual), 0 if residual is None else residual.stride(0))
 
-    def linear_desc(self, parts: list[QuantWeight], bias: torch.Tensor | None, bits: int) -> LinearDesc:
+    def linear_desc(self, parts: list[QuantWeight], bias: torch.Tensor | None, bits: int,
+                    bf16: bool = False) -> LinearDesc:
         """The descriptor of ``x @ W^T (+ bias)`` with ``W`` stacked from
         ``parts`` (one width ``K``) and activations quantized to ``bits``.
+        ``bf16``: calls that take the panel GEMM (AVX-512, from
+        :attr:`panel_rows` rows) multiply bfloat16-rounded activations and
+        weights with float32 sums (``panel_gemm_bf16.h``) instead of float32
+        ones; needs 16-bit activations, an even ``K`` and :attr:`has_bf16`.
         The tensors must outlive the descriptor (the caller keeps them).
 
         Raises:
-            ValueError: more than :data:`MAX_PARTS` parts, or ``bits`` not 8 or 16.
+            ValueError: more than :data:`MAX_PARTS` parts, ``bits`` not 8 or
+                16, or ``bf16`` where it cannot be had.
         """
         if len(parts) > MAX_PARTS:
             raise ValueError(f"a projection holds at most {MAX_PARTS} runs of one format, got {len(parts)}")
         if bits not in (8, 16):
             raise ValueError(f"activations are quantized to 8 or 16 bits, not {bits}")
-        desc = LinearDesc(len(parts), bits, parts[0].shape[1], sum(p.shape[0] for p in parts), _ptr(bias))
+        K = parts[0].shape[1]
+        if bf16 and not (self.has_bf16 and bits == 16 and K % 2 == 0):
+            raise ValueError(f"bfloat16 panel products need AVX512_BF16 (this CPU: {self.has_bf16}), "
+                             f"16-bit activations (got {bits}) and an even width (got {K})")
+        desc = LinearDesc(len(parts), bits, K, sum(p.shape[0] for p in parts), _ptr(bias))
+        desc.bf16 = int(bf16)
         for i, p in enumerate(parts):
             desc.parts[i] = _Part(p.kind, p.shape[0], p.q.data_ptr(), _ptr(p.d), _ptr(p.m))
         return desc

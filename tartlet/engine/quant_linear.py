@@ -40,6 +40,10 @@ from .quant_kernels import QuantKernels
 #: vs 104 ms by tiles; B=32 200 vs 153 ms (2 vCPUs, whole decode steps).
 DEQUANT_ROWS = 40
 
+#: Values of ``matmul_dtype`` (:class:`~tartlet.engine.llama.LlamaModel`): the
+#: precision of the panel GEMM's products.
+MATMUL_DTYPES = ("float32", "bfloat16")
+
 #: Largest float32 tile (elements) dequantized at once on the GEMM path
 #: (16 MiB). 4 MiB tiles were tried: on one thread the 49152 x 576 head
 #: times 64 rows took 49 instead of 87 CPU ms, but whole 64-row decode steps
@@ -57,12 +61,15 @@ class QuantLinear:
         bias: float32 ``[sum n_i]`` or None.
         kernels: the loaded :class:`QuantKernels`.
         act_bits: 8 or 16, the precision ``x`` is quantized to (see the module docstring).
+        bf16: the panel GEMM (AVX-512, 8+ rows) multiplies bfloat16 values
+            (:meth:`QuantKernels.linear_desc`); needs ``act_bits`` 16.
 
     Raises:
         ValueError: parts of different widths, or a bias of the wrong size.
     """
 
-    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: QuantKernels, act_bits: int = 16) -> None:
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: QuantKernels, act_bits: int = 16,
+                 bf16: bool = False) -> None:
         if act_bits not in (8, 16):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self.act_bits = act_bits
@@ -82,7 +89,8 @@ class QuantLinear:
             raise ValueError(f"bias shape {tuple(bias.shape)} does not match {self.out_features} outputs")
         self.bias = None if bias is None else bias.to(torch.float32).contiguous()
         self.kernels = kernels
-        self._desc = kernels.linear_desc(merged, self.bias, act_bits)
+        self.bf16 = bf16
+        self._desc = kernels.linear_desc(merged, self.bias, act_bits, bf16)
 
     @property
     def nbytes(self) -> int:

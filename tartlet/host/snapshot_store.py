@@ -61,6 +61,7 @@ def model_identity(engine: Engine) -> str:
         "quantized": cfg.keeps_quantized(),
         "quantize": cfg.quantize,
         "act_bits": cfg.act_bits if cfg.keeps_quantized() else None,
+        "matmul_dtype": engine.model.matmul_dtype,  # as resolved on this CPU
         "kv_dtype": str(engine.pool.k.dtype),
         "page_size": engine.pool.page_size,
     }

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from .. import paths
 from ..engine.engine import EngineConfig
 from ..engine.quant_formats import QUANTIZE_TYPES
+from ..engine.quant_linear import MATMUL_DTYPES
 from ..host.kv_quotas import KvLimits
 
 
@@ -273,6 +274,7 @@ _MODEL_KEY_TYPES: dict[str, Any] = {
     "batch_wait_ms": Annotated[float, Field(ge=0)],
     "threads": PositiveInt | None,
     "act_bits": Literal["auto", 8, 16],
+    "matmul_dtype": Literal[MATMUL_DTYPES],
 }
 
 
