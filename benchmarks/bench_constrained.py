@@ -10,13 +10,16 @@ strings, so the constraint never completes before ``max_tokens``.
 Columns:
     tpot_ms: mean wall time per output token after the first (decode only).
     overhead: constrained TPOT / free TPOT - 1.
-    mask_us / advance_us: llguidance time per step (mask on a worker thread,
-        overlapped with the forward pass; advance inline in the inferlet).
+    mask_us / advance_us / check_us: llguidance time per step (mask on a
+        worker thread; advance inline in the inferlet; check: the greedy
+        token validated before any mask, on the scheduler thread).
+    masks/step: masks computed per step (greedy steps compute one only
+        when the grammar forbids the unmasked best token).
     wait_us: per step, time the sampler waited for a mask that was not ready
         when the logits were, i.e. the part of the mask not hidden.
 
 Usage: ``python benchmarks/bench_constrained.py [--quick] [--tokens N]
-[--reps R] [--batch B] [--model NAME]``. Prints a table, then one JSON line.
+[--reps R] [--batch B] [--model NAME] [--mask-first]``. Prints a table, then one JSON line.
 Timings depend on the machine and its load; nothing is asserted.
 """
 
@@ -159,7 +162,7 @@ async def main_async(opts) -> dict:
                         tp[constrained].append(r["decode_s"] / max(1, r["tokens"] - 1))
                     if constrained:
                         steps = sum(r["tokens"] for r in res)
-                        for k in ("mask_seconds", "advance_seconds", "wait_seconds"):
+                        for k in ("mask_seconds", "advance_seconds", "wait_seconds", "check_seconds", "masks"):
                             share[k] = share.get(k, 0.0) + (vars(grammar.STATS)[k] - s0[k]) / steps / opts.reps
             free, con = statistics.mean(tp[False]), statistics.mean(tp[True])
             report["rows"].append({
@@ -170,6 +173,8 @@ async def main_async(opts) -> dict:
                 "mask_us": share["mask_seconds"] * 1e6,
                 "advance_us": share["advance_seconds"] * 1e6,
                 "wait_us": share["wait_seconds"] * 1e6,
+                "check_us": share["check_seconds"] * 1e6,
+                "masks_per_step": share["masks"],
                 "mask_share_of_step": share["mask_seconds"] / con,
             })
     finally:
@@ -184,18 +189,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--mask-first", action="store_true",
+                    help="compute every step's mask up front, greedy steps too (the behaviour before the greedy check)")
     opts = ap.parse_args()
     if opts.quick:
         opts.tokens, opts.reps, opts.batch = 16, 1, 2
+    if opts.mask_first:
+        from tartlet.host import grammar
+
+        grammar.GrammarOutputSlot.check_first = False
     report = asyncio.run(main_async(opts))
+    report["mask_first"] = opts.mask_first
     ls = report["large_schema"]
     print(f"tokenizer bridge (once per model): {report['tokenizer_bridge_s'] * 1e3:.0f} ms")
     print(f"large schema ({ls['properties']} properties): compile {ls['compile_ms']:.1f} ms, "
           f"first mask {ls['first_mask_ms']:.2f} ms, cached compile {ls['cached_compile_ms']:.2f} ms")
-    print(f"{'batch':>5} {'free ms/tok':>12} {'json ms/tok':>12} {'overhead':>9} {'mask us':>8} {'advance us':>10} {'wait us':>8} {'mask share':>10}")
+    print(f"{'batch':>5} {'free ms/tok':>12} {'json ms/tok':>12} {'overhead':>9} {'mask us':>8} {'masks/step':>10} "
+          f"{'check us':>8} {'advance us':>10} {'wait us':>8} {'mask share':>10}")
     for r in report["rows"]:
         print(f"{r['batch']:>5} {r['free_tpot_ms']:>12.2f} {r['constrained_tpot_ms']:>12.2f} {r['overhead']:>8.1%} "
-              f"{r['mask_us']:>8.0f} {r['advance_us']:>10.0f} {r['wait_us']:>8.0f} {r['mask_share_of_step']:>10.1%}")
+              f"{r['mask_us']:>8.0f} {r['masks_per_step']:>10.2f} {r['check_us']:>8.0f} {r['advance_us']:>10.0f} "
+              f"{r['wait_us']:>8.0f} {r['mask_share_of_step']:>10.1%}")
     print(json.dumps(report))
 
 

@@ -216,3 +216,47 @@ def test_host_forward_rejects_bad_params(host_state, kw, name):
         api.forward(h, [1, 2, 3], outputs=[slot])
     assert api.context_len(h) == 0 and api.context_tokens(h) == []
     api.close()
+
+
+class _LazyMaskSlot(OutputSlot):
+    """A greedy slot with a check and a mask that counts its reads."""
+
+    def __init__(self, allow: list[int], spec=None) -> None:
+        self.reads = 0
+        self.checked: list[int] = []
+        self._mask = torch.zeros(V, dtype=torch.bool)
+        self._mask[allow] = True
+        super().__init__(0, spec or SamplerSpec(), None, self._check)
+
+    def _check(self, t: int) -> bool:
+        self.checked.append(t)
+        return bool(self._mask[t])
+
+    @property
+    def allowed(self):
+        self.reads += 1
+        return self._mask
+
+    @allowed.setter
+    def allowed(self, value):  # the dataclass __init__ assigns None
+        pass
+
+
+@pytest.mark.parametrize("use_c", [False, True])
+def test_greedy_check_before_the_mask(use_c):
+    """A greedy slot with ``check``: its unmasked argmax, checked, is taken
+    without reading the mask; a forbidden one falls back to the masked
+    argmax. Ties take the lowest id either way; sampling slots never call
+    ``check`` and read the mask."""
+    from tartlet.engine.cpu_kernels import load as load_cpu_kernels
+
+    kern = load_cpu_kernels() if use_c else None
+    sampler = SlotSampler(V, kern.argmax_rows if kern is not None else None)
+    logits = torch.stack([LOGITS, LOGITS, torch.tensor([1.0, 5.0, 5.0, 0, 0, 0, 0, 0]), LOGITS])
+    slots = [_LazyMaskSlot([2, 3]), _LazyMaskSlot([0, 1]), _LazyMaskSlot([2, 1]),
+             _LazyMaskSlot([0, 4], SamplerSpec(temperature=1.0, seed=3))]
+    out = sampler.run(logits, slots)
+    assert out[0] == 2 and slots[0].reads == 0 and slots[0].checked == [2]  # the best token is allowed
+    assert out[1] == 0 and slots[1].reads == 1 and slots[1].checked == [2]  # forbidden: masked argmax
+    assert out[2] == 1 and slots[2].reads == 0 and slots[2].checked == [1]  # tie of 1 and 2: lowest id
+    assert out[3] in (0, 4) and slots[3].reads == 1 and slots[3].checked == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 from dataclasses import dataclass, field
 
 import torch
@@ -96,11 +97,23 @@ class OutputSlot:
         index: input token (0-based within the request) whose logits are used.
         spec: sampler or probe.
         allowed: bool ``[vocab_size]`` logit mask (True = allowed), or None.
+        check: for a greedy slot with a mask, a test of one token id (True =
+            allowed), or None. The sampler first takes the unmasked argmax
+            and, when ``check`` passes it, never reads ``allowed``: the
+            argmax over the allowed tokens is the overall argmax whenever
+            that one is allowed (ties included: both take the lowest id), so
+            a mask that is costly to compute (a grammar's) is computed only
+            for the steps whose best token it forbids.
     """
 
     index: int
     spec: SamplerSpec | ProbeSpec
     allowed: torch.Tensor | None = None
+    check: Callable[[int], bool] | None = None
+
+
+def _greedy(s: OutputSlot) -> bool:
+    return isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0
 
 
 class SlotSampler:
@@ -119,25 +132,24 @@ class SlotSampler:
         for slot i). A slot that fails yields its :class:`SamplingError`
         instead of a result, so one bad request does not fail the batch."""
         out: list[object] = [None] * len(slots)
-        masked_rows = [i for i, s in enumerate(slots) if s.allowed is not None]
-        if masked_rows:
+        checked = [i for i, s in enumerate(slots) if s.check is not None and _greedy(s)]
+        if checked:
+            for i, t in zip(checked, self._argmax(logits if len(checked) == len(slots) else logits[checked])):
+                check = slots[i].check
+                assert check is not None  # checked
+                if check(t):
+                    out[i] = t
+        masks = {i: m for i, s in enumerate(slots) if out[i] is None and (m := s.allowed) is not None}  # read once
+        if masks:
             logits = logits.clone()
-            for i in masked_rows:
-                allowed = slots[i].allowed
-                assert allowed is not None  # masked_rows
+            for i, allowed in masks.items():
                 if not bool(allowed.any()):
                     out[i] = SamplingError("the logit mask allows no token")
                     continue
                 logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
-        greedy = [i for i, s in enumerate(slots) if out[i] is None and isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0]
+        greedy = [i for i, s in enumerate(slots) if out[i] is None and _greedy(s)]
         if greedy:
-            rows = logits if len(greedy) == len(slots) else logits[greedy]
-            argmax = self._argmax_rows
-            if argmax is not None and rows.dtype is torch.float32 and rows.is_cpu and rows.stride(-1) == 1:
-                ids = argmax(rows)
-            else:
-                ids = rows.argmax(dim=-1).tolist()
-            for i, t in zip(greedy, ids):
+            for i, t in zip(greedy, self._argmax(logits if len(greedy) == len(slots) else logits[greedy])):
                 out[i] = t
         rest = [i for i in range(len(slots)) if out[i] is None]
         if not rest:
@@ -153,6 +165,13 @@ class SlotSampler:
             except SamplingError as e:
                 out[i] = e
         return out
+
+    def _argmax(self, rows: torch.Tensor) -> list[int]:
+        """``rows.argmax(-1).tolist()`` (the C kernel where it applies)."""
+        argmax = self._argmax_rows
+        if argmax is not None and rows.dtype is torch.float32 and rows.is_cpu and rows.stride(-1) == 1:
+            return argmax(rows)
+        return cast(list[int], rows.argmax(dim=-1).tolist())
 
     def _sample(self, logits: torch.Tensor, s: SamplerSpec) -> int:
         probs = torch.softmax(logits / s.temperature, dim=-1)

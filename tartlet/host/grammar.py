@@ -79,6 +79,10 @@ class GrammarStats:
             when the logits were (the part of mask time not overlapped).
         advances: tokens consumed.
         advance_seconds: time spent consuming tokens.
+        checks: greedy tokens checked against a matcher before any mask
+            (:meth:`Matcher.accepts`); ``checks_passed`` of them were
+            allowed, so those steps computed no mask.
+        check_seconds: time spent checking.
     """
 
     compiles: int = 0
@@ -88,6 +92,9 @@ class GrammarStats:
     wait_seconds: float = 0.0
     advances: int = 0
     advance_seconds: float = 0.0
+    checks: int = 0
+    checks_passed: int = 0
+    check_seconds: float = 0.0
 
 
 STATS = GrammarStats()
@@ -270,6 +277,41 @@ class Matcher:
                 )
             self.consumed += 1
 
+    def accepts(self, token: int) -> bool:
+        """True when the mask of the current state would allow ``token``
+        (nothing is consumed; a few microseconds where a mask takes ~0.5
+        ms); False may also mean "ask the mask".
+
+        llguidance's ``validate_tokens`` decides, except where the grammar
+        forces the next bytes (``compute_ff_bytes``, e.g. ``","name":"``
+        after a finished enum value): there the mask keeps to the canonical
+        tokens of the forced bytes (it forbids ``",`` where ``","`` is one
+        token) while ``validate_tokens`` accepts any valid bytes, so this
+        returns False. Checked against the mask over every token of 52
+        unforced states of 12 schemas (no difference) and in tests.
+        False for a token id outside the vocabulary and for a failed
+        matcher (whose error the next call raises)."""
+        self._settle()
+        with self._lock:
+            if self.error is not None or self._m.is_error() or not 0 <= token < self.vocab_size:
+                return False
+            t0 = time.perf_counter()
+            ok = not self._m.compute_ff_bytes() and self._m.validate_tokens([token]) == 1
+            STATS.checks += 1
+            STATS.checks_passed += ok
+            STATS.check_seconds += time.perf_counter() - t0
+            return ok
+
+    def ensure_ok(self) -> None:
+        """Raise the matcher's error, if it failed.
+
+        Raises:
+            GrammarError: the matcher failed earlier.
+        """
+        self._settle()
+        with self._lock:
+            self._check()
+
     def fork(self) -> "Matcher":
         """An independent copy of this matcher in the same state."""
         self._settle()
@@ -376,24 +418,57 @@ def bits_to_brle(packed: npt.NDArray[np.uint8], size: int) -> list[int]:
 
 
 class GrammarOutputSlot(OutputSlot):
-    """An output slot whose logit mask comes from a matcher, computed on
-    :data:`MASK_POOL` from submission on. The sampler reads ``allowed`` only
-    after the model has produced the logits, so the mask is computed while
-    the batch waits and runs; reading it blocks only for what is left
-    (counted in :attr:`GrammarStats.wait_seconds`).
+    """An output slot whose logit mask comes from a matcher.
+
+    A greedy slot computes no mask up front: the sampler takes the unmasked
+    argmax and checks it with the matcher (:attr:`OutputSlot.check`,
+    :meth:`Matcher.accepts`); only when the grammar forbids it is the mask
+    computed, then, while the sampler waits. The token is the same as when
+    masking first. On a JSON string's inside or free text nearly every
+    step's best token is allowed, so most steps cost a check (~10 us)
+    instead of a mask (~0.5 ms of CPU that, on a machine whose cores all
+    run the forward pass, came out of the pass). Other slots (sampling,
+    probes) need the whole mask: it is computed on :data:`MASK_POOL` from
+    submission on, while the batch waits and runs; reading it blocks only
+    for what is left (counted in :attr:`GrammarStats.wait_seconds`).
+
+    Raises:
+        GrammarError: (construction) the matcher failed earlier.
     """
 
-    def __init__(self, index: int, spec: SamplerSpec | ProbeSpec, mask: Future[torch.Tensor], extra: torch.Tensor | None) -> None:
-        self._mask = mask
+    #: Greedy slots check their best token before any mask (False: every
+    #: slot computes its mask up front, as sampling slots do; for tests).
+    check_first = True
+
+    def __init__(self, index: int, spec: SamplerSpec | ProbeSpec, matcher: Matcher, extra: torch.Tensor | None) -> None:
+        self._matcher = matcher
         self._extra = extra
         self._resolved: torch.Tensor | None = None
-        super().__init__(index, spec, None)
+        greedy = self.check_first and isinstance(spec, SamplerSpec) and spec.temperature == 0
+        if greedy:
+            matcher.ensure_ok()
+        self._mask: Future[torch.Tensor] | None = None if greedy else matcher.mask_async()
+        super().__init__(index, spec, None, self._accepts if greedy else None)
+
+    def _accepts(self, token: int) -> bool:
+        if (self._extra is None or bool(self._extra[token])) and self._matcher.accepts(token):
+            return True
+        try:  # the sampler reads the mask next: start it now, beside the other slots' checks
+            self._mask = self._matcher.mask_async()
+        except GrammarError:  # failed since: `allowed` gives the empty mask
+            pass
+        return False
 
     @property
     def allowed(self) -> torch.Tensor:
         if self._resolved is None:
             t0 = time.perf_counter()
-            m = self._mask.result()
+            try:
+                if self._mask is None:  # a greedy slot whose best token the grammar forbids
+                    self._mask = self._matcher.mask_async()
+                m = self._mask.result()
+            except GrammarError:  # failed since: this slot fails alone, the next call raises
+                m = torch.zeros(self._matcher.vocab_size, dtype=torch.bool)
             STATS.wait_seconds += time.perf_counter() - t0
             self._resolved = m if self._extra is None else (m & self._extra)
         return self._resolved

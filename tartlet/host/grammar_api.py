@@ -144,7 +144,9 @@ class GrammarHostMixin:
     def _grammar_output_slot(self, engine: Any, index: int, spec: SamplerSpec | ProbeSpec, handle: Any, allowed: torch.Tensor | None) -> OutputSlot:
         """An output slot masked by matcher ``handle`` (and ``allowed`` when
         the slot also carries a BRLE ``logit_mask``: both must allow a
-        token). Starts the mask computation now, so it overlaps the pass.
+        token). A sampling or probe slot starts its mask computation now, so
+        it overlaps the pass; a greedy one checks its best token first (see
+        :class:`GrammarOutputSlot`).
 
         Raises:
             InvalidHandleError: unknown handle.
@@ -153,7 +155,7 @@ class GrammarHostMixin:
         m = self._matcher(handle)
         if m.engine is not engine:
             raise GrammarError(f"grammar matcher {handle} was compiled for another model than this context's")
-        return GrammarOutputSlot(index, spec, m.mask_async(), allowed)
+        return GrammarOutputSlot(index, spec, m, allowed)
 
     def _grammar_close(self) -> None:
         """Drop every matcher of this instance (the instance ended)."""
