@@ -53,10 +53,23 @@ INLINE void transpose16x16(__m512i r[16]) {
     }
 }
 
+/* Two float32 vectors a, b (16 columns at steps k and k + 1) as bfloat16
+ * pairs: lane j = (a[j], b[j]), each rounded to nearest even. Only where the
+ * CPU has AVX512_BF16. */
+INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
+    /* cvtne2ps puts a in words 0-15 and b in 16-31; interleave them */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
 /* Dequantize weight rows n0 .. n0 + nr - 1 (nr <= 16) into columns c0 .. c0 +
- * 15 of the panel P [K][PANEL_N]; columns past nr get zeros. */
-INLINE void panel_fill16(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t n0,
-                         int64_t nr, int64_t K, float *P, int c0) {
+ * 15 of the panel P [K][PANEL_N]; columns past nr get zeros. bf16 (block
+ * kinds only; a constant at each call): write them as bfloat16 pairs
+ * [K/2][PANEL_N] of 32-bit lanes instead (panel_gemm_bf16.h's layout), the
+ * same values panel_round_bf16 makes of the float32 panel. */
+INLINE void panel_fill16(const int kind, const int bf16, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                         int64_t n0, int64_t nr, int64_t K, float *P, int c0) {
     if (kind >= 4) { /* float16 / bfloat16 rows [N, K] */
         const uint16_t *w = (const uint16_t *)wq;
         for (int64_t k = 0; k < K; k += 16) {
@@ -136,14 +149,21 @@ INLINE void panel_fill16(const int kind, const uint8_t *wq, const uint16_t *wd, 
                                              : _mm512_castsi512_ps(Mn[bb]);
             const __m512 m1 = kind == K_Q6 ? _mm512_mul_ps(d1, _mm512_set1_ps(-32.0f)) : m0;
             float *p = P + b * QK * PANEL_N + c0;
+            uint32_t *p2 = (uint32_t *)P + b * (QK / 2) * PANEL_N + c0;
             for (int t = 0; t < 8; t++) {
                 const __m512 d = t < 4 ? d0 : d1, m = t < 4 ? m0 : m1;
                 const __m512i v[4] = {_mm512_and_si512(T[t], low8),
                                       _mm512_and_si512(_mm512_srli_epi32(T[t], 8), low8),
                                       _mm512_and_si512(_mm512_srli_epi32(T[t], 16), low8),
                                       _mm512_srli_epi32(T[t], 24)};
-                for (int s = 0; s < 4; s++)
-                    _mm512_store_ps(p + (4 * t + s) * PANEL_N, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[s]), d, m));
+                __m512 w[4];
+                for (int s = 0; s < 4; s++) w[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[s]), d, m);
+                if (bf16) { /* k = 4t .. 4t + 3: pairs 2t and 2t + 1 of the block */
+                    _mm512_store_si512(p2 + (2 * t) * PANEL_N, bf16_pairs(w[0], w[1]));
+                    _mm512_store_si512(p2 + (2 * t + 1) * PANEL_N, bf16_pairs(w[2], w[3]));
+                } else {
+                    for (int s = 0; s < 4; s++) _mm512_store_ps(p + (4 * t + s) * PANEL_N, w[s]);
+                }
             }
         }
     }
@@ -201,18 +221,24 @@ static float *panel_thread_buf(int64_t K) {
     return panel_buf;
 }
 
-/* Dequantize weight rows n0 .. n0 + nc - 1 (nc <= PANEL_N) of W into the panel P [K][PANEL_N]. */
-static void panel_fill(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t n0,
-                       int64_t nc, int64_t K, float *P) {
+/* Dequantize weight rows n0 .. n0 + nc - 1 (nc <= PANEL_N) of W into the
+ * panel P [K][PANEL_N]; bf16 (block kinds only): as bfloat16 pairs (see
+ * panel_fill16). */
+static void panel_fill(const int kind, const int bf16, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                       int64_t n0, int64_t nc, int64_t K, float *P) {
     for (int h = 0; h < PANEL_N; h += 16) {
         const int64_t nr = nc - h < 0 ? 0 : nc - h < 16 ? nc - h : 16;
-        switch (kind) { /* kind a constant in each instance */
-        case K_Q8: panel_fill16(K_Q8, wq, wd, wm, n0 + h, nr, K, P, h); break;
-        case K_Q4: panel_fill16(K_Q4, wq, wd, wm, n0 + h, nr, K, P, h); break;
-        case K_Q5: panel_fill16(K_Q5, wq, wd, wm, n0 + h, nr, K, P, h); break;
-        case K_Q6: panel_fill16(K_Q6, wq, wd, wm, n0 + h, nr, K, P, h); break;
-        case 4: panel_fill16(4, wq, wd, wm, n0 + h, nr, K, P, h); break;
-        default: panel_fill16(5, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        switch (kind * 2 + (bf16 && kind < 4)) { /* kind and bf16 constants in each instance */
+        case 2 * K_Q8: panel_fill16(K_Q8, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q4: panel_fill16(K_Q4, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q5: panel_fill16(K_Q5, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q6: panel_fill16(K_Q6, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q8 + 1: panel_fill16(K_Q8, 1, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q4 + 1: panel_fill16(K_Q4, 1, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q5 + 1: panel_fill16(K_Q5, 1, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 2 * K_Q6 + 1: panel_fill16(K_Q6, 1, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        case 8: panel_fill16(4, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
+        default: panel_fill16(5, 0, wq, wd, wm, n0 + h, nr, K, P, h); break;
         }
     }
 }
@@ -236,7 +262,7 @@ static int panel_gemm(const int kind, const uint8_t *wq, const uint16_t *wd, con
             continue;
         }
         const int64_t n0 = pi * PANEL_N, nc = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        panel_fill(kind, wq, wd, wm, n0, nc, K, P);
+        panel_fill(kind, 0, wq, wd, wm, n0, nc, K, P);
         int64_t r0 = 0;
         for (; r0 + PANEL_MR <= M; r0 += PANEL_MR)
             panel_tile(PANEL_MR, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr);

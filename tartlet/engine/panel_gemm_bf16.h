@@ -4,9 +4,11 @@
  * chains: 115 G multiply-adds/s against 56 G for float32 FMAs).
  *
  * Same method and panel as the float32 route: a thread dequantizes 32 weight
- * rows into its panel (panel_fill16, float32 [K][32]), then rounds the
- * panel in place to bfloat16 pairs ([K/2][32] 32-bit lanes, lane j of pair
- * i = (W[j, 2i], W[j, 2i+1]), round to nearest even), and every activation
+ * rows into its panel as bfloat16 pairs ([K/2][32] 32-bit lanes, lane j of
+ * pair i = (W[j, 2i], W[j, 2i+1]), each the float32 value rounded to
+ * nearest even: panel_fill16 writes them so for the block kinds; float16 /
+ * bfloat16 weights are filled as float32, then rounded in place by
+ * panel_round_bf16), and every activation
  * row, rounded to bfloat16 once per call (panel_x_bf16), passes it in tiles
  * of PANEL_MR rows: per pair of k, two weight loads, one 32-bit broadcast of
  * (x[r, 2i], x[r, 2i+1]) per row and two vdpbf16ps per row.
@@ -20,8 +22,9 @@
  * as on the float32 route, a row's result does not depend on M, its tile,
  * its panel or the thread split.
  *
- * Included after panel_gemm_avx512.h inside a "#pragma GCC target" region
- * that adds avx512bf16; called only where the CPU has it (tq_has_bf16). */
+ * Included after panel_gemm_avx512.h in the same "#pragma GCC target"
+ * region (which lists avx512bf16); called only where the CPU has it
+ * (tq_has_bf16). */
 
 /* Round rows of x [M, K] float32 (row stride ldx) to bfloat16 [M, K] (K even;
  * round to nearest even, as vcvtne2ps2bf16). */
@@ -44,16 +47,11 @@ static void panel_x_bf16(const float *x, int64_t ldx, int64_t M, int64_t K, uint
  * [128 i, 128 i + 128) after rows 2i and 2i + 1 (bytes [256 i, 256 i +
  * 256)) are read: never over a row not yet read. */
 INLINE void panel_round_bf16(float *P, int64_t K) {
-    /* words 0-15 of cvtne2ps (row 2i) and 16-31 (row 2i + 1), interleaved */
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     uint32_t *P2 = (uint32_t *)P;
     for (int64_t i = 0; i < K / 2; i++) {
         const float *a = P + 2 * i * PANEL_N, *b = a + PANEL_N;
-        const __m512 a0 = _mm512_load_ps(a), a1 = _mm512_load_ps(a + 16);
-        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
-        const __m512i v0 = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b0, a0));
-        const __m512i v1 = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b1, a1));
+        const __m512i v0 = bf16_pairs(_mm512_load_ps(a), _mm512_load_ps(b));
+        const __m512i v1 = bf16_pairs(_mm512_load_ps(a + 16), _mm512_load_ps(b + 16));
         _mm512_store_si512(P2 + i * PANEL_N, v0);
         _mm512_store_si512(P2 + i * PANEL_N + 16, v1);
     }
@@ -96,8 +94,8 @@ static int panel_gemm_bf16(const int kind, const uint8_t *wq, const uint16_t *wd
             continue;
         }
         const int64_t n0 = pi * PANEL_N, nc = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        panel_fill(kind, wq, wd, wm, n0, nc, K, P);
-        panel_round_bf16(P, K);
+        panel_fill(kind, 1, wq, wd, wm, n0, nc, K, P); /* block kinds: bfloat16 pairs at once */
+        if (kind >= 4) panel_round_bf16(P, K);
         const uint32_t *P2 = (const uint32_t *)P;
         int64_t r0 = 0;
         for (; r0 + PANEL_MR <= M; r0 += PANEL_MR)

@@ -192,7 +192,12 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+/* avx512bf16 is in this region's target for panel_gemm_bf16.h and the
+ * bfloat16 branch of panel_fill16; those run only for descriptors with bf16
+ * set, which QuantKernels.linear_desc allows only where tq_has_bf16 (GCC
+ * emits bfloat16 instructions for their intrinsics alone: no __bf16 type is
+ * used here). */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")
 #define SUFFIX _vnni
 #define VNNI 1
 #include "quant_kernels_isa.h"
@@ -200,10 +205,6 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #undef VNNI
 #include "quant_kernels_avx512.h"
 #include "panel_gemm_avx512.h"
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")
 #include "panel_gemm_bf16.h"
 #pragma GCC pop_options
 #endif
