@@ -111,6 +111,45 @@ static inline void softmax_row(float *ph, int64_t L)
         ph[j] *= inv;
 }
 
+#ifdef TARTLET_AVX2
+/* The 8 sums of a[0..7]'s lanes, as one vector (lane i: sum of a[i]). */
+static inline __m256 hsum8x8(const __m256 a[8])
+{
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* p[h * L + j] = q_h . k_j for the g heads, 8 keys at a time (hd a multiple
+ * of 8): one accumulator per key, so each key's products need no horizontal
+ * sum of their own; the 8 sums come out of one hadd tree. */
+static void scores_8keys(const float *qh, const float *k_pool, const int64_t *sl, int64_t L, int64_t g, int64_t hd,
+                         int64_t row, int64_t kh, float *p)
+{
+    for (int64_t j0 = 0; j0 < L; j0 += 8) {
+        const int64_t nb = L - j0 < 8 ? L - j0 : 8;
+        const float *k[8];
+        for (int64_t jj = 0; jj < 8; jj++)
+            k[jj] = k_pool + sl[j0 + (jj < nb ? jj : 0)] * row + kh * hd;
+        for (int64_t h = 0; h < g; h++) {
+            const float *q = qh + h * hd;
+            __m256 acc[8];
+            for (int jj = 0; jj < 8; jj++)
+                acc[jj] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                for (int jj = 0; jj < 8; jj++)
+                    acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[jj] + d), acc[jj]);
+            }
+            float sums[8];
+            _mm256_storeu_ps(sums, hsum8x8(acc));
+            for (int64_t jj = 0; jj < nb; jj++)
+                p[h * L + j0 + jj] = sums[jj];
+        }
+    }
+}
+#endif
+
 /* One attention task: the g query heads sharing KV head kh of one decode
  * query (qh: those heads, [g, hd]) over L pool slots sl (additive mask bb, or
  * NULL), written to out [g, hd]; p: scratch of g * L floats. Softmax with
@@ -118,6 +157,19 @@ static inline void softmax_row(float *ph, int64_t L)
 static void attend_kv_head(const float *qh, const float *k_pool, const float *v_pool, const int64_t *sl, const float *bb,
                            int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale, float *p, float *out)
 {
+#ifdef TARTLET_AVX2
+    if (hd % 8 == 0) {
+        scores_8keys(qh, k_pool, sl, L, g, hd, row, kh, p);
+        for (int64_t h = 0; h < g; h++) {
+            float *ph = p + h * L;
+            for (int64_t j = 0; j < L; j++) /* a masked key's product is overwritten, whatever its slot holds */
+                ph[j] = bb ? (bb[j] == -INFINITY ? -INFINITY : ph[j] * scale + bb[j]) : ph[j] * scale;
+            softmax_row(ph, L);
+            weighted_values(ph, sl, L, v_pool, row, kh * hd, hd, out + h * hd);
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0; j < L; j++) {
         if (bb && bb[j] == -INFINITY) {
             for (int64_t h = 0; h < g; h++)
