@@ -243,15 +243,30 @@ static void panel_fill(const int kind, const int bf16, const uint8_t *wq, const 
     }
 }
 
+#include "panel_gemm_bf16.h" /* the bfloat16 route: panel_x_bf16, panel_round_bf16, panel_tile_bf16 */
+
+/* Rows r0 .. r0 + R - 1 against the panel: float32 products from x, or
+ * bfloat16 ones from xb (P then holds bfloat16 pairs). */
+INLINE void panel_pass(const int R, const float *P, int64_t K, const float *x, int64_t ldx, const uint16_t *xb,
+                       int64_t r0, int64_t n0, int64_t nc, float *y, int64_t ldy, const float *bias, const float *res,
+                       int64_t ldr) {
+    if (xb)
+        panel_tile_bf16(R, (const uint32_t *)P, K, xb, r0, n0, nc, y, ldy, bias, res, ldr);
+    else
+        panel_tile(R, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr);
+}
+
 /* y = x @ W^T (+ bias) (+ res) for W [N, K] of `kind` (see the top of this
  * file), x float32 [M, K] (row stride ldx); y, res row strides ldy, ldr.
+ * xb: NULL, or the same rows rounded to bfloat16 [M, K] (panel_x_bf16; K
+ * even; the CPU has AVX512_BF16): bfloat16 products (panel_gemm_bf16.h).
  * buf: a 64-byte aligned panel buffer of K * PANEL_N floats (then one
  * thread runs it all), or NULL (panels split across OpenMP threads, each
  * with a thread-local buffer). Returns 0, or -1 (outputs of the panels
  * concerned not written) when a thread-local buffer cannot be allocated. */
 static int panel_gemm(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                      const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
-                      const float *res, int64_t ldr, float *buf) {
+                      const float *x, int64_t ldx, const uint16_t *xb, int64_t M, float *y, int64_t ldy,
+                      const float *bias, const float *res, int64_t ldr, float *buf) {
     const int64_t panels = (N + PANEL_N - 1) / PANEL_N, nb = K / QK;
     int failed = 0;
 #pragma omp parallel for if (!buf && N * M * nb >= par_min) schedule(static)
@@ -262,23 +277,24 @@ static int panel_gemm(const int kind, const uint8_t *wq, const uint16_t *wd, con
             continue;
         }
         const int64_t n0 = pi * PANEL_N, nc = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        panel_fill(kind, 0, wq, wd, wm, n0, nc, K, P);
+        panel_fill(kind, xb != 0, wq, wd, wm, n0, nc, K, P); /* block kinds: bfloat16 pairs at once */
+        if (xb && kind >= 4) panel_round_bf16(P, K);
         int64_t r0 = 0;
         for (; r0 + PANEL_MR <= M; r0 += PANEL_MR)
-            panel_tile(PANEL_MR, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr);
+            panel_pass(PANEL_MR, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr);
         switch (M - r0) { /* R a constant in each instance */
         case 0: break;
-        case 1: panel_tile(1, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 2: panel_tile(2, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 3: panel_tile(3, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 4: panel_tile(4, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 5: panel_tile(5, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 6: panel_tile(6, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 7: panel_tile(7, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 8: panel_tile(8, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 9: panel_tile(9, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 10: panel_tile(10, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        default: panel_tile(11, P, K, x, ldx, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 1: panel_pass(1, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 2: panel_pass(2, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 3: panel_pass(3, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 4: panel_pass(4, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 5: panel_pass(5, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 6: panel_pass(6, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 7: panel_pass(7, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 8: panel_pass(8, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 9: panel_pass(9, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        case 10: panel_pass(10, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
+        default: panel_pass(11, P, K, x, ldx, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
         }
     }
     return failed ? -1 : 0;

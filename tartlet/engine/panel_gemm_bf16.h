@@ -22,9 +22,9 @@
  * as on the float32 route, a row's result does not depend on M, its tile,
  * its panel or the thread split.
  *
- * Included after panel_gemm_avx512.h in the same "#pragma GCC target"
- * region (which lists avx512bf16); called only where the CPU has it
- * (tq_has_bf16). */
+ * Included by panel_gemm_avx512.h before its driver panel_gemm (xb not
+ * NULL: this route), inside the "#pragma GCC target" region that lists
+ * avx512bf16; run only where the CPU has it (tq_has_bf16). */
 
 /* Round rows of x [M, K] float32 (row stride ldx) to bfloat16 [M, K] (K even;
  * round to nearest even, as vcvtne2ps2bf16). */
@@ -75,45 +75,4 @@ INLINE void panel_tile_bf16(const int R, const uint32_t *P2, int64_t K, const ui
         }
     }
     panel_store(R, acc, r0, n0, nc, y, ldy, bias, res, ldr);
-}
-
-/* panel_gemm with bfloat16 products: y = x @ W^T (+ bias) (+ res), x given
- * as bfloat16 rows xb [M, K] (panel_x_bf16; K even), W [N, K] of `kind`;
- * buf as in panel_gemm. Returns 0, or -1 when a thread-local buffer cannot
- * be allocated. */
-static int panel_gemm_bf16(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
-                           int64_t K, const uint16_t *xb, int64_t M, float *y, int64_t ldy, const float *bias,
-                           const float *res, int64_t ldr, float *buf) {
-    const int64_t panels = (N + PANEL_N - 1) / PANEL_N, nb = K / QK;
-    int failed = 0;
-#pragma omp parallel for if (!buf && N * M * nb >= par_min) schedule(static)
-    for (int64_t pi = 0; pi < panels; pi++) {
-        float *const P = buf ? buf : panel_thread_buf(K);
-        if (!P) {
-            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-            continue;
-        }
-        const int64_t n0 = pi * PANEL_N, nc = N - n0 < PANEL_N ? N - n0 : PANEL_N;
-        panel_fill(kind, 1, wq, wd, wm, n0, nc, K, P); /* block kinds: bfloat16 pairs at once */
-        if (kind >= 4) panel_round_bf16(P, K);
-        const uint32_t *P2 = (const uint32_t *)P;
-        int64_t r0 = 0;
-        for (; r0 + PANEL_MR <= M; r0 += PANEL_MR)
-            panel_tile_bf16(PANEL_MR, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr);
-        switch (M - r0) { /* R a constant in each instance */
-        case 0: break;
-        case 1: panel_tile_bf16(1, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 2: panel_tile_bf16(2, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 3: panel_tile_bf16(3, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 4: panel_tile_bf16(4, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 5: panel_tile_bf16(5, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 6: panel_tile_bf16(6, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 7: panel_tile_bf16(7, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 8: panel_tile_bf16(8, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 9: panel_tile_bf16(9, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        case 10: panel_tile_bf16(10, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        default: panel_tile_bf16(11, P2, K, xb, r0, n0, nc, y, ldy, bias, res, ldr); break;
-        }
-    }
-    return failed ? -1 : 0;
 }

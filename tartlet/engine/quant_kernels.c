@@ -204,8 +204,7 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #undef SUFFIX
 #undef VNNI
 #include "quant_kernels_avx512.h"
-#include "panel_gemm_avx512.h"
-#include "panel_gemm_bf16.h"
+#include "panel_gemm_avx512.h" /* and panel_gemm_bf16.h */
 #pragma GCC pop_options
 #endif
 
@@ -288,8 +287,7 @@ static inline int panel_call(int kind, const uint8_t *wq, const uint16_t *wd, co
                              const float *x, int64_t ldx, const uint16_t *xb, int64_t M, float *y, int64_t ldy,
                              const float *bias, const float *res, int64_t ldr, float *buf) {
 #ifdef TQ_X86
-    if (xb) return panel_gemm_bf16(kind, wq, wd, wm, N, K, xb, M, y, ldy, bias, res, ldr, buf);
-    return panel_gemm(kind, wq, wd, wm, N, K, x, ldx, M, y, ldy, bias, res, ldr, buf);
+    return panel_gemm(kind, wq, wd, wm, N, K, x, ldx, xb, M, y, ldy, bias, res, ldr, buf);
 #else
     (void)kind, (void)wq, (void)wd, (void)wm, (void)N, (void)K, (void)x, (void)ldx, (void)xb, (void)M, (void)y;
     (void)ldy, (void)bias, (void)res, (void)ldr, (void)buf;
