@@ -385,7 +385,7 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
     void *qa = 0;
     float *fa = 0;
     uint16_t *xb = 0;
-    if (panel_bf16(L, M)) {
+    if (panel_bf16(L, M)) { /* then every part takes the panel (bits 16): scratch() is not asked again below */
         xb = scratch((size_t)M * K * sizeof(uint16_t));
         if (!xb) return -1;
         panel_x(x, ldx, M, K, xb);

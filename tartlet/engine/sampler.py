@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import cast
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -137,7 +137,11 @@ class SlotSampler:
             for i, t in zip(checked, self._argmax(logits if len(checked) == len(slots) else logits[checked])):
                 check = slots[i].check
                 assert check is not None  # checked
-                if check(t):
+                try:
+                    ok = check(t)
+                except Exception:  # a failing check only costs the mask: the slot is masked as before
+                    ok = False
+                if ok:
                     out[i] = t
         masks = {i: m for i, s in enumerate(slots) if out[i] is None and (m := s.allowed) is not None}  # read once
         if masks:
