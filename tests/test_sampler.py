@@ -246,17 +246,35 @@ class _LazyMaskSlot(OutputSlot):
 def test_greedy_check_before_the_mask(use_c):
     """A greedy slot with ``check``: its unmasked argmax, checked, is taken
     without reading the mask; a forbidden one falls back to the masked
-    argmax. Ties take the lowest id either way; sampling slots never call
-    ``check`` and read the mask."""
+    argmax. Ties take the lowest id either way; filtered draws (top-p here)
+    never call ``check`` and read the mask."""
     from tartlet.engine.cpu_kernels import load as load_cpu_kernels
 
     kern = load_cpu_kernels() if use_c else None
     sampler = SlotSampler(V, kern.argmax_rows if kern is not None else None)
     logits = torch.stack([LOGITS, LOGITS, torch.tensor([1.0, 5.0, 5.0, 0, 0, 0, 0, 0]), LOGITS])
     slots = [_LazyMaskSlot([2, 3]), _LazyMaskSlot([0, 1]), _LazyMaskSlot([2, 1]),
-             _LazyMaskSlot([0, 4], SamplerSpec(temperature=1.0, seed=3))]
+             _LazyMaskSlot([0, 4], SamplerSpec(temperature=1.0, top_p=0.9, seed=3))]
     out = sampler.run(logits, slots)
     assert out[0] == 2 and slots[0].reads == 0 and slots[0].checked == [2]  # the best token is allowed
     assert out[1] == 0 and slots[1].reads == 1 and slots[1].checked == [2]  # forbidden: masked argmax
     assert out[2] == 1 and slots[2].reads == 0 and slots[2].checked == [1]  # tie of 1 and 2: lowest id
     assert out[3] in (0, 4) and slots[3].reads == 1 and slots[3].checked == []
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_plain_draw_checked_first_follows_the_masked_distribution(seeded):
+    """A temperature draw with a check: an allowed draw from the unmasked
+    softmax is kept, a forbidden one is drawn again from the masked logits
+    (seeded: with the same noise). The result follows the masked softmax
+    exactly; here the allowed tokens hold 0.41 of the mass, so about 59% of
+    the draws read the mask."""
+    allow = [0, 3, 4, 7]  # probabilities 0.1, 0.06, 0.15, 0.05
+    p = torch.zeros(V)
+    p[allow] = PROBS[allow] / PROBS[allow].sum()
+    slots = [_LazyMaskSlot(allow, SamplerSpec(temperature=1.0, seed=i if seeded else None)) for i in range(N)]
+    out = SlotSampler(V).run(LOGITS.expand(N, V), slots)
+    assert all(t in allow for t in out)
+    assert_follows(out, p)
+    reads = sum(s.reads for s in slots) / N
+    assert all(len(s.checked) == 1 for s in slots) and 0.5 < reads < 0.68, reads

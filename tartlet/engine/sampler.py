@@ -97,13 +97,24 @@ class OutputSlot:
         index: input token (0-based within the request) whose logits are used.
         spec: sampler or probe.
         allowed: bool ``[vocab_size]`` logit mask (True = allowed), or None.
-        check: for a greedy slot with a mask, a test of one token id (True =
-            allowed), or None. The sampler first takes the unmasked argmax
-            and, when ``check`` passes it, never reads ``allowed``: the
-            argmax over the allowed tokens is the overall argmax whenever
-            that one is allowed (ties included: both take the lowest id), so
-            a mask that is costly to compute (a grammar's) is computed only
-            for the steps whose best token it forbids.
+        check: for a slot with a mask, a test of one token id (True =
+            allowed), or None. For a greedy slot, or a draw at a temperature
+            with no top-k, top-p or min-p (:func:`checkable`), the sampler
+            first picks from the unmasked logits and, when ``check`` passes
+            the token, never reads ``allowed``; else it picks again from the
+            masked logits. Greedy: the argmax over the allowed tokens is the
+            overall argmax whenever that one is allowed (ties included: both
+            take the lowest id). A draw: accepting an allowed draw from the
+            softmax ``p`` gives token ``t`` with probability ``p(t)``, and a
+            rejected one falls back to the masked softmax ``p(t) / p(A)``,
+            so ``t`` comes out with ``p(t) + (1 - p(A)) p(t) / p(A) = p(t) /
+            p(A)``, the masked distribution exactly (a seeded fallback
+            reuses the first draw's exponential noise: the race's winner
+            among the allowed tokens is independent of whether a forbidden
+            one won overall). With top-k/p or min-p the filters would see
+            the unmasked distribution, so those slots read ``allowed``
+            first. A mask that is costly to compute (a grammar's) is then
+            computed only for the steps whose pick it forbids.
     """
 
     index: int
@@ -114,6 +125,14 @@ class OutputSlot:
 
 def _greedy(s: OutputSlot) -> bool:
     return isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0
+
+
+def checkable(spec: SamplerSpec | ProbeSpec) -> bool:
+    """Whether a slot with this spec may pick before reading its mask (see
+    :attr:`OutputSlot.check`): greedy, or a plain temperature draw."""
+    return isinstance(spec, SamplerSpec) and (
+        spec.temperature == 0 or (spec.top_k is None and spec.top_p >= 1 and spec.min_p == 0)
+    )
 
 
 class SlotSampler:
@@ -132,12 +151,15 @@ class SlotSampler:
         for slot i). A slot that fails yields its :class:`SamplingError`
         instead of a result, so one bad request does not fail the batch."""
         out: list[object] = [None] * len(slots)
-        checked = [i for i, s in enumerate(slots) if s.check is not None and _greedy(s)]
+        checked = [i for i, s in enumerate(slots) if s.check is not None and checkable(s.spec)]
         if checked:
-            for i, t in zip(checked, self._argmax(logits if len(checked) == len(slots) else logits[checked])):
+            greedy_checked = [i for i in checked if _greedy(slots[i])]
+            picks = dict(zip(greedy_checked, self._argmax(logits[greedy_checked]))) if greedy_checked else {}
+            for i in checked:
                 check = slots[i].check
                 assert check is not None  # checked
                 try:
+                    t = picks[i] if i in picks else self._sample(logits[i].cpu(), cast(SamplerSpec, slots[i].spec))
                     ok = check(t)
                 except Exception:  # a failing check only costs the mask: the slot is masked as before
                     ok = False

@@ -43,7 +43,7 @@ import numpy.typing as npt
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
+from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, checkable
 from ..errors import GrammarError
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class GrammarStats:
             when the logits were (the part of mask time not overlapped).
         advances: tokens consumed.
         advance_seconds: time spent consuming tokens.
-        checks: greedy tokens checked against a matcher before any mask
+        checks: picked tokens checked against a matcher before any mask
             (:meth:`Matcher.accepts`); ``checks_passed`` of them were
             allowed, so those steps computed no mask.
         check_seconds: time spent checking.
@@ -420,35 +420,38 @@ def bits_to_brle(packed: npt.NDArray[np.uint8], size: int) -> list[int]:
 class GrammarOutputSlot(OutputSlot):
     """An output slot whose logit mask comes from a matcher.
 
-    A greedy slot computes no mask up front: the sampler takes the unmasked
-    argmax and checks it with the matcher (:attr:`OutputSlot.check`,
-    :meth:`Matcher.accepts`); only when the grammar forbids it is the mask
-    computed, then, while the sampler waits. The token is the same as when
-    masking first. On a JSON string's inside or free text nearly every
-    step's best token is allowed, so most steps cost a check (~10 us)
-    instead of a mask (~0.5 ms of CPU that, on a machine whose cores all
-    run the forward pass, came out of the pass). Other slots (sampling,
-    probes) need the whole mask: it is computed on :data:`MASK_POOL` from
-    submission on, while the batch waits and runs; reading it blocks only
-    for what is left (counted in :attr:`GrammarStats.wait_seconds`).
+    A greedy slot, or a plain temperature draw (no top-k, top-p or min-p;
+    :func:`~tartlet.engine.sampler.checkable`), computes no mask up front:
+    the sampler picks from the unmasked logits and checks the token with the
+    matcher (:attr:`OutputSlot.check`, :meth:`Matcher.accepts`); only when
+    the grammar forbids it is the mask computed, then, while the sampler
+    waits. Greedy picks the same token as masking first, a draw follows the
+    same (masked) distribution (see :attr:`OutputSlot.check`). On a JSON
+    string's inside or free text nearly every step's pick is allowed, so
+    most steps cost a check (~10 us) instead of a mask (~0.5 ms of CPU that,
+    on a machine whose cores all run the forward pass, came out of the
+    pass). Other slots (filtered draws, probes) need the whole mask: it is
+    computed on :data:`MASK_POOL` from submission on, while the batch waits
+    and runs; reading it blocks only for what is left (counted in
+    :attr:`GrammarStats.wait_seconds`).
 
     Raises:
         GrammarError: (construction) the matcher failed earlier.
     """
 
-    #: Greedy slots check their best token before any mask (False: every
-    #: slot computes its mask up front, as sampling slots do; for tests).
+    #: Checkable slots pick before any mask (False: every slot computes its
+    #: mask up front, as filtered draws do; for tests and benchmarks).
     check_first = True
 
     def __init__(self, index: int, spec: SamplerSpec | ProbeSpec, matcher: Matcher, extra: torch.Tensor | None) -> None:
         self._matcher = matcher
         self._extra = extra
         self._resolved: torch.Tensor | None = None
-        greedy = self.check_first and isinstance(spec, SamplerSpec) and spec.temperature == 0
-        if greedy:
+        lazy = self.check_first and checkable(spec)
+        if lazy:
             matcher.ensure_ok()
-        self._mask: Future[torch.Tensor] | None = None if greedy else matcher.mask_async()
-        super().__init__(index, spec, None, self._accepts if greedy else None)
+        self._mask: Future[torch.Tensor] | None = None if lazy else matcher.mask_async()
+        super().__init__(index, spec, None, self._accepts if lazy else None)
 
     def _accepts(self, token: int) -> bool:
         if (self._extra is None or bool(self._extra[token])) and self._matcher.accepts(token):
