@@ -36,9 +36,12 @@ def test_console_script_is_installed():
 
 @pytest.mark.slow
 def test_run_text_completion():
-    p = tartlet("run", "text-completion", "--", "--prompt", QUESTION, "--max-tokens", "16")
+    p = tartlet("run", "text-completion", "--stats", "--", "--prompt", QUESTION, "--max-tokens", "16")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "The capital of France is Paris."
+    stats = flat(p.stderr)  # --stats: the weights as held and the panel GEMM's precision, peak memory
+    assert "weights 92.1 MiB (Q4_1 x 120, Q8_0 x 1; float32 products from 8 rows)" in stats, stats
+    assert "peak RSS" in stats and "KV pool float32" in stats, stats
 
 
 @pytest.mark.slow
