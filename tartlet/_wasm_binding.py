@@ -5,7 +5,8 @@ the native binding, so the SDK calls the same two functions in both modes:
 
 - :func:`host` returns an adapter whose methods have the names, arguments
   and return values of :class:`tartlet.host.api.HostApi` and call the
-  component's WIT imports (``wit/tartlet.wit``, interface ``host``).
+  component's WIT imports (``wit/tartlet.wit``: interfaces ``model``,
+  ``context``, ``inference``, ``grammar``, ``io``, their types in ``types``).
   Calls that wait on the engine return a :class:`HostFuture` (a ``u64``
   handle) instead of a ``concurrent.futures.Future``.
 - :func:`wait` awaits a :class:`HostFuture` on the guest's asyncio loop
@@ -31,7 +32,12 @@ import traceback
 from typing import Any
 
 from componentize_py_types import Err
-from wit_world.imports import host as _wit
+from wit_world.imports import context as _wit_context
+from wit_world.imports import grammar as _wit_grammar
+from wit_world.imports import inference as _wit_inference
+from wit_world.imports import io as _wit_io
+from wit_world.imports import model as _wit_model
+from wit_world.imports import types as _wit_types
 
 from .errors import ERROR_CODES, HostError, InvalidHandleError, SamplingError
 from .forward import OUTPUT_KINDS, OutputSlot
@@ -40,7 +46,7 @@ from .forward import OUTPUT_KINDS, OutputSlot
 # -- errors ---------------------------------------------------------------------
 # WIT ``error-code`` case -> the SDK's class (tartlet/errors.py), the very one
 # the native host raises; componentize-py spells enum cases in UPPER_SNAKE.
-_CLASSES: dict[Any, type[Exception]] = {getattr(_wit.ErrorCode, c.upper().replace("-", "_")): cls for c, cls in ERROR_CODES.items()}
+_CLASSES: dict[Any, type[Exception]] = {getattr(_wit_types.ErrorCode, c.upper().replace("-", "_")): cls for c, cls in ERROR_CODES.items()}
 
 
 def _error(err: Any) -> Exception:
@@ -125,31 +131,31 @@ _waiting: dict[int, asyncio.Future] = {}
 
 
 def _slot_result(r: Any) -> Any:
-    if isinstance(r, _wit.SlotResult_Distribution):
+    if isinstance(r, _wit_types.SlotResult_Distribution):
         ids, probs = r.value
         return (list(ids), list(probs))
     return r.value
 
 
 def _future_value(v: Any) -> Any:
-    if isinstance(v, _wit.FutureValue_Tokens):  # a forward pass's sampled tokens
+    if isinstance(v, _wit_types.FutureValue_Tokens):  # a forward pass's sampled tokens
         return v.value
-    if isinstance(v, _wit.FutureValue_Forward):
+    if isinstance(v, _wit_types.FutureValue_Forward):
         return [_slot_result(r) for r in v.value]
-    if isinstance(v, _wit.FutureValue_Count):
+    if isinstance(v, _wit_types.FutureValue_Count):
         return v.value
-    if isinstance(v, _wit.FutureValue_Stats):
+    if isinstance(v, _wit_types.FutureValue_Stats):
         s = v.value
         return {"tokens": s.tokens, "pages": s.pages, "live_pages": s.live_pages, "shared_pages": s.shared_pages}
-    if isinstance(v, _wit.FutureValue_Message):
+    if isinstance(v, _wit_types.FutureValue_Message):
         return v.value.value
-    if isinstance(v, _wit.FutureValue_Http):
+    if isinstance(v, _wit_types.FutureValue_Http):
         r = v.value
         return {"status": r.status, "headers": dict(r.headers), "body": bytes(r.body)}
-    if isinstance(v, _wit.FutureValue_Child):
+    if isinstance(v, _wit_types.FutureValue_Child):
         c = v.value
         return {"id": c.id, "status": c.status, "result": json.loads(c.result_json), "error": c.error, "output": list(c.output)}
-    if isinstance(v, _wit.FutureValue_Code):
+    if isinstance(v, _wit_types.FutureValue_Code):
         c = v.value
         return {"status": c.status, "stdout": c.stdout, "error": c.error, "truncated": c.truncated, "elapsed_ms": c.elapsed_ms}
     raise HostError(f"unknown future value {v!r}")
@@ -158,7 +164,7 @@ def _future_value(v: Any) -> Any:
 def _complete(handle: int) -> None:
     fut = _waiting.pop(handle, None)
     try:
-        value = _future_value(_wit.future_take(handle))
+        value = _future_value(_wit_inference.future_take(handle))
     except Err as e:
         if fut is not None and not fut.done():
             fut.set_exception(_error(e.value))
@@ -183,14 +189,14 @@ async def wait(fut: HostFuture) -> Any:
         # next turn would block in wait-any for this one handle: take it in
         # one blocking host call instead (future-take waits), without an
         # asyncio future, a task switch and a second host call per wait.
-        return _future_value(_call(_wit.future_take, fut.handle))
+        return _future_value(_call(_wit_inference.future_take, fut.handle))
     af = loop.create_future()
     _waiting[fut.handle] = af
     try:
         return await af
     except asyncio.CancelledError:
         if _waiting.pop(fut.handle, None) is not None:
-            _wit.future_drop(fut.handle)
+            _wit_inference.future_drop(fut.handle)
         raise
 
 
@@ -204,7 +210,7 @@ class _HostSelector:
         handles = list(_waiting)
         if not handles and timeout is None:
             raise RuntimeError("deadlock: the inferlet waits for something that no host call or timer will complete")
-        done = _call(_wit.wait_any, handles, None if timeout is None else int(timeout * 1e9))
+        done = _call(_wit_inference.wait_any, handles, None if timeout is None else int(timeout * 1e9))
         if done:
             _complete(done)
         return []
@@ -238,7 +244,7 @@ def _sampler_params(o: OutputSlot) -> Any:
         raise SamplingError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         raise SamplingError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    return _wit.SamplerParams(
+    return _wit_types.SamplerParams(
         temperature=_float(0.0 if o.temperature is None else o.temperature, "temperature"),
         top_k=top_k,
         top_p=_float(o.top_p, "top_p"),
@@ -253,24 +259,24 @@ def _output_slot(o: Any) -> Any:
         raise SamplingError(f"an output slot is a tartlet.forward.OutputSlot, got {type(o).__name__}")
     kind = o.kind
     if kind == "sample":
-        k: Any = _wit.SlotKind_Sample(_sampler_params(o))
+        k: Any = _wit_types.SlotKind_Sample(_sampler_params(o))
     elif kind == "distribution":
         kk = o.k
         if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk < _U32:
             raise SamplingError(f"distribution k must be an integer >= 1, got {kk!r}")
-        k = _wit.SlotKind_Distribution(_wit.DistributionParams(kk, _float(1.0 if o.temperature is None else o.temperature, "temperature")))
+        k = _wit_types.SlotKind_Distribution(_wit_types.DistributionParams(kk, _float(1.0 if o.temperature is None else o.temperature, "temperature")))
     elif kind == "logits":
-        k = _wit.SlotKind_Logits()
+        k = _wit_types.SlotKind_Logits()
     elif kind == "logprobs":
-        k = _wit.SlotKind_Logprobs(_u32s(o.token_ids, "logprobs token_ids"))
+        k = _wit_types.SlotKind_Logprobs(_u32s(o.token_ids, "logprobs token_ids"))
     elif kind == "entropy":
-        k = _wit.SlotKind_Entropy()
+        k = _wit_types.SlotKind_Entropy()
     else:
         raise SamplingError(f"unknown output kind {kind!r} ({', '.join(OUTPUT_KINDS)})")
     mask = o.logit_mask
     index = _u32(o.index, "output index")
     grammar = None if o.grammar is None else _handle(o.grammar, "grammar matcher")
-    return _wit.OutputSlot(index, k, None if mask is None else _u32s(mask, "logit mask"), grammar)
+    return _wit_types.OutputSlot(index, k, None if mask is None else _u32s(mask, "logit mask"), grammar)
 
 
 class WasmHost:
@@ -278,10 +284,10 @@ class WasmHost:
 
     # models
     def model_names(self) -> list[str]:
-        return _call(_wit.model_names)
+        return _call(_wit_model.model_names)
 
     def model_info(self, model: str | None) -> dict[str, Any]:
-        m = _call(_wit.model_info, _model(model))
+        m = _call(_wit_model.model_info, _model(model))
         return {
             "name": m.name, "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids),
             "bos_token_id": m.bos_token_id, "page_size": m.page_size, "max_seq_len": m.max_seq_len,
@@ -291,10 +297,10 @@ class WasmHost:
     def tokenize(self, model: str | None, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
-        return _call(_wit.tokenize, _model(model), text)
+        return _call(_wit_model.tokenize, _model(model), text)
 
     def detokenize(self, model: str | None, ids: list[int]) -> str:
-        return _call(_wit.detokenize, _model(model), _u32s(ids, "token ids"))
+        return _call(_wit_model.detokenize, _model(model), _u32s(ids, "token ids"))
 
     def apply_chat_template(
         self, model: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
@@ -304,71 +310,71 @@ class WasmHost:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"a chat message is a dict with `role` and `content`, got {m!r}")
             content, calls, call_id, name = m.get("content"), m.get("tool_calls"), m.get("tool_call_id"), m.get("name")
-            msgs.append(_wit.ChatMessage(
+            msgs.append(_wit_types.ChatMessage(
                 _str(m["role"], "role"), None if content is None else _str(content, "content"),
                 None if calls is None else json.dumps(calls), None if call_id is None else _str(call_id, "tool_call_id"),
                 None if name is None else _str(name, "name"),
             ))
-        return _call(_wit.apply_chat_template, _model(model), msgs, bool(add_generation_prompt), None if tools is None else json.dumps(tools))
+        return _call(_wit_model.apply_chat_template, _model(model), msgs, bool(add_generation_prompt), None if tools is None else json.dumps(tools))
 
     def decoder_new(self, model: str | None) -> int:
-        return _call(_wit.decoder_new, _model(model))
+        return _call(_wit_model.decoder_new, _model(model))
 
     def decoder_push(self, handle: int, ids: list[int]) -> str:
-        return _call(_wit.decoder_push, _handle(handle, "decoder"), _u32s(ids, "token ids"))
+        return _call(_wit_model.decoder_push, _handle(handle, "decoder"), _u32s(ids, "token ids"))
 
     def decoder_free(self, handle: int) -> None:
-        _call(_wit.decoder_free, _handle(handle, "decoder"))
+        _call(_wit_model.decoder_free, _handle(handle, "decoder"))
 
     # contexts
     def context_new(self, model: str | None) -> int:
-        return _call(_wit.context_new, _model(model))
+        return _call(_wit_context.context_new, _model(model))
 
     def context_fork(self, handle: int) -> int:
-        return _call(_wit.context_fork, _handle(handle))
+        return _call(_wit_context.context_fork, _handle(handle))
 
     def context_free(self, handle: int) -> None:
-        _call(_wit.context_free, _handle(handle))
+        _call(_wit_context.context_free, _handle(handle))
 
     def context_tokens(self, handle: int) -> list[int]:
-        return _call(_wit.context_tokens, _handle(handle))
+        return _call(_wit_context.context_tokens, _handle(handle))
 
     def context_len(self, handle: int) -> int:
-        return _call(_wit.context_len, _handle(handle))
+        return _call(_wit_context.context_len, _handle(handle))
 
     def context_truncate(self, handle: int, n: int) -> None:
         _handle(handle)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _U32:
             raise ValueError(f"truncate to {n!r} outside [0, len]")
-        _call(_wit.context_truncate, handle, n)
+        _call(_wit_context.context_truncate, handle, n)
 
     def context_mask(self, handle: int, start: int, end: int, masked: bool) -> None:
         _handle(handle)
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U32 for x in (start, end)):
             raise ValueError(f"mask range [{start!r}, {end!r}) outside the context")
-        _call(_wit.context_mask, handle, start, end, bool(masked))
+        _call(_wit_context.context_mask, handle, start, end, bool(masked))
 
     def context_drop_masked_pages(self, handle: int) -> HostFuture:
-        return HostFuture(_call(_wit.context_drop_masked_pages, _handle(handle)))
+        return HostFuture(_call(_wit_context.context_drop_masked_pages, _handle(handle)))
 
     def context_stats(self, handle: int) -> HostFuture:
-        return HostFuture(_call(_wit.context_stats, _handle(handle)))
+        return HostFuture(_call(_wit_context.context_stats, _handle(handle)))
 
     # snapshots
     def snapshot_save(self, handle: int, name: str) -> None:
-        _call(_wit.snapshot_save, _handle(handle), _str(name, "snapshot name"))
+        _call(_wit_context.snapshot_save, _handle(handle), _str(name, "snapshot name"))
 
     def snapshot_open(self, model: str | None, name: str) -> int:
-        return _call(_wit.snapshot_open, _model(model), _str(name, "snapshot name"))
+        return _call(_wit_context.snapshot_open, _model(model), _str(name, "snapshot name"))
 
     def snapshot_take(self, model: str | None, name: str) -> int:
-        return _call(_wit.snapshot_take, _model(model), _str(name, "snapshot name"))
+        return _call(_wit_context.snapshot_take, _model(model), _str(name, "snapshot name"))
 
     def snapshot_delete(self, model: str | None, name: str) -> None:
-        _call(_wit.snapshot_delete, _model(model), _str(name, "snapshot name"))
+        _call(_wit_context.snapshot_delete, _model(model), _str(name, "snapshot name"))
 
     def snapshot_names(self, model: str | None) -> list[str]:
-        return _call(_wit.snapshot_names, _model(model))
+        return _call(_wit_context.snapshot_names, _model(model))
 
     # forward pass
     def forward(
@@ -386,7 +392,7 @@ class WasmHost:
         slots = [_output_slot(o) for o in (outputs or [])]
         pos = None if positions is None else _u32s(positions, "positions")
         attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
-        return HostFuture(_call(_wit.forward, handle, tokens, pos, attn, slots))
+        return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots))
 
     def generate(
         self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
@@ -397,66 +403,66 @@ class WasmHost:
         for name, v in (("first_step", first_step), ("max_steps", max_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
                 raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
-        return HostFuture(_call(_wit.generate, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
+        return HostFuture(_call(_wit_inference.generate, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
                                 first_step, max_steps, _u32s(stop_ids, "stop token ids")))
 
     # stats, session
     def kv_stats(self, model: str | None) -> dict[str, int]:
-        s = _call(_wit.kv_stats, _model(model))
+        s = _call(_wit_model.kv_stats, _model(model))
         return {"total": s.total, "free": s.free, "cached": s.cached, "used": s.used, "page_size": s.page_size}
 
     def session_send(self, msg: str | bytes) -> None:
         if isinstance(msg, str):
-            _call(_wit.session_send, _wit.Message_Text(msg))
+            _call(_wit_io.session_send, _wit_types.Message_Text(msg))
         elif isinstance(msg, (bytes, bytearray)):
-            _call(_wit.session_send, _wit.Message_Bytes(bytes(msg)))
+            _call(_wit_io.session_send, _wit_types.Message_Bytes(bytes(msg)))
         else:
             raise TypeError(f"session messages are str or bytes, got {type(msg).__name__}")
 
     def session_receive(self) -> HostFuture:
-        return HostFuture(_call(_wit.session_receive))
+        return HostFuture(_call(_wit_io.session_receive))
 
 
     # messaging
     def messaging_push(self, topic: str, msg: str | bytes) -> None:
-        _call(_wit.messaging_push, _str(topic, "topic"), _message(msg))
+        _call(_wit_io.messaging_push, _str(topic, "topic"), _message(msg))
 
     def messaging_pull(self, topic: str) -> HostFuture:
-        return HostFuture(_call(_wit.messaging_pull, _str(topic, "topic")))
+        return HostFuture(_call(_wit_io.messaging_pull, _str(topic, "topic")))
 
     def messaging_broadcast(self, topic: str, msg: str | bytes) -> int:
-        return _call(_wit.messaging_broadcast, _str(topic, "topic"), _message(msg))
+        return _call(_wit_io.messaging_broadcast, _str(topic, "topic"), _message(msg))
 
     def messaging_subscribe(self, topic: str) -> int:
-        return _call(_wit.messaging_subscribe, _str(topic, "topic"))
+        return _call(_wit_io.messaging_subscribe, _str(topic, "topic"))
 
     def messaging_next(self, sid: int) -> HostFuture:
-        return HostFuture(_call(_wit.messaging_next, _handle(sid, "subscription")))
+        return HostFuture(_call(_wit_io.messaging_next, _handle(sid, "subscription")))
 
     def messaging_unsubscribe(self, sid: int) -> None:
-        _call(_wit.messaging_unsubscribe, _handle(sid, "subscription"))
+        _call(_wit_io.messaging_unsubscribe, _handle(sid, "subscription"))
 
     # store
     def store_get(self, key: str) -> str | None:
-        return _call(_wit.store_get, _str(key, "key")).value
+        return _call(_wit_io.store_get, _str(key, "key")).value
 
     def store_set(self, key: str, value: str) -> None:
-        _call(_wit.store_set, _str(key, "key"), _str(value, "value"))
+        _call(_wit_io.store_set, _str(key, "key"), _str(value, "value"))
 
     def store_delete(self, key: str) -> bool:
-        return _call(_wit.store_delete, _str(key, "key"))
+        return _call(_wit_io.store_delete, _str(key, "key"))
 
     def store_keys(self, prefix: str = "") -> list[str]:
-        return _call(_wit.store_keys, _str(prefix, "prefix"))
+        return _call(_wit_io.store_keys, _str(prefix, "prefix"))
 
     # http
     def http_fetch(self, url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | str | None = None) -> HostFuture:
         hs = [(_str(k, "header name"), _str(v, "header value")) for k, v in dict(headers or {}).items()]
         data = body.encode() if isinstance(body, str) else (None if body is None else bytes(body))
-        return HostFuture(_call(_wit.http_fetch, _str(url, "url"), _str(method, "method"), hs, data))
+        return HostFuture(_call(_wit_io.http_fetch, _str(url, "url"), _str(method, "method"), hs, data))
 
     def mcp_servers(self) -> dict[str, str]:
-        return dict(_wit.mcp_servers())
+        return dict(_wit_io.mcp_servers())
 
     # sandboxed code
     def code_run(self, code: str, setup: str = "", time_limit_s: float | None = None, memory_mb: int | None = None) -> HostFuture:
@@ -464,52 +470,52 @@ class WasmHost:
             raise ValueError(f"time_limit_s must be a number of seconds, got {time_limit_s!r}")
         mb = None if memory_mb is None else _u32(memory_mb, "memory_mb")
         t = None if time_limit_s is None else float(time_limit_s)
-        return HostFuture(_call(_wit.code_run, _str(code, "code"), _str(setup, "setup"), t, mb))
+        return HostFuture(_call(_wit_io.code_run, _str(code, "code"), _str(setup, "setup"), t, mb))
 
     # child inferlets
     def child_launch(self, name: str, args: dict[str, Any] | None = None) -> int:
-        return _call(_wit.child_launch, _str(name, "inferlet name"), json.dumps(args or {}))
+        return _call(_wit_io.child_launch, _str(name, "inferlet name"), json.dumps(args or {}))
 
     def child_wait(self, h: int) -> HostFuture:
-        return HostFuture(_call(_wit.child_wait, _handle(h, "child inferlet")))
+        return HostFuture(_call(_wit_io.child_wait, _handle(h, "child inferlet")))
 
     def child_abort(self, h: int) -> None:
-        _call(_wit.child_abort, _handle(h, "child inferlet"))
+        _call(_wit_io.child_abort, _handle(h, "child inferlet"))
 
     def child_id(self, h: int) -> str:
-        return _call(_wit.child_id, _handle(h, "child inferlet"))
+        return _call(_wit_io.child_id, _handle(h, "child inferlet"))
 
     # grammar matchers
     def grammar_new(self, model: str | None, kind: str, spec: Any) -> int:
-        return _call(_wit.grammar_new, _model(model), _str(kind, "grammar kind"), json.dumps(spec))
+        return _call(_wit_grammar.grammar_new, _model(model), _str(kind, "grammar kind"), json.dumps(spec))
 
     def grammar_mask(self, handle: int, form: str = "brle") -> list[int] | bytes:
-        return _call(_wit.grammar_mask, _handle(handle, "grammar matcher"), _str(form, "mask form")).value
+        return _call(_wit_grammar.grammar_mask, _handle(handle, "grammar matcher"), _str(form, "mask form")).value
 
     def grammar_advance(self, handle: int, token: int) -> None:
-        _call(_wit.grammar_advance, _handle(handle, "grammar matcher"), _u32(token, "token id"))
+        _call(_wit_grammar.grammar_advance, _handle(handle, "grammar matcher"), _u32(token, "token id"))
 
     def grammar_fork(self, handle: int) -> int:
-        return _call(_wit.grammar_fork, _handle(handle, "grammar matcher"))
+        return _call(_wit_grammar.grammar_fork, _handle(handle, "grammar matcher"))
 
     def grammar_reset(self, handle: int) -> None:
-        _call(_wit.grammar_reset, _handle(handle, "grammar matcher"))
+        _call(_wit_grammar.grammar_reset, _handle(handle, "grammar matcher"))
 
     def grammar_is_finished(self, handle: int) -> bool:
-        return _call(_wit.grammar_is_finished, _handle(handle, "grammar matcher"))
+        return _call(_wit_grammar.grammar_is_finished, _handle(handle, "grammar matcher"))
 
     def grammar_is_accepting(self, handle: int) -> bool:
-        return _call(_wit.grammar_is_accepting, _handle(handle, "grammar matcher"))
+        return _call(_wit_grammar.grammar_is_accepting, _handle(handle, "grammar matcher"))
 
     def grammar_free(self, handle: int) -> None:
-        _call(_wit.grammar_free, _handle(handle, "grammar matcher"))
+        _call(_wit_grammar.grammar_free, _handle(handle, "grammar matcher"))
 
 
 def _message(msg: Any) -> Any:
     if isinstance(msg, str):
-        return _wit.Message_Text(msg)
+        return _wit_types.Message_Text(msg)
     if isinstance(msg, (bytes, bytearray)):
-        return _wit.Message_Bytes(bytes(msg))
+        return _wit_types.Message_Bytes(bytes(msg))
     raise TypeError(f"messages are str or bytes, got {type(msg).__name__}")
 
 

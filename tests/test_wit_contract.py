@@ -1,7 +1,7 @@
 """The WIT contract (wit/tartlet.wit) and the host API must not drift apart.
 
 Every public method of :class:`tartlet.host.api.HostApi` needs a function of
-the same name (kebab-case) in interface ``host``, and every WIT function
+the same name (kebab-case) in one of the WIT's interfaces, and every WIT function
 needs a HostApi method, except the explicit allow-lists below. The host's
 import table (tartlet.runtime.wasm_host.IMPORTS) and the guest binding
 (tartlet/_wasm_binding.py, parsed, since it only imports inside a
@@ -38,10 +38,29 @@ NATIVE_ONLY = {
 WIT_ONLY = {"wait-any", "future-take", "future-drop"}
 
 
-def wit_functions() -> set[str]:
+#: The package's interfaces that hold functions, in the WIT's order; their
+#: shared types are interface ``types``.
+FUNCTION_INTERFACES = ["model", "context", "inference", "grammar", "io"]
+
+
+def wit_interfaces() -> dict[str, str]:
+    """Interface name -> its body, every interface of the WIT."""
     text = WIT.read_text()
-    body = text[text.index("interface host {") : text.index("world inferlet")]
-    return set(re.findall(r"^\s*([a-z][a-z0-9-]*):\s*func\(", body, re.M))
+    return {m[1]: m[2] for m in re.finditer(r"^interface ([a-z][a-z0-9-]*) \{(.*?)^\}", text, re.S | re.M)}
+
+
+def wit_function_interfaces() -> dict[str, str]:
+    """WIT function name -> the interface declaring it."""
+    out = {}
+    for iface, body in wit_interfaces().items():
+        for name in re.findall(r"^\s*([a-z][a-z0-9-]*):\s*func\(", body, re.M):
+            assert name not in out, f"{name} declared twice"
+            out[name] = iface
+    return out
+
+
+def wit_functions() -> set[str]:
+    return set(wit_function_interfaces())
 
 
 def host_methods() -> set[str]:
@@ -52,10 +71,27 @@ def host_methods() -> set[str]:
     }
 
 
-def test_wit_declares_package_and_world():
+def test_wit_declares_package_interfaces_and_world():
+    """One package; the shared types in ``types`` (no functions), which every
+    other interface takes with ``use types.{...}``; the world imports each
+    interface that has functions and exports ``run``."""
     text = WIT.read_text()
     assert "package tartlet:inferlet@0.1.0;" in text
-    assert re.search(r"world inferlet \{\s*import host;\s*(///.*\n\s*)*export run: func\(args: string\) -> result<string, string>;", text)
+    ifaces = wit_interfaces()
+    assert list(ifaces) == ["types", *FUNCTION_INTERFACES]
+    assert not re.search(r"func\(", ifaces["types"])
+    for name in FUNCTION_INTERFACES:
+        assert re.search(r"^\s*use types\.\{[a-z0-9, -]+\};", ifaces[name], re.M), name
+    imports = "".join(f"\\s*import {n};" for n in FUNCTION_INTERFACES)
+    assert re.search(r"world inferlet \{" + imports + r"\s*(///.*\n\s*)*export run: func\(args: string\) -> result<string, string>;", text)
+
+
+def test_host_registers_each_function_in_its_interface():
+    from tartlet.runtime.wasm_host import INTERFACES
+
+    assert list(INTERFACES) == FUNCTION_INTERFACES
+    where = wit_function_interfaces()
+    assert {f: i for i, fs in INTERFACES.items() for f in fs} == where
 
 
 def test_every_host_method_has_a_wit_function_and_back():
@@ -149,9 +185,8 @@ def py_type(wit: str) -> str:
 
 
 def wit_signatures() -> dict[str, tuple[list[tuple[str, str]], str | None]]:
-    """name -> ([(param, WIT type)], WIT result type or None), interface host."""
-    text = WIT.read_text()
-    body = text[text.index("interface host {") : text.index("world inferlet")]
+    """name -> ([(param, WIT type)], WIT result type or None), every interface."""
+    body = "\n".join(wit_interfaces().values())
     sigs = {}
     for name, params, result in re.findall(r"^\s*([a-z][a-z0-9-]*):\s*func\((.*)\)(?:\s*->\s*(.*?))?;\s*$", body, re.M):
         sigs[name] = ([tuple(p.split(":", 1)) for p in _split(params)], result or None)  # type: ignore[misc]

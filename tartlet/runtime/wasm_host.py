@@ -1,4 +1,5 @@
-"""Host side of the WIT contract: the ``tartlet:inferlet/host`` imports.
+"""Host side of the WIT contract: the imports of world ``inferlet`` (interfaces
+``model``, ``context``, ``inference``, ``grammar``, ``io`` of ``tartlet:inferlet``).
 
 Every import calls :class:`tartlet.host.api.HostApi` of the instance that
 runs on the calling thread (each WASM instance has its own thread), after
@@ -34,7 +35,37 @@ from ..errors import InvalidHandleError, error_code
 from ..forward import OutputSlot
 
 #: The imported interface, as the component names it.
-INTERFACE = "tartlet:inferlet/host@0.1.0"
+PACKAGE, VERSION = "tartlet:inferlet", "0.1.0"
+
+#: The interfaces of the WIT package (``wit/tartlet.wit``) and their
+#: functions, each imported by world ``inferlet`` as
+#: ``tartlet:inferlet/NAME@0.1.0`` (their shared types are interface
+#: ``types``, which has no function); tests/test_wit_contract.py checks
+#: this table against the WIT.
+INTERFACES: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model-names", "model-info", "tokenize", "detokenize", "apply-chat-template", "decoder-new",
+        "decoder-push", "decoder-free", "kv-stats",
+    ),
+    "context": (
+        "context-new", "context-fork", "context-free", "context-tokens", "context-len", "context-truncate",
+        "context-mask", "context-drop-masked-pages", "context-stats", "snapshot-save", "snapshot-open",
+        "snapshot-take", "snapshot-delete", "snapshot-names",
+    ),
+    "inference": (
+        "forward", "generate", "wait-any", "future-take", "future-drop",
+    ),
+    "grammar": (
+        "grammar-new", "grammar-mask", "grammar-advance", "grammar-fork", "grammar-reset",
+        "grammar-is-finished", "grammar-is-accepting", "grammar-free",
+    ),
+    "io": (
+        "session-send", "session-receive", "messaging-push", "messaging-pull", "messaging-broadcast",
+        "messaging-subscribe", "messaging-next", "messaging-unsubscribe", "store-get", "store-set",
+        "store-delete", "store-keys", "http-fetch", "mcp-servers", "code-run", "child-launch", "child-wait",
+        "child-abort", "child-id",
+    ),
+}
 #: Largest number of futures one instance may hold.
 MAX_FUTURES = 65536
 
@@ -298,8 +329,12 @@ def _json_arg(text: str, what: str) -> Any:
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
     "model-info": (_model_info, "tagged"),
-    "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
-    "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged"),
+    "tokenize": (
+        lambda h, m, text: h.api.tokenize(m, text), "untagged",
+    ),
+    "detokenize": (
+        lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged",
+    ),
     "apply-chat-template": (_chat, "untagged"),
     "decoder-new": (lambda h, m: h.api.decoder_new(m), "untagged"),
     "decoder-push": (lambda h, d, ids: h.api.decoder_push(d, list(ids)), "untagged"),
@@ -318,8 +353,12 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "snapshot-take": (lambda h, m, name: h.api.snapshot_take(m, name), "untagged"),
     "snapshot-delete": (lambda h, m, name: h.api.snapshot_delete(m, name), "unit"),
     "snapshot-names": (lambda h, m: h.api.snapshot_names(m), "untagged"),
-    "forward": (_forward, "untagged"),
-    "generate": (_generate, "untagged"),
+    "forward": (
+        _forward, "untagged",
+    ),
+    "generate": (
+        _generate, "untagged",
+    ),
     "kv-stats": (_kv_stats, "tagged"),
     "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
     "session-receive": (lambda h: h.add_future("message", h.api.session_receive()), "untagged"),
@@ -380,8 +419,11 @@ def _wrap(name: str, fn: Any, mode: str) -> Any:
 
 
 def add_host_imports(linker: Linker) -> None:
-    """Define every import of interface :data:`INTERFACE` in ``linker``."""
+    """Define every import of world ``inferlet`` in ``linker``: the functions
+    of :data:`IMPORTS`, each in its interface's instance (:data:`INTERFACES`)."""
     with linker.root() as root:
-        with root.add_instance(INTERFACE) as inst:
-            for name, (fn, mode) in IMPORTS.items():
-                inst.add_func(name, _wrap(name, fn, mode))
+        for iface, names in INTERFACES.items():
+            with root.add_instance(f"{PACKAGE}/{iface}@{VERSION}") as inst:
+                for name in names:
+                    fn, mode = IMPORTS[name]
+                    inst.add_func(name, _wrap(name, fn, mode))
