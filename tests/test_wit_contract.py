@@ -76,7 +76,7 @@ def test_wit_declares_package_interfaces_and_world():
     other interface takes with ``use types.{...}``; the world imports each
     interface that has functions and exports ``run``."""
     text = WIT.read_text()
-    assert "package tartlet:inferlet@0.1.0;" in text
+    assert "package tartlet:inferlet@0.2.0;" in text
     ifaces = wit_interfaces()
     assert list(ifaces) == ["types", *FUNCTION_INTERFACES]
     assert not re.search(r"func\(", ifaces["types"])
@@ -280,3 +280,16 @@ def test_error_codes_are_the_wit_enum():
     cases = [c.strip() for c in re.sub(r"///.*", "", enum[1]).split(",") if c.strip()]
     assert cases == list(ERROR_CODES)
     assert re.search(r"record call-error \{\s*code: error-code,\s*message: string,\s*\}", text)
+
+
+def test_a_component_of_another_contract_version_gets_a_rebuild_hint():
+    """A component built against an older WIT (0.1.0 imported one interface
+    ``host``) fails to instantiate; the error says why and what to do."""
+    from tartlet.runtime.wasm import _contract_hint
+    from tartlet.runtime.wasm_host import VERSION
+
+    old = "component imports instance `tartlet:inferlet/host@0.1.0`, but a matching implementation was not found"
+    assert "built against the WIT contract tartlet:inferlet@0.1.0" in _contract_hint(old)
+    assert f"this host serves @{VERSION}" in _contract_hint(old) and "tartlet build" in _contract_hint(old)
+    assert _contract_hint(f"component imports instance `tartlet:inferlet/model@{VERSION}`, but ...") == ""
+    assert _contract_hint("some other linker error") == ""

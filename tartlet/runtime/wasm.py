@@ -30,6 +30,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -50,7 +51,7 @@ from .base import BaseRuntime
 from .instance import Instance, Status
 from .program import Program, find_program
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
-from .wasm_host import InstanceHost, add_host_imports
+from .wasm_host import PACKAGE, VERSION, InstanceHost, add_host_imports
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class WasmRuntime(BaseRuntime):
         except WasmtimeError as e:
             store.close()  # now, while its WASI callbacks live (see _Run.release)
             _drop_scratch(scratch)
-            raise WasmInstanceError(f"cannot instantiate {path.name}: {_first_line(e)}") from None
+            raise WasmInstanceError(f"cannot instantiate {path.name}: {_first_line(e)}{_contract_hint(str(e))}") from None
         except BaseException:
             store.close()
             _drop_scratch(scratch)
@@ -354,6 +355,16 @@ class _Run:
 def _drop_scratch(scratch: Path | None) -> None:
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _contract_hint(message: str) -> str:
+    """A hint for a component built against another version of the WIT
+    contract (its imports name ``tartlet:inferlet/...@OTHER``), else ""."""
+    m = re.search(r"`" + re.escape(PACKAGE) + r"/[a-z-]+@([0-9.]+)`", message)
+    if m is None or m[1] == VERSION:
+        return ""
+    return (f" (it was built against the WIT contract {PACKAGE}@{m[1]}; this host serves @{VERSION}: "
+            "rebuild it from its source with `tartlet build`)")
 
 
 def _first_line(e: BaseException) -> str:

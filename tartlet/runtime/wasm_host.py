@@ -35,11 +35,11 @@ from ..errors import InvalidHandleError, error_code
 from ..forward import OutputSlot
 
 #: The imported interface, as the component names it.
-PACKAGE, VERSION = "tartlet:inferlet", "0.1.0"
+PACKAGE, VERSION = "tartlet:inferlet", "0.2.0"  # 0.2.0: the interfaces (0.1.0 had one `host`)
 
 #: The interfaces of the WIT package (``wit/tartlet.wit``) and their
 #: functions, each imported by world ``inferlet`` as
-#: ``tartlet:inferlet/NAME@0.1.0`` (their shared types are interface
+#: ``tartlet:inferlet/NAME@0.2.0`` (their shared types are interface
 #: ``types``, which has no function); tests/test_wit_contract.py checks
 #: this table against the WIT.
 INTERFACES: dict[str, tuple[str, ...]] = {
