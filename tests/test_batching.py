@@ -35,6 +35,18 @@ async def run_all(runtime, args_list: list[dict]) -> list:
 
 
 @pytest.mark.slow  # 8 prompts decoded solo, then together
+async def solo_then_together(runtime, engine) -> tuple[list[dict], list[dict]]:
+    """``text-completion`` of each of :data:`PROMPTS` alone, then all at
+    once (asserted batched: fewer model calls than tokens); both results."""
+    args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
+    solo = [await run_ok(runtime, "text-completion", a) for a in args]
+    calls0 = engine.scheduler.stats.model_calls
+    together = await run_all(runtime, args)
+    total = sum(len(r["tokens"]) for r in together)
+    assert engine.scheduler.stats.model_calls - calls0 < total, "not batched"
+    return solo, together
+
+
 async def test_concurrent_inferlets_match_solo_runs_and_are_batched(runtime, engine):
     args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
     solo = [await run_ok(runtime, "text-completion", a) for a in args]

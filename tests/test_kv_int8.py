@@ -400,18 +400,13 @@ async def test_int8_batching_keeps_greedy_outputs(q8_float_engine, tmp_path):
     logits the probe puts 0.018 apart."""
     from conftest import _host_state, _runtime
     from harness import inline_program, run_ok
-    from test_batching import MAX_TOKENS, PROMPTS, run_all
+    from test_batching import PROMPTS, solo_then_together
     from test_logits import PROBE, as_tensor
 
     gen = _runtime(_host_state(q8_float_engine))
     runtime = next(gen)
     try:
-        args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS]
-        solo = [await run_ok(runtime, "text-completion", a) for a in args]
-        calls0 = q8_float_engine.scheduler.stats.model_calls
-        together = await run_all(runtime, args)
-        total = sum(len(r["tokens"]) for r in together)
-        assert q8_float_engine.scheduler.stats.model_calls - calls0 < total, "not batched"
+        solo, together = await solo_then_together(runtime, q8_float_engine)
         probe = inline_program(tmp_path, PROBE, "logits_probe")
         tok = q8_float_engine.tokenizer
         parted = 0

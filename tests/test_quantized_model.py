@@ -111,16 +111,10 @@ async def test_readme_prompt_says_paris(quant_runtime):
 
 @pytest.mark.slow  # 8 prompts solo, then together
 async def test_batching_never_changes_greedy_outputs(quant_runtime, quant_engine):
-    from test_batching import MAX_TOKENS
     from test_batching import PROMPTS as BATCH_PROMPTS
-    from test_batching import run_all
+    from test_batching import solo_then_together
 
-    args = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in BATCH_PROMPTS]
-    solo = [await run_ok(quant_runtime, "text-completion", a) for a in args]
-    calls0 = quant_engine.scheduler.stats.model_calls
-    together = await run_all(quant_runtime, args)
-    total = sum(len(r["tokens"]) for r in together)
-    assert quant_engine.scheduler.stats.model_calls - calls0 < total, "not batched"
+    solo, together = await solo_then_together(quant_runtime, quant_engine)
     for p, a, b in zip(BATCH_PROMPTS, solo, together):
         assert b["tokens"] == a["tokens"], f"{p!r}: concurrent run differs from the solo run"
 
