@@ -131,7 +131,7 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
             if (panel_route(L->bits, p->kind, M)) { /* the calling thread's panel buffer: cannot fail */
                 const int64_t eb = p->kind >= 4 ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
                 panel_call((int)p->kind, p->q + a * eb, p->d ? p->d + a * nb * sc : 0, p->m ? p->m + a * nb : 0, b - a,
-                           K, x, K, L->bf16 ? (const uint16_t *)qa : 0, M, y + c, N, bias, r, N, pbuf);
+                           K, x, K, panel_bf16(L, M) ? (const uint16_t *)qa : 0, M, y + c, N, bias, r, N, pbuf);
             } else if (p->kind >= 4) {
                 tq_matmul_half(p->kind == 5, (const uint16_t *)p->q + a * K, b - a, K, x, K, M, y + c, N, bias, r, N);
             } else {

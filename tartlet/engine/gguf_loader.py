@@ -48,6 +48,7 @@ sliding window, so neither can we (it matters only past 4096 tokens).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,7 @@ def _meta(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+@functools.cache
 def _reader_class() -> Any:
     """``gguf.GGUFReader``, with its one slicing method reading a plain
     ``ndarray`` view of the file instead of the ``np.memmap`` itself.
