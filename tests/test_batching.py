@@ -34,7 +34,6 @@ async def run_all(runtime, args_list: list[dict]) -> list:
     return [inst.result for inst in insts]
 
 
-@pytest.mark.slow  # 8 prompts decoded solo, then together
 async def solo_then_together(runtime, engine) -> tuple[list[dict], list[dict]]:
     """``text-completion`` of each of :data:`PROMPTS` alone, then all at
     once (asserted batched: fewer model calls than tokens); both results."""
@@ -82,6 +81,8 @@ async def main(args):
     used_forked = model.kv_stats()["used"] - used0
     a.user(args["questions"][0])
     b.user(args["questions"][1])
+    a.begin_assistant()
+    b.begin_assistant()
     # the two forks decode concurrently (their passes share batches)
     gen_a, gen_b = await asyncio.gather(
         a.generate(max_tokens=args["max_tokens"]).collect_tokens(),
@@ -92,6 +93,7 @@ async def main(args):
         with model.new_context() as c:
             c.system(args["system"])
             c.user(q)
+            c.begin_assistant()  # the prompt recorded is what the model continues
             fresh.append({"prompt": c.tokens, "tokens": await c.generate(max_tokens=args["max_tokens"]).collect_tokens()})
     return {
         "ps": ps, "prefix_len": prefix_len, "stats": [sp, sa, sb], "used_forked": used_forked,
@@ -101,7 +103,11 @@ async def main(args):
 """
 
 
-async def test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(runtime, tmp_path):
+async def fork_and_fresh(runtime, tmp_path) -> dict:
+    """Run :data:`FORK` on a new session prompt and check its page
+    accounting (shared full pages, one copied tail page per fork) and that
+    each fork holds the fresh context's prompt; the result, whose tokens the
+    callers compare (``forked[k]`` vs ``fresh[k]["tokens"]``)."""
     system = f"Session {uuid.uuid4().hex[:8]}. You are a concise assistant. Answer plainly and briefly."
     res = await run_ok(runtime, inline_program(tmp_path, FORK, "fork"), {
         "system": system,
@@ -120,6 +126,12 @@ async def test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(runtim
     for k in range(2):
         assert res["prompts"][k] == res["fresh"][k]["prompt"], "fork and fresh context hold different prompts"
         assert len(res["forked"][k]) > 0
+    return res
+
+
+async def test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(runtime, tmp_path):
+    res = await fork_and_fresh(runtime, tmp_path)
+    for k in range(2):
         assert res["forked"][k] == res["fresh"][k]["tokens"], f"fork {k} decodes differently from a fresh context"
 
 
