@@ -42,6 +42,8 @@ class ChildInstance(Protocol):
     def error(self) -> str | None: ...
     @property
     def task(self) -> asyncio.Task[Any] | None: ...
+    @property
+    def output(self) -> list[str]: ...
     def abort(self, reason: str = ...) -> None: ...
 
 
@@ -237,7 +239,7 @@ class IoHostMixin:
             if not fut.done():
                 fut.set_result({
                     "id": child.id, "status": child.status.value, "result": child.result,
-                    "error": child.error, "output": list(getattr(child, "output", [])),
+                    "error": child.error, "output": list(child.output),
                 })
 
         task = child.task

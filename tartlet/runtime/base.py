@@ -150,8 +150,8 @@ class BaseRuntime:
 
         def start() -> Instance:
             child = self.launch(program, args, session, owner=parent.owner)
-            child.output = output  # type: ignore[attr-defined]
-            child.parent = parent.instance_id  # type: ignore[attr-defined]
+            child.output = output
+            child.parent = parent.instance_id
             return child
 
         if on_loop:

@@ -41,6 +41,10 @@ class Instance:
         error: why it failed or was aborted (None otherwise).
         owner: the user that launched it (server mode).
         runtime: ``"native"`` or ``"wasm"`` (sandboxed).
+        parent: the launching instance's id, for a child inferlet (None
+            otherwise).
+        output: a child's session messages kept for its parent (strings,
+            capped by ``CHILD_OUTPUT_MESSAGES``/``CHILD_OUTPUT_BYTES``).
     """
 
     program: Program
@@ -58,6 +62,8 @@ class Instance:
     finished_at: float | None = None
     task: asyncio.Task[None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    parent: str | None = None
+    output: list[str] = field(default_factory=list)
 
     def abort(self, reason: str = "aborted") -> None:
         """Cancel the inferlet; its pages are freed when it unwinds."""

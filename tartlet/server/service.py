@@ -413,7 +413,7 @@ class Service:
             out.append({
                 "id": i.id, "program": i.program.name, "status": i.status.value, "owner": i.owner,
                 "started_at": i.started_at, "finished_at": i.finished_at, "error": i.error,
-                "parent": getattr(i, "parent", None), "runtime": i.runtime,
+                "parent": i.parent, "runtime": i.runtime,
             })
         return out
 
