@@ -406,6 +406,26 @@ class WasmHost:
         return HostFuture(_call(_wit_inference.generate, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
                                 first_step, max_steps, _u32s(stop_ids, "stop token ids")))
 
+    def generate_stream(
+        self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
+    ) -> int:
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("generate_stream needs a non-empty list of input tokens")
+        _handle(handle)
+        for name, v in (("first_step", first_step), ("max_steps", max_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+                raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
+        return _call(_wit_inference.generate_stream, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
+                     first_step, max_steps, _u32s(stop_ids, "stop token ids"))
+
+    def stream_next(self, handle: int) -> HostFuture:
+        _handle(handle, "token stream")
+        return HostFuture(_call(_wit_inference.stream_next, handle))
+
+    def stream_close(self, handle: int) -> HostFuture:
+        _handle(handle, "token stream")
+        return HostFuture(_call(_wit_inference.stream_close, handle))
+
     # stats, session
     def kv_stats(self, model: str | None) -> dict[str, int]:
         s = _call(_wit_model.kv_stats, _model(model))

@@ -398,10 +398,13 @@ class Context:
             eos: stop at the model's end-of-sequence tokens.
             drafter: speculative-decoding drafter (see :mod:`tartlet.drafter`).
             constraint: grammar constraint whose allowed tokens mask the logits.
-            overlap: queue each next pass before returning a step, so the
-                caller's work on a step overlaps the model's next pass; the
-                context is then busy until the generation ends or
-                ``await gen.aclose()`` (see :mod:`tartlet.generator`).
+            overlap: let the model run ahead of the caller, so its work on
+                a step overlaps the next passes: with an engine-side
+                sampler and no drafter or constraint, a host token stream
+                (each step takes the tokens sampled since the last, one or
+                several), else the next pass queued before each step is
+                returned; the context is then busy until the generation
+                ends or ``await gen.aclose()`` (see :mod:`tartlet.generator`).
             chunk: stream in steps of up to this many tokens, decoded
                 host-side between steps (1, 2, 4, ... up to ``chunk``: the
                 first token comes at once), when only ``max_tokens`` and EOS

@@ -21,6 +21,17 @@ processing). Same passes, same tokens. The price: while a pass is queued
 ahead the context is busy, so the caller must not use it until the
 generation has ended or :meth:`Generator.aclose` has returned.
 
+Token streams (``overlap=True`` with an engine-side sampler, no drafter and
+no constraint): the host queues every next pass itself, from the
+completion of the pass before (``generate_stream``), and the generator takes
+the tokens sampled since its last step, one when it keeps up, several when
+it lags. The model then never waits for the inferlet, whose code (and
+whose client's streaming) runs beside the passes: the decoupling of vLLM's
+engine core from its output processing. Any stop condition applies: it is
+checked here, token by token, and the passes run past a stop are dropped
+(the stream is closed and the context truncated), so the tokens, text and
+context are what stepping gives. Same passes, same tokens.
+
 Chunks (``chunk=N``): when nothing needs to run between tokens (stops only
 ``max_tokens`` and EOS, an engine-side sampler, no drafter or constraint),
 each step decodes its tokens host-side in one ``generate`` call, 1, 2, 4, ...
@@ -141,6 +152,10 @@ class Generator:
         self._emitted = 0
         self._decoder: int | None = None
         self._started = False
+        #: the open token stream: (handle, its first pass's inputs, KV length
+        #: once they ran, tokens taken from it), or None
+        self._stream: tuple[int, list[int], int, int] | None = None
+        self._turn_end_due = False  # a finish while streaming: the turn is recorded once the stream closes
 
     def __aiter__(self) -> "Generator":
         return self
@@ -192,6 +207,9 @@ class Generator:
     async def _step(self) -> None:
         if self.chunk is not None and self._ahead is None and self._host_decodable():
             await self._step_on_host()
+            return
+        if self._stream is not None or (self.overlap and self._ahead is None and self._streamable()):
+            await self._step_stream()
             return
         ctx = self.ctx
         if self._ahead is not None:  # queued by the last step (overlap): no draft
@@ -265,6 +283,8 @@ class Generator:
                 await _binding.wait(fut)
             except Exception:
                 self.ctx._pending = inputs + self.ctx._pending  # the pass did not run: its token is pending again
+        if self._stream is not None:
+            await self._close_stream()
         if self.finish_reason is None:
             self._finish("stop")
 
@@ -323,7 +343,10 @@ class Generator:
             _binding.host().decoder_free(self._decoder)
             self._decoder = None
         if reason is not None:
-            self.ctx._end_assistant_turn(self.text, stopped_on_eos=reason == "eos")
+            if self._stream is not None:  # the context holds passes past this token until the stream closes
+                self._turn_end_due = True
+            else:
+                self.ctx._end_assistant_turn(self.text, stopped_on_eos=reason == "eos")
 
     # -- draining ------------------------------------------------------------
     async def collect_tokens(self) -> list[int]:
@@ -379,6 +402,80 @@ class Generator:
         elif left is not None and len(toks) >= left:
             self._finish("length")
         ctx._pending = [toks[-1]]
+
+    def _streamable(self) -> bool:
+        """Whether the passes can run as a token stream (see the module
+        docstring): an engine-side sampler, no drafter, no constraint (any
+        stop condition: they are checked here)."""
+        return self.drafter is None and self.constraint is None and self.sampler._custom is None
+
+    async def _step_stream(self) -> None:
+        """One step of a token stream: the tokens sampled since the last
+        step (opening the stream on the first), accounted as :meth:`_step`
+        accounts them; at a stop the stream is closed and the passes run
+        past it are dropped."""
+        if self._stream is None:
+            self._open_stream()
+        assert self._stream is not None
+        h, inputs, base, taken = self._stream
+        try:
+            toks = await _binding.wait(_binding.host().stream_next(h))
+        except BaseException:
+            await self._close_stream()
+            raise
+        if not toks:  # the host stopped at its step bound (the model's context is full)
+            await self._close_stream()
+            self._finish("length")
+            return
+        self.stats.steps += len(toks)
+        for tok in toks:
+            self.tokens.append(tok)
+            taken += 1
+            self._stream = (h, inputs, base, taken)
+            if self._consume(tok):
+                await self._close_stream()
+                return
+
+    def _open_stream(self) -> None:
+        ctx = self.ctx
+        limits = self._stop.find(MaxTokens)
+        kv = ctx.kv_len
+        inputs = ctx._pending
+        # each pass adds one token; the last sampled one is not run
+        room = ctx.model.max_seq_len - kv - len(inputs) + 1
+        n = min([room] + [c.n - len(self.tokens) for c in limits])
+        if n < 1:
+            raise ValueError(f"the context ({kv + len(inputs)} tokens) leaves no room to generate in the model's "
+                             f"{ctx.model.max_seq_len}")
+        stop_ids = sorted({i for e in self._eos for i in e.ids})
+        h = _binding.host().generate_stream(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
+        ctx._pending = []
+        self._stream = (h, inputs, kv + len(inputs), 0)
+
+    async def _close_stream(self) -> None:
+        """Close the stream and leave the context as stepping would: every
+        token taken before the last in the KV cache, the last pending (the
+        first pass's inputs pending again if no token was taken), the turn
+        recorded if the generation finished meanwhile."""
+        assert self._stream is not None
+        h, inputs, base, taken = self._stream
+        ctx = self.ctx
+        try:
+            rest = await _binding.wait(_binding.host().stream_close(h))
+        finally:
+            self._stream = None
+        # the KV cache holds the inputs and every sampled token but the last
+        # (``rest`` are those not taken); keep it up to the last token taken
+        keep = base - 1 + taken if taken else base - len(inputs)
+        if rest or not taken:
+            if ctx.kv_len > keep:
+                ctx._truncate(keep)
+        ctx._pending = [self.tokens[-1]] if taken else list(inputs)
+        if self._turn_end_due:
+            self._turn_end_due = False
+            pending, ctx._pending = ctx._pending, []  # as _step ends a turn: before the last token is pending
+            ctx._end_assistant_turn(self.text, stopped_on_eos=self.finish_reason == "eos")
+            ctx._pending = pending
 
     async def _step_on_host(self) -> None:
         """One chunked step (``chunk``): the next 1, 2, 4, ... up to

@@ -1,14 +1,16 @@
-"""``ctx.generate(..., overlap=True)``: each next pass is queued before a step
-is returned, so the caller's work overlaps the model. Same passes, same
-tokens, same context afterwards as plain stepping; a generation left early
-is closed with ``aclose`` and leaves a usable context."""
+"""``ctx.generate(..., overlap=True)``: the next passes run while the
+caller works on a step (queued ahead one at a time, or, with an
+engine-side sampler and no drafter or constraint, as a host token stream
+that hands over every token sampled since the last step). Same passes,
+same tokens, same context afterwards as plain stepping; a generation left
+early is closed with ``aclose`` and leaves a usable context."""
 
 from __future__ import annotations
+
 
 import pytest
 
 from harness import inline_program, run, run_ok
-from tartlet.host.api import HostApi
 from tartlet.runtime.instance import Status
 
 #: Each case generated twice (overlap off, then on), stepped with ``async
@@ -34,7 +36,7 @@ async def one(model, case, overlap):
         steps = []
         async for step in gen:
             steps.append([step.tokens, step.text])
-            ahead.append(gen._ahead is not None)
+            ahead.append(gen._ahead is not None or gen._stream is not None)
         ctx.user("And back?")
         more = await ctx.generate(max_tokens=4, eos=False).collect_text()
         return {"steps": steps, "tokens": gen.tokens, "text": gen.text, "finish": gen.finish_reason,
@@ -46,22 +48,30 @@ async def main(args):
 """
 
 
+def flat(run: dict) -> dict:
+    """A run with its steps joined (a token stream's step may carry
+    several tokens where stepping gives one each)."""
+    steps = run["steps"]
+    return {**run, "steps": [[t for toks, _ in steps for t in toks], "".join(text for _, text in steps)]}
+
+
 @pytest.mark.slow  # every step run with and without overlap
 async def test_overlap_gives_the_same_steps(runtime, tmp_path):
     inst = await run(runtime, inline_program(tmp_path, BOTH))
     assert inst.status is Status.FINISHED, inst.error
     for (plain, plain_ahead), (over, over_ahead) in inst.result:
-        assert over == plain
+        assert flat(over) == flat(plain)
+        assert all(len(toks) == 1 for toks, _ in plain["steps"])
         assert not any(plain_ahead)
-        # queued ahead after every step but the last (the generation ended there)
+        # passes running after every step but the last (the generation ended there)
         assert over_ahead[:-1] == [True] * (len(over_ahead) - 1) and over_ahead[-1] is False
     assert {r[0][0]["finish"] for r in inst.result} >= {"length", "stop"}
 
 
-async def test_overlap_queues_no_extra_pass(runtime, tmp_path, monkeypatch):
-    calls = []
-    orig = HostApi.forward
-    monkeypatch.setattr(HostApi, "forward", lambda self, h, tokens, *a: calls.append(len(tokens)) or orig(self, h, tokens, *a))
+async def test_overlap_queues_no_extra_pass(runtime, engine, tmp_path):
+    """A token stream runs the passes stepping runs: the prompt pass, then
+    one single-token pass per later token (the last token sampled is not
+    run), with max_tokens and EOS stopping it on the host."""
     prog = inline_program(tmp_path, """
 from tartlet import Model
 
@@ -74,13 +84,41 @@ async def main(args):
             pass
         return gen.tokens
 """)
+    st = engine.scheduler.stats
     counts = []
     for overlap in (False, True):
-        calls.clear()
+        before = (st.batched_requests, st.tokens_computed, st.decode_steps)
         toks = await run_ok(runtime, prog, {"overlap": overlap})
-        counts.append(list(calls))
+        counts.append([b - a for a, b in zip(before, (st.batched_requests, st.tokens_computed, st.decode_steps))])
         assert len(toks) == 9
-    assert counts[0] == counts[1]  # the prompt pass, then one single-token pass per later token
+    assert counts[0] == counts[1]
+    assert counts[1][2] == 8, counts
+
+
+async def test_a_slow_caller_takes_several_tokens_a_step(runtime, tmp_path):
+    """While the caller is busy between steps, the stream's passes go on: a
+    step then carries every token sampled meanwhile, and the tokens, text
+    and context are those of plain stepping."""
+    prog = inline_program(tmp_path, """
+import asyncio
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.user("Name three rivers.")
+        gen = ctx.generate(max_tokens=24, eos=False, overlap=args["overlap"])
+        sizes = []
+        async for step in gen:
+            sizes.append(len(step.tokens))
+            await asyncio.sleep(args["pause"])
+        return {"sizes": sizes, "tokens": gen.tokens, "text": gen.text, "context": ctx.tokens, "kv_len": ctx.kv_len}
+""")
+    plain = await run_ok(runtime, prog, {"overlap": False, "pause": 0})
+    slow = await run_ok(runtime, prog, {"overlap": True, "pause": 0.1})
+    assert max(slow.pop("sizes")) > 1
+    assert set(plain.pop("sizes")) == {1}
+    assert slow == plain
 
 
 LEAVE_EARLY = """
@@ -94,23 +132,59 @@ async def main(args):
         got = []
         async for step in gen:
             got += step.tokens
-            if len(got) == 5:
+            if len(got) >= args["n"]:
                 break
         await gen.aclose()
         await gen.aclose()  # idempotent
-        # the context goes on from the five tokens the caller saw
+        # the context goes on from the tokens the caller saw
         ctx.fill(" and then")
         after = await ctx.generate(max_tokens=6, eos=False).collect_tokens()
-        return {"got": got, "finish": gen.finish_reason, "context": ctx.tokens, "after": after}
+        return {"got": got, "finish": gen.finish_reason, "context": ctx.tokens, "kv_len": ctx.kv_len, "after": after}
 """
 
 
-async def test_aclose_after_leaving_early(runtime, tmp_path):
+async def left_early_like_stepping(runtime, over_runtime, tmp_path) -> dict:
+    """LEAVE_EARLY with overlap on ``over_runtime`` (leaving once it saw 5
+    tokens: 5 or more, a stream's step may carry several), then stepped on
+    ``runtime`` to the same count: both must leave the same context."""
     prog = inline_program(tmp_path, LEAVE_EARLY)
-    plain = await run_ok(runtime, prog, {"overlap": False})
-    over = await run_ok(runtime, prog, {"overlap": True})
-    assert over == plain
-    assert over["finish"] == "stop" and len(over["got"]) == 5
+    over = await run(over_runtime, prog, {"overlap": True, "n": 5})
+    assert over.status is Status.FINISHED, f"{over.error}\n{over.traceback}"
+    plain = await run_ok(runtime, prog, {"overlap": False, "n": len(over.result["got"])})
+    assert over.result == plain
+    assert plain["finish"] == "stop" and len(plain["got"]) >= 5
+    return plain
+
+
+async def test_aclose_after_leaving_early(runtime, tmp_path):
+    await left_early_like_stepping(runtime, runtime, tmp_path)
+
+
+async def test_a_stream_left_while_the_model_runs_ahead(runtime, tmp_path):
+    """The caller leaves while passes it will not take have run (a pause
+    lets the stream go on): they are dropped, the context is truncated to
+    the tokens taken, the last one pending, and the next generation goes on
+    from there as after stepping."""
+    prog = inline_program(tmp_path, """
+import asyncio
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.fill("Once upon a time")
+        gen = ctx.generate(max_tokens=40, eos=False, overlap=args["overlap"])
+        first = await gen.__anext__()
+        await asyncio.sleep(args["pause"])  # passes go on meanwhile (stream)
+        await gen.aclose()
+        kv = ctx.kv_len
+        after = await ctx.generate(max_tokens=5, eos=False).collect_tokens()
+        return {"first": first.tokens, "kv_len": kv, "pending": len(ctx.pending), "after": after, "context": ctx.tokens}
+""")
+    plain = await run_ok(runtime, prog, {"overlap": False, "pause": 0})
+    left = await run_ok(runtime, prog, {"overlap": True, "pause": 0.1})
+    assert left == plain
+    assert len(left["first"]) == 1
 
 
 async def test_overlap_with_a_drafter_is_refused(runtime, tmp_path):
@@ -142,8 +216,4 @@ async def test_component_overlap_matches_native(runtime, host_state, tmp_path):
     pytest.importorskip("componentize_py")
     from tartlet.runtime.wasm import WasmRuntime
 
-    prog = inline_program(tmp_path, LEAVE_EARLY)
-    native = await run_ok(runtime, prog, {"overlap": True})
-    sandboxed = await run(WasmRuntime(host_state), prog, {"overlap": True})
-    assert sandboxed.status is Status.FINISHED, f"{sandboxed.error}\n{sandboxed.traceback}"
-    assert sandboxed.result == native
+    await left_early_like_stepping(runtime, WasmRuntime(host_state), tmp_path)

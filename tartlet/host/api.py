@@ -41,6 +41,7 @@ from .grammar import Matcher
 from .grammar_api import GrammarHostMixin
 from .io_api import ChildLauncher, IoHostMixin
 from .session import Session
+from .token_stream import TokenStream
 from .state import HostState, ModelSlot
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._contexts: dict[int, HostContext] = {}
         self._accounts: dict[int, PageAccount] = {}  # id(slot) -> this instance's page account there
         self._decoders: dict[int, Any] = {}
+        self._streams: dict[int, TokenStream] = {}
         self._ids = itertools.count(1)
         self.closed = False
 
@@ -540,42 +542,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         Raises:
             ValueError: a malformed argument (nothing is queued then).
         """
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
-        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
-            raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
-        if not isinstance(sampler, OutputSlot) or sampler.kind != "sample":
-            raise ValueError(f"sampler is a `sample` tartlet.forward.OutputSlot (Sampler.slot), got {sampler!r}")
-        seed = sampler.seed
-        stop = frozenset(int(t) for t in stop_ids)
         out: list[int] = []
         result: Future[list[int]] = Future()
-
-        def slot(n_inputs: int) -> OutputSlot:
-            step = None if seed is None else step_seed(seed, first_step + len(out))
-            return replace(sampler, index=n_inputs - 1, seed=step)
-
-        def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
-            e = ctx.engine
-            # the engine slot of a one-token pass, built and validated once (a
-            # grammar's slot is built per pass: its mask is the matcher's now)
-            base = None if sampler.grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
-
-            def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
-                if result.done():  # cancelled by the caller: stop after this pass
-                    return None
-                tok = int(cast(int, results[0]))  # a `sample` slot yields its token id
-                out.append(tok)
-                if len(out) >= max_steps or tok in stop:
-                    return None
-                if base is None:
-                    return [tok], [self._slot(e, slot(1), 1)]
-                if seed is None:
-                    return [tok], [base]
-                spec = replace(cast(SamplerSpec, base.spec), seed=step_seed(seed, first_step + len(out)))
-                return [tok], [replace(base, spec=spec)]
-
-            return then
 
         def done(f: Future[list[object]]) -> None:
             if result.done():  # cancelled by the caller
@@ -587,10 +555,124 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             else:
                 result.set_result(out)
 
+        self._decode(handle, tokens, sampler, first_step, max_steps, stop_ids, out.append, result.done).add_done_callback(done)
+        return result
+
+    def generate_stream(
+        self,
+        handle: int,
+        tokens: list[int],
+        sampler: OutputSlot,
+        first_step: int,
+        max_steps: int,
+        stop_ids: list[int],
+    ) -> int:
+        """Start the passes :meth:`generate` would run and hand their tokens
+        over as they are sampled (:class:`~tartlet.host.token_stream.TokenStream`):
+        the scheduler queues each next pass itself, so the model does not
+        wait for the inferlet to take a token. Same arguments, passes and
+        tokens as :meth:`generate`.
+
+        Returns:
+            A stream handle for :meth:`stream_next` and :meth:`stream_close`
+            (the context is busy until the stream is closed).
+
+        Raises:
+            ValueError: a malformed argument (nothing is queued then).
+        """
+        stream = TokenStream()
+        fut = self._decode(handle, tokens, sampler, first_step, max_steps, stop_ids, stream.push,
+                           lambda: stream.stopping or self.closed)
+
+        def ended(f: Future[list[object]]) -> None:
+            if f.cancelled():
+                stream.end(RuntimeError("a pass of the token stream was cancelled"))
+            else:
+                stream.end(f.exception())
+
+        fut.add_done_callback(ended)
+        h = next(self._ids)
+        self._streams[h] = stream
+        return h
+
+    def stream_next(self, handle: int) -> Future[list[int]]:
+        """Future of the tokens the stream sampled since the last call (at
+        least one; several when the inferlet lags behind the model), or
+        ``[]`` once the generation ended (``max_steps``, a stop token) and
+        every token was taken. Fails with the error of a failed pass, after
+        the tokens sampled before it.
+
+        Raises:
+            InvalidHandleError: no open stream ``handle``.
+            ValueError: a ``stream_next`` of this stream is still pending.
+        """
+        return self._stream(handle).next()
+
+    def stream_close(self, handle: int) -> Future[list[int]]:
+        """Stop the stream after the pass in flight and release the handle;
+        future of the tokens sampled and not taken (their last one, if any,
+        is not in the context: it is the caller's pending token; with none,
+        the last token taken is), once no pass of it is left.
+
+        Raises:
+            InvalidHandleError: no open stream ``handle``.
+        """
+        stream = self._stream(handle)
+        del self._streams[handle]
+        return stream.close()
+
+    def _stream(self, handle: int) -> TokenStream:
+        stream = self._streams.get(handle)
+        if stream is None:
+            raise InvalidHandleError(f"no token stream with handle {handle!r}")
+        return stream
+
+    def _decode(self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int,
+                stop_ids: list[int], on_token: Callable[[int], None], stopped: Callable[[], bool]) -> Future[list[object]]:
+        """Queue the passes of :meth:`generate`: ``on_token`` gets each
+        sampled token (on the scheduler thread), and no pass follows once
+        ``stopped()`` is true (the token of the pass in flight then is the
+        last one given: the context holds every token before it); the
+        future of the chain (done after its last pass). Malformed arguments
+        raise ValueError and queue nothing."""
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
+        if not isinstance(sampler, OutputSlot) or sampler.kind != "sample":
+            raise ValueError(f"sampler is a `sample` tartlet.forward.OutputSlot (Sampler.slot), got {sampler!r}")
+        seed = sampler.seed
+        stop = frozenset(int(t) for t in stop_ids)
+        count = [0]  # tokens sampled so far
+
+        def slot(n_inputs: int) -> OutputSlot:
+            step = None if seed is None else step_seed(seed, first_step + count[0])
+            return replace(sampler, index=n_inputs - 1, seed=step)
+
+        def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
+            e = ctx.engine
+            # the engine slot of a one-token pass, built and validated once (a
+            # grammar's slot is built per pass: its mask is the matcher's now)
+            base = None if sampler.grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
+
+            def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
+                tok = int(cast(int, results[0]))  # a `sample` slot yields its token id
+                count[0] += 1
+                on_token(tok)
+                if count[0] >= max_steps or tok in stop or stopped():
+                    return None
+                if base is None:
+                    return [tok], [self._slot(e, slot(1), 1)]
+                if seed is None:
+                    return [tok], [base]
+                spec = replace(cast(SamplerSpec, base.spec), seed=step_seed(seed, first_step + count[0]))
+                return [tok], [replace(base, spec=spec)]
+
+            return then
+
         # each next pass is queued by the scheduler itself when the pass
         # before it is done, before it builds the next batch (ForwardRequest.then)
-        self._forward(handle, list(tokens), None, None, [slot(len(tokens))], then=continuation).add_done_callback(done)
-        return result
+        return self._forward(handle, list(tokens), None, None, [slot(len(tokens))], then=continuation)
 
     def _slot(self, e: Engine, o: OutputSlot, n_inputs: int) -> EngineSlot:
         """The engine's slot for output request ``o`` (validated here)."""
@@ -657,6 +739,9 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             self._free_later(ctx)
         self._contexts.clear()
         self._decoders.clear()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         self._grammar_close()
 
 

@@ -53,7 +53,8 @@ INTERFACES: dict[str, tuple[str, ...]] = {
         "snapshot-take", "snapshot-delete", "snapshot-names",
     ),
     "inference": (
-        "forward", "generate", "wait-any", "future-take", "future-drop",
+        "forward", "generate", "generate-stream", "stream-next", "stream-close", "wait-any", "future-take",
+        "future-drop",
     ),
     "grammar": (
         "grammar-new", "grammar-mask", "grammar-advance", "grammar-fork", "grammar-reset",
@@ -359,6 +360,12 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "generate": (
         _generate, "untagged",
     ),
+    "generate-stream": (
+        lambda h, c, tokens, sampler, first, n, stop: h.api.generate_stream(c, list(tokens), _sampler(sampler), first, n,
+                                                                           list(stop)), "untagged",
+    ),
+    "stream-next": (lambda h, st: h.add_future("forward", h.api.stream_next(st)), "untagged"),  # future-value::tokens
+    "stream-close": (lambda h, st: h.add_future("forward", h.api.stream_close(st)), "untagged"),
     "kv-stats": (_kv_stats, "tagged"),
     "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
     "session-receive": (lambda h: h.add_future("message", h.api.session_receive()), "untagged"),
