@@ -367,7 +367,7 @@ class Generator:
         """Whether the host can decode the next tokens without code of ours
         between them (``generate``): stops only ``max_tokens`` (>= 1) and
         EOS tokens, an engine-side sampler, no drafter, no constraint."""
-        if self.drafter is not None or self.constraint is not None or self.sampler._custom is not None:
+        if self.drafter is not None or self.constraint is not None or not self._engine_sampler():
             return False
         limits = self._stop.find(MaxTokens)
         return (not limits or min(c.n for c in limits) >= 1) and all(
@@ -407,7 +407,15 @@ class Generator:
         """Whether the passes can run as a token stream (see the module
         docstring): an engine-side sampler, no drafter, no constraint (any
         stop condition: they are checked here)."""
-        return self.drafter is None and self.constraint is None and self.sampler._custom is None
+        return self.drafter is None and self.constraint is None and self._engine_sampler()
+
+    def _engine_sampler(self) -> bool:
+        """Whether the engine draws every token as the sampler would: a
+        plain :class:`Sampler` (a subclass may override ``slot`` or
+        ``pick``, as the OpenAI inferlet's logit-bias sampler does), no
+        custom function."""
+        cls = type(self.sampler)
+        return self.sampler._custom is None and cls.slot is Sampler.slot and cls.pick is Sampler.pick
 
     async def _step_stream(self) -> None:
         """One step of a token stream: the tokens sampled since the last

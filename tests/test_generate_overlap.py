@@ -217,3 +217,88 @@ async def test_component_overlap_matches_native(runtime, host_state, tmp_path):
     from tartlet.runtime.wasm import WasmRuntime
 
     await left_early_like_stepping(runtime, WasmRuntime(host_state), tmp_path)
+
+
+async def test_a_stream_stopped_by_the_page_limit(host_state, tmp_path):
+    """A pass of the stream fails (the instance's page limit): the tokens
+    sampled before it are taken, then the error is raised, the context is
+    left as stepping leaves it, and no page leaks."""
+    from harness import assert_no_leaks
+    from tartlet.runtime.native import NativeRuntime
+
+    prog = inline_program(tmp_path, """
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.fill("Once upon a time")
+        gen = ctx.generate(max_tokens=100, eos=False, overlap=args["overlap"])
+        got, err = [], None
+        try:
+            async for step in gen:
+                got += step.tokens
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        return {"got": got, "err": err, "kv_len": ctx.kv_len, "pending": ctx.pending, "finish": gen.finish_reason,
+                "tokens": ctx.tokens}
+""")
+    runtime = NativeRuntime(host_state, max_pages=2)
+    plain = await run_ok(runtime, prog, {"overlap": False})
+    streamed = await run_ok(runtime, prog, {"overlap": True})
+    errors = [r.pop("err") for r in (plain, streamed)]
+    assert all(e.startswith("KvQuotaError: KV page quota exceeded") for e in errors), errors
+    assert streamed == plain
+    assert plain["finish"] == "error"
+    assert plain["kv_len"] == 2 * 16 and len(plain["pending"]) == 1
+    assert_no_leaks(host_state)
+
+
+async def test_an_inferlet_that_ends_mid_stream_leaks_nothing(runtime, host_state, tmp_path):
+    """Returning (or failing) with a stream still running: the instance's
+    close stops the stream after its pass in flight and frees the context."""
+    from harness import assert_no_leaks
+
+    prog = inline_program(tmp_path, """
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    ctx = model.new_context()
+    ctx.fill("Once upon a time")
+    gen = ctx.generate(max_tokens=200, eos=False, overlap=True)
+    step = await gen.__anext__()
+    if args["fail"]:
+        raise RuntimeError("boom")
+    return step.tokens
+""")
+    assert len(await run_ok(runtime, prog, {"fail": False})) == 1
+    inst = await run(runtime, prog, {"fail": True})
+    assert inst.status is Status.FAILED and "boom" in inst.error
+    assert_no_leaks(host_state)
+
+
+async def test_a_sampler_subclass_is_stepped_not_streamed(runtime, tmp_path):
+    """A Sampler subclass may override ``pick`` (or ``slot``): the engine
+    cannot draw for it, so overlap queues one pass ahead and every token
+    goes through its ``pick``."""
+    prog = inline_program(tmp_path, """
+from tartlet import Model, Sampler
+
+class Counting(Sampler):
+    picks = 0
+    def pick(self, result):
+        Counting.picks += 1
+        return super().pick(result)
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.fill("Once upon a time")
+        gen = ctx.generate(Counting(), max_tokens=6, eos=False, overlap=True)
+        async for step in gen:
+            assert gen._stream is None
+        return {"picks": Counting.picks, "tokens": gen.tokens}
+""")
+    res = await run_ok(runtime, prog)
+    assert res["picks"] == len(res["tokens"]) == 6
