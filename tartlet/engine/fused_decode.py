@@ -115,14 +115,14 @@ class FusedDecoder:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
             k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32
                 or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
-            groups: the model's per-group plans ``(group, bias, by_kernel,
-                rows_bias)``, ``rows_bias`` the additive mask ``[B, L]`` or None.
+            groups: the model's per-group plans (:class:`~tartlet.engine.llama.GroupPlan`),
+                each run by the attention kernel.
 
         Returns:
             float32 logits ``[S, vocab_size]`` of ``batch.output_rows``, or
             ``None`` without :attr:`has_head` (``x`` holds the last layer's output).
         """
-        args = [(g.rows, g.row_start, g.kv_slots, rows_bias) for g, _, _, rows_bias in groups]
+        args = [(p.rows, p.row_start, p.slots, p.rows_bias) for p in groups]
         logits = None
         if self.has_head:
             logits = torch.empty(batch.output_rows.shape[0], self.model.lm_head.out_features, dtype=torch.float32)

@@ -47,7 +47,7 @@ adds fused in) or :class:`~tartlet.engine.quant_linear.QuantLinear`.
 from __future__ import annotations
 
 import math
-from typing import Required, TypedDict, cast
+from typing import NamedTuple, Required, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +67,37 @@ from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exporte
 #: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
 Projection = Linear | QuantLinear
 
-#: One attention group of a pass as the layers use it: the group, its mask
-#: as an additive float mask (or None), whether the decode kernel runs it,
-#: and that mask as ``[B, L]`` rows for the kernel (or None).
-GroupPlan = tuple[AttentionGroup, "torch.Tensor | None", bool, "torch.Tensor | None"]
+#: Most queries per request (``num_queries``) whose attention the C kernel
+#: runs query by query (each query a row with its own KV slots and mask row,
+#: as decode rows are); longer prompts take PyTorch's SDPA, whose blocked
+#: kernel reuses each key across queries. Measured on the default model,
+#: 2 threads (ad hoc, attention time of a prefill): see docs/benchmarks.md
+#: "Prefill attention by the decode kernel".
+ROW_ATTENTION_MAX_QUERIES = 128
+
+
+class GroupPlan(NamedTuple):
+    """One attention group of a pass as the layers use it.
+
+    Attributes:
+        group: the group.
+        bias: its mask as an additive float ``[B, 1, Q, L]`` mask (0 or
+            -inf), or None.
+        by_kernel: whether the C attention kernel runs it (one query per
+            kernel row; a prefill group's ``B * Q`` queries each a row).
+        slots, rows_bias, rows, row_start: the kernel's arguments when
+            ``by_kernel``: int64 ``[R, L]`` KV slots per row, float32
+            ``[R, L]`` additive mask rows (or None: all visible), and the
+            ``R`` rows of ``q`` (``rows``, or ``row_start`` onwards).
+    """
+
+    group: AttentionGroup
+    bias: torch.Tensor | None
+    by_kernel: bool
+    slots: torch.Tensor
+    rows_bias: torch.Tensor | None
+    rows: torch.Tensor | None
+    row_start: int
 
 
 class Layer(TypedDict, total=False):
@@ -460,8 +487,18 @@ class LlamaModel:
 
         def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> GroupPlan:
             bias = None if mask is None else self._additive(mask)
-            by_kernel = kern is not None and g.num_queries == 1 and not soft
-            return g, bias, by_kernel, None if bias is None or not by_kernel else bias.view(bias.shape[0], -1)
+            B, L = g.kv_slots.shape
+            Q = g.num_queries
+            by_kernel = kern is not None and not soft and Q <= ROW_ATTENTION_MAX_QUERIES
+            if not by_kernel or Q == 1:
+                rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
+                return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias, g.rows, g.row_start)
+            # a prefill group query by query: row b * Q + i is query i of request b
+            if bias is None:  # plain causal over exactly L == Q fresh tokens
+                rows_bias = torch.full((Q, L), float("-inf"), dtype=self.dtype).triu_(1).repeat(B, 1)
+            else:
+                rows_bias = bias.reshape(B * Q, L).contiguous()
+            return GroupPlan(g, bias, True, g.kv_slots.repeat_interleave(Q, 0), rows_bias, g.rows, g.row_start)
 
         plans: dict[int | None, list[GroupPlan]] = {}
         if None in self.windows:
@@ -471,7 +508,7 @@ class LlamaModel:
         # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
         cuda = {}
         if triton_kv:
-            cuda = {id(p[0]): cuda_attention.decode_plan(p[0]) for ps in plans.values() for p in ps if p[0].num_queries == 1}
+            cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps if p.group.num_queries == 1}
         if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
             logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
             if logits is not None:  # the head ran in the step too
@@ -498,14 +535,16 @@ class LlamaModel:
                 vc.index_copy_(0, batch.write_slots, to_pool(qkv[:, (nh + nkv) * hd :].view(T, nkv, hd), vc.dtype))
             else:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
-            for g, bias, by_kernel, rows_bias in plans[self.windows[i]]:
-                if by_kernel and kern is not None:  # by_kernel: kern is not None
-                    kern.paged_decode_attention(q, kc, vc, g.kv_slots, rows_bias, g.rows, g.row_start, attn_out, self.scale)
+            for plan in plans[self.windows[i]]:
+                g = plan.group
+                if plan.by_kernel and kern is not None:  # by_kernel: kern is not None
+                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, plan.rows, plan.row_start, attn_out,
+                                                self.scale)
                 elif id(g) in cuda:
                     rows, lens, mask2d = cuda[id(g)]
                     cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)
                 else:
-                    self._attend(q, attn_out, g, bias, kc, vc)
+                    self._attend(q, attn_out, g, plan.bias, kc, vc)
             if c.gemma_norms:  # norms after attention and MLP too, before each residual add
                 x = x + self._rms_norm(layer["o"](attn_out), layer["post_attn"])
                 gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
