@@ -76,6 +76,19 @@ def _call(fn: Any, *args: Any) -> Any:
 _U32 = 1 << 32
 
 
+def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
+                 stop_ids: list[int]) -> tuple[Any, ...]:
+    """``generate`` / ``generate_stream`` arguments checked and lowered to WIT values."""
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{call} needs a non-empty list of input tokens")
+    _handle(handle)
+    for name, v in (("first_step", first_step), ("max_steps", max_steps)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+            raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
+    return (handle, _u32s(tokens, "input tokens"), _sampler_params(sampler), first_step, max_steps,
+            _u32s(stop_ids, "stop token ids"))
+
+
 def _handle(v: Any, what: str = "context") -> int:
     if type(v) is not int or not 0 <= v < _U32:
         raise InvalidHandleError(f"no {what} with handle {v!r}")
@@ -397,26 +410,14 @@ class WasmHost:
     def generate(
         self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
     ) -> HostFuture:
-        if not isinstance(tokens, list) or not tokens:
-            raise ValueError("generate needs a non-empty list of input tokens")
-        _handle(handle)
-        for name, v in (("first_step", first_step), ("max_steps", max_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
-                raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
-        return HostFuture(_call(_wit_inference.generate, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
-                                first_step, max_steps, _u32s(stop_ids, "stop token ids")))
+        return HostFuture(_call(_wit_inference.generate, *_decode_args("generate", handle, tokens, sampler, first_step,
+                                                                         max_steps, stop_ids)))
 
     def generate_stream(
         self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
     ) -> int:
-        if not isinstance(tokens, list) or not tokens:
-            raise ValueError("generate_stream needs a non-empty list of input tokens")
-        _handle(handle)
-        for name, v in (("first_step", first_step), ("max_steps", max_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
-                raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
-        return _call(_wit_inference.generate_stream, handle, _u32s(tokens, "input tokens"), _sampler_params(sampler),
-                     first_step, max_steps, _u32s(stop_ids, "stop token ids"))
+        return _call(_wit_inference.generate_stream, *_decode_args("generate_stream", handle, tokens, sampler,
+                                                                     first_step, max_steps, stop_ids))
 
     def stream_next(self, handle: int) -> HostFuture:
         _handle(handle, "token stream")

@@ -429,7 +429,10 @@ class Generator:
         try:
             toks = await _binding.wait(_binding.host().stream_next(h))
         except BaseException:
-            await self._close_stream()
+            try:
+                await self._close_stream()
+            except Exception:  # the instance is ending: the pass's own error is the one to report
+                pass
             raise
         if not toks:  # the host stopped at its step bound (the model's context is full)
             await self._close_stream()

@@ -558,15 +558,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._decode(handle, tokens, sampler, first_step, max_steps, stop_ids, out.append, result.done).add_done_callback(done)
         return result
 
-    def generate_stream(
-        self,
-        handle: int,
-        tokens: list[int],
-        sampler: OutputSlot,
-        first_step: int,
-        max_steps: int,
-        stop_ids: list[int],
-    ) -> int:
+    def generate_stream(self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int,
+                        stop_ids: list[int]) -> int:
         """Start the passes :meth:`generate` would run and hand their tokens
         over as they are sampled (:class:`~tartlet.host.token_stream.TokenStream`):
         the scheduler queues each next pass itself, so the model does not
