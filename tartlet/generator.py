@@ -435,8 +435,8 @@ class Generator:
                 pass
             raise
         if not toks:  # the host stopped at its step bound (the model's context is full)
+            self._finish("length")  # the turn is recorded as the stream closes
             await self._close_stream()
-            self._finish("length")
             return
         self.stats.steps += len(toks)
         for tok in toks:

@@ -1,5 +1,5 @@
 """Prefill attention by the C kernel, query by query
-(``llama.ROW_ATTENTION_MAX_QUERIES``), against PyTorch's SDPA on the same
+(``llama.ROW_ATTENTION_MAX_SCORES``), against PyTorch's SDPA on the same
 passes: plain causal prompts of several lengths in one batch, a prompt
 continued after a first chunk (its queries attend to the chunk through a
 mask), and queries with custom attention masks (holes), on a float32 and
@@ -63,9 +63,9 @@ def passes(engine) -> list[torch.Tensor]:
 
 
 def compare(engine, monkeypatch, atol: float, min_top1: float) -> None:
-    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_QUERIES", 0)  # every prefill group by SDPA
+    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_SCORES", 0)  # every prefill group by SDPA
     ref = passes(engine)
-    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_QUERIES", 128)
+    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_SCORES", 128 * 128)
     ours = passes(engine)
     same = total = 0
     for k, (a, b) in enumerate(zip(ours, ref)):
@@ -86,17 +86,26 @@ def test_kernel_prefill_attention_matches_sdpa_on_an_int8_pool(q8_float_engine, 
 
 
 def test_long_prompts_take_sdpa(engine, monkeypatch):
-    """Past ``ROW_ATTENTION_MAX_QUERIES`` queries a group is not the
-    kernel's (SDPA reuses each key across queries)."""
-    calls = []
+    """Past ``ROW_ATTENTION_MAX_SCORES`` query-key scores per request a
+    group is not the kernel's (SDPA reuses each key across queries): a
+    128-token prompt is (128 x 128), a 129-token one is not, and neither is
+    a 100-token chunk after it (100 x 229)."""
+    assert llama.ROW_ATTENTION_MAX_SCORES == 128 * 128
+    calls, rows = [], []
     orig = llama.LlamaModel._attend
-    monkeypatch.setattr(llama.LlamaModel, "_attend", lambda self, q, out, g, *a: calls.append(g.num_queries) or orig(self, q, out, g, *a))
-    seq = engine.new_sequence()
+    monkeypatch.setattr(llama.LlamaModel, "_attend", lambda self, q, out, g, *a: calls.append(g.kv_slots.shape) or orig(self, q, out, g, *a))
+    kern = type(engine.model.kernels)
+    orig_k = kern.paged_decode_attention
+    monkeypatch.setattr(kern, "paged_decode_attention", lambda self, q, kp, vp, slots, *a: rows.append(slots.shape) or orig_k(self, q, kp, vp, slots, *a))
+    seqs = [engine.new_sequence() for _ in range(2)]
     try:
-        n = llama.ROW_ATTENTION_MAX_QUERIES
-        engine.scheduler.submit(ForwardRequest(seq, [100 + i for i in range(n)])).result(60)
-        assert calls == []
-        engine.scheduler.submit(ForwardRequest(seq, [100 + i for i in range(n + 1)])).result(60)
-        assert calls and set(calls) == {n + 1}
+        engine.scheduler.submit(ForwardRequest(seqs[0], [20000 + i for i in range(128)])).result(60)
+        assert calls == [] and set(rows) == {(128, 128)}
+        engine.scheduler.submit(ForwardRequest(seqs[1], [5000 + i for i in range(129)])).result(60)  # no shared prefix
+        assert set(calls) == {(1, 129)}
+        calls.clear()
+        engine.scheduler.submit(ForwardRequest(seqs[1], [9000 + i for i in range(100)])).result(60)
+        assert set(calls) == {(1, 229)}
     finally:
-        engine.scheduler.command(seq.free, seq).result(60)
+        for s in seqs:
+            engine.scheduler.command(s.free, s).result(60)

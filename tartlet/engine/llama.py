@@ -67,13 +67,15 @@ from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exporte
 #: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
 Projection = Linear | QuantLinear
 
-#: Most queries per request (``num_queries``) whose attention the C kernel
-#: runs query by query (each query a row with its own KV slots and mask row,
-#: as decode rows are); longer prompts take PyTorch's SDPA, whose blocked
-#: kernel reuses each key across queries. Measured on the default model,
-#: 2 threads (ad hoc, attention time of a prefill): see docs/benchmarks.md
-#: "Prefill attention by the decode kernel".
-ROW_ATTENTION_MAX_QUERIES = 128
+#: Most query-key scores per request (``num_queries * L``) of a multi-token
+#: group whose attention the C kernel runs query by query (each query a row
+#: with its request's KV slots and its mask row, as decode rows are); larger
+#: groups (long prompts, long chunks over a long context) take PyTorch's
+#: SDPA, whose blocked kernel reuses each key across queries. 128 x 128:
+#: measured on the default model, 2 threads, the kernel is 1.01-1.14x
+#: SDPA's speed up to 128-token prompts and 0.93-0.97x at 256 (docs/
+#: benchmarks.md, "Host token streams and prefill attention by the kernel").
+ROW_ATTENTION_MAX_SCORES = 128 * 128
 
 
 class GroupPlan(NamedTuple):
@@ -489,7 +491,7 @@ class LlamaModel:
             bias = None if mask is None else self._additive(mask)
             B, L = g.kv_slots.shape
             Q = g.num_queries
-            by_kernel = kern is not None and not soft and Q <= ROW_ATTENTION_MAX_QUERIES
+            by_kernel = kern is not None and not soft and (Q == 1 or Q * L <= ROW_ATTENTION_MAX_SCORES)
             if not by_kernel or Q == 1:
                 rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
                 return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias, g.rows, g.row_start)

@@ -41,8 +41,8 @@ from .grammar import Matcher
 from .grammar_api import GrammarHostMixin
 from .io_api import ChildLauncher, IoHostMixin
 from .session import Session
-from .token_stream import TokenStream
 from .state import HostState, ModelSlot
+from .token_stream import TokenStream
 
 if TYPE_CHECKING:
     from .messaging import Message
