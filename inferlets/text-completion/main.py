@@ -41,7 +41,8 @@ async def main(args: dict) -> dict:
             stop=args.get("stop"),
             eos=not args.get("ignore_eos", False),
             # up to 8 tokens a step decoded host-side (the first at once); with
-            # stop strings one a step, the next pass running while it is streamed
+            # stop strings (checked here) a host token stream: the passes run on
+            # while a step is streamed, a step takes what was sampled since the last
             chunk=8,
             overlap=True,
         )

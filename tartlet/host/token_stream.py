@@ -44,8 +44,7 @@ class TokenStream:
         with self._lock:
             self._buf.append(token)
             give = self._take_waiter()
-        if give is not None:
-            give[0].set_result(give[1])
+        _resolve(give)
 
     def end(self, error: BaseException | None) -> None:
         """The generation ended (``error``: the pass that failed, None when
@@ -57,15 +56,15 @@ class TokenStream:
             rest = self._buf if closer is not None else []
             if closer is not None:
                 self._buf = []
-        if give is not None:
-            give[0].set_result(give[1])
+        _resolve(give)
         if closer is not None:
             closer.set_result(rest)
 
-    def _take_waiter(self) -> tuple[Future[list[int]], list[int]] | None:
-        """Under the lock: the waiter and what it gets, if it can get
-        something now (tokens, or the end); a waiter cancelled meanwhile is
-        dropped and the tokens stay buffered."""
+    def _take_waiter(self) -> tuple[Future[list[int]], list[int] | BaseException] | None:
+        """Under the lock: the waiter and what it gets (tokens, the end as
+        ``[]``, or the error, reported once), if it can get something now;
+        the caller resolves it after the lock. A waiter cancelled meanwhile
+        is dropped and the tokens stay buffered."""
         w = self._waiter
         if w is None or not (self._buf or self._ended):
             return None
@@ -77,8 +76,7 @@ class TokenStream:
             return w, got
         if self._error is not None:
             err, self._error = self._error, None
-            w.set_exception(err)  # reported once; later calls see the end ([])
-            return None
+            return w, err
         return w, []
 
     # -- inferlet side -------------------------------------------------------------
@@ -100,8 +98,7 @@ class TokenStream:
                 raise ValueError("a stream_next of this stream is still pending")
             self._waiter = fut
             give = self._take_waiter()
-        if give is not None:
-            give[0].set_result(give[1])
+        _resolve(give)
         return fut
 
     def close(self) -> Future[list[int]]:
@@ -123,3 +120,13 @@ class TokenStream:
         if done:
             fut.set_result(rest)
         return fut
+
+
+def _resolve(give: tuple[Future[list[int]], list[int] | BaseException] | None) -> None:
+    if give is None:
+        return
+    fut, value = give
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
