@@ -205,18 +205,62 @@ def test_generation_through_the_scheduler_is_unchanged(quant_engine, fused):
     assert "Paris" in quant_engine.tokenizer.decode(outs[0])
 
 
-def test_other_shapes_take_the_op_by_op_path(quant_engine):
-    """A batch with a multi-token chunk (prefill) is not fused."""
-    f = quant_engine.model.fused
-    seq, tok = prefill(quant_engine, PROMPTS[2])
+def test_prefill_batch_matches_op_by_op(quant_engine, fused):
+    """Prompts of several lengths (their attention query by query, as the
+    op-by-op path's kernel runs it), plus a prompt continued after its first
+    chunk and a decode row, in one fused step: logits of every row equal
+    the op-by-op path's, greedy tokens equal."""
+    tok = quant_engine.tokenizer
+    seqs = [quant_engine.new_sequence() for _ in range(len(PROMPTS))]
+    cont, first = prefill(quant_engine, PROMPTS[1])
+    ids = [tok.encode(p) for p in PROMPTS]
 
-    def check():
-        start = len(seq)
-        slots = seq.reserve([tok, tok], [start, start + 1], custom_attention=False)
-        return f.accepts(build_batch([BatchItem(seq, [tok, tok], start, slots, [1], None)]), quant_engine.pool.k)
+    def step():
+        items = []
+        for seq, t in zip(seqs, ids):
+            slots = seq.reserve(t, list(range(len(t))), custom_attention=False)
+            items.append(BatchItem(seq, t, 0, slots, list(range(len(t))), None))
+        start = len(cont)
+        more = [first] + ids[2]
+        slots = cont.reserve(more, list(range(start, start + len(more))), custom_attention=False)
+        items.append(BatchItem(cont, more, start, slots, list(range(len(more))), None))
+        batch = build_batch(items)
+        pool, model = quant_engine.pool, quant_engine.model
+        try:
+            assert fused.accepts(batch, pool.k)
+            out = [model.forward(batch, pool.k, pool.v)]
+            fused.enabled = False
+            out.append(model.forward(batch, pool.k, pool.v))
+        finally:
+            fused.enabled = True
+        return out
 
     try:
-        assert quant_engine.scheduler.command(check).result(30) is False
+        f, ref = quant_engine.scheduler.command(step).result(120)
+        assert f.shape == ref.shape and f.shape[0] == sum(map(len, ids)) + 1 + len(ids[2])
+        assert float((f - ref).abs().max()) < ATOL
+        assert f.argmax(-1).tolist() == ref.argmax(-1).tolist()
+    finally:
+        for s in seqs + [cont]:
+            quant_engine.scheduler.command(s.free).result(30)
+
+
+def test_other_shapes_take_the_op_by_op_path(quant_engine):
+    """A chunk too large for the attention kernel (129 x 129 scores, past
+    ``llama.ROW_ATTENTION_MAX_SCORES``: SDPA's) is not fused."""
+    f = quant_engine.model.fused
+    seq = quant_engine.new_sequence()
+    ids = [100 + i for i in range(129)]
+
+    def check(n):
+        slots = seq.reserve(ids[:n], list(range(n)), custom_attention=False)
+        ok = f.accepts(build_batch([BatchItem(seq, ids[:n], 0, slots, [n - 1], None)]), quant_engine.pool.k)
+        seq.truncate(0)
+        return ok
+
+    try:
+        assert quant_engine.scheduler.command(lambda: check(128)).result(30) is True
+        assert quant_engine.scheduler.command(lambda: check(129)).result(30) is False
     finally:
         quant_engine.scheduler.command(seq.free).result(30)
 
@@ -227,9 +271,11 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
     path (kv_int8.h). The two paths' ~1e-7 float differences (SiLU) can
     move a key or value across an int8 rounding boundary (1/127 of its
     row's largest value), which moves later logits by more than with a
-    float32 pool: measured 0.16 at most, 0.021 on average over these
-    prompts (an int8 pool against a float32 one: 1.8 and 0.2); greedy
-    tokens must agree exactly."""
+    float32 pool: measured up to 0.32 at most and 0.041 on average over a
+    step (prompts prefilled by the fused step; 0.26 and 0.025 prefilled
+    op by op: which keys sit near a boundary changes with the cache's
+    contents), against 1.8 and 0.2 for an int8 pool against a float32
+    one; greedy tokens must agree exactly."""
     f = q8_engine.model.fused
     assert q8_engine.pool.k.dtype == torch.int8
     pairs = [prefill(q8_engine, p) for p in PROMPTS]
@@ -238,7 +284,7 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
         for _ in range(6):
             fused_logits, ref = decode_both(q8_engine, f, seqs, toks)
             diff = (fused_logits - ref).abs()
-            assert float(diff.max()) < 0.5 and float(diff.mean()) < 0.03
+            assert float(diff.max()) < 0.6 and float(diff.mean()) < 0.08
             assert fused_logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
             toks = fused_logits.argmax(-1).tolist()
     finally:

@@ -15,8 +15,12 @@ It serves the common shape only, and :meth:`FusedDecoder.build` returns
 quantized weights (:class:`QuantLinear`) in all four projections of every
 layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
 no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
-Qwen2). A batch runs fused when every row is a single-token query
-(decode), on AVX-512 any number of rows (from
+Qwen2). A batch runs fused when the attention kernel takes every group:
+single-token rows (decode), and prefill groups query by query within
+:data:`~tartlet.engine.llama.ROW_ATTENTION_MAX_SCORES` (the tail of the QKV
+phase writes every row's key and value before the attention phase opens,
+so a prompt's queries see its earlier tokens); on AVX-512 any number of
+rows (from
 ``tq_set_panel_rows`` rows its projections take the panel GEMM,
 ``panel_gemm_avx512.h``), below AVX-512 fewer than
 :data:`~tartlet.engine.quant_linear.DEQUANT_ROWS`, and the KV pool is
@@ -79,13 +83,19 @@ class FusedDecoder:
         return cls(model)
 
     def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
-        """Whether ``batch`` can run fused: decode rows only (below AVX-512
-        fewer than ``DEQUANT_ROWS``), a float32 or int8 pool."""
+        """Whether ``batch`` can run fused: every group's attention by the
+        C kernel (decode rows, and prefill groups query by query:
+        :func:`~tartlet.engine.llama.row_attention`), every row in a group,
+        below AVX-512 fewer than ``DEQUANT_ROWS`` rows, a float32 or int8
+        pool."""
+        from .llama import row_attention  # llama imports this module
+
         T = batch.input_ids.shape[0]
         # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
         if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in (torch.float32, torch.int8):
             return False
-        return sum(g.kv_slots.shape[0] for g in batch.groups) == T and all(g.num_queries == 1 for g in batch.groups)
+        groups = batch.groups
+        return sum(g.kv_slots.shape[0] * g.num_queries for g in groups) == T and all(row_attention(g) for g in groups)
 
     def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> DecoderDesc:
         key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype)

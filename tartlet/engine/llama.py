@@ -78,6 +78,13 @@ Projection = Linear | QuantLinear
 ROW_ATTENTION_MAX_SCORES = 128 * 128
 
 
+def row_attention(g: AttentionGroup) -> bool:
+    """Whether the C attention kernel can run group ``g`` query by query:
+    one query per request, or at most :data:`ROW_ATTENTION_MAX_SCORES`
+    query-key scores per request."""
+    return g.num_queries == 1 or g.num_queries * g.kv_slots.shape[1] <= ROW_ATTENTION_MAX_SCORES
+
+
 class GroupPlan(NamedTuple):
     """One attention group of a pass as the layers use it.
 
@@ -491,7 +498,7 @@ class LlamaModel:
             bias = None if mask is None else self._additive(mask)
             B, L = g.kv_slots.shape
             Q = g.num_queries
-            by_kernel = kern is not None and not soft and (Q == 1 or Q * L <= ROW_ATTENTION_MAX_SCORES)
+            by_kernel = kern is not None and not soft and row_attention(g)
             if not by_kernel or Q == 1:
                 rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
                 return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias, g.rows, g.row_start)
