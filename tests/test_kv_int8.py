@@ -397,8 +397,8 @@ async def assert_parts_at_near_tie(runtime, tmp_path, label: str, prompt: list[i
     the pages, the probe of test_logits.py) must rank the two tokens
     within ``NEAR_TIE`` of each other, and the tokens before the parting
     must be the probe's argmax (the context is rebuilt right). Returns
-    whether they part. A run that stops early (a shorter list equal so far)
-    counts as parting at its end only if the other went on with a token."""
+    whether they part. One run stopping where the other goes on (a shorter
+    list equal so far) fails the check."""
     from harness import inline_program, run_ok
     from test_logits import PROBE, as_tensor
 
