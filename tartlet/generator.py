@@ -428,24 +428,24 @@ class Generator:
         h, inputs, base, taken = self._stream
         try:
             toks = await _binding.wait(_binding.host().stream_next(h))
-        except BaseException:
+            self.stats.steps += len(toks)
+            for tok in toks:
+                self.tokens.append(tok)
+                taken += 1
+                if self._consume(tok):
+                    break
+        except BaseException:  # a failed pass, a failing stop check, cancellation: no pass may go on
+            self._stream = (h, inputs, base, taken)
             try:
                 await self._close_stream()
-            except Exception:  # the instance is ending: the pass's own error is the one to report
+            except Exception:  # the instance is ending: the first error is the one to report
                 pass
             raise
+        self._stream = (h, inputs, base, taken)
         if not toks:  # the host stopped at its step bound (the model's context is full)
             self._finish("length")  # the turn is recorded as the stream closes
+        if self.finish_reason is not None:
             await self._close_stream()
-            return
-        self.stats.steps += len(toks)
-        for tok in toks:
-            self.tokens.append(tok)
-            taken += 1
-            self._stream = (h, inputs, base, taken)
-            if self._consume(tok):
-                await self._close_stream()
-                return
 
     def _open_stream(self) -> None:
         ctx = self.ctx

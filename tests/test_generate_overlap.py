@@ -302,3 +302,43 @@ async def main(args):
 """)
     res = await run_ok(runtime, prog)
     assert res["picks"] == len(res["tokens"]) == 6
+
+
+async def test_a_failing_stop_condition_closes_the_stream(runtime, host_state, tmp_path):
+    """A stop condition that raises mid-stream: the error reaches the
+    caller, the stream is closed (no pass of it goes on: the context takes
+    a new generation at once) and no page leaks."""
+    from harness import assert_no_leaks
+
+    prog = inline_program(tmp_path, """
+import asyncio
+from tartlet import Model, StopCondition
+
+class Boom(StopCondition):
+    def should_stop(self, tokens, text):
+        if len(tokens) == 3:
+            raise RuntimeError("stop check failed")
+        return False
+
+async def main(args):
+    model = Model.load()
+    with model.new_context() as ctx:
+        ctx.fill("Once upon a time")
+        prompt = len(ctx.tokens)
+        gen = ctx.generate(max_tokens=100, eos=False, stop=Boom(), overlap=True)
+        try:
+            async for _ in gen:
+                pass
+        except RuntimeError as e:
+            err = str(e)
+        await asyncio.sleep(0.1)  # an open stream's passes would go on meanwhile
+        kv = ctx.kv_len
+        more = await ctx.generate(max_tokens=3, eos=False).collect_tokens()
+        return {"err": err, "tokens": gen.tokens, "kv_len": kv, "prompt": prompt, "more": len(more), "finish": gen.finish_reason}
+""")
+    res = await run_ok(runtime, prog)
+    assert res["err"] == "stop check failed" and res["finish"] == "error"
+    assert len(res["tokens"]) == 3 and res["more"] == 3
+    # the passes past the third token were dropped: the KV cache holds the prompt and two tokens, the third pending
+    assert res["kv_len"] == res["prompt"] + 2
+    assert_no_leaks(host_state)

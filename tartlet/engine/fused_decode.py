@@ -132,7 +132,7 @@ class FusedDecoder:
             float32 logits ``[S, vocab_size]`` of ``batch.output_rows``, or
             ``None`` without :attr:`has_head` (``x`` holds the last layer's output).
         """
-        args = [(p.rows, p.row_start, p.slots, p.rows_bias) for p in groups]
+        args = [(p.group.rows, p.group.row_start, p.slots, p.rows_bias) for p in groups]
         logits = None
         if self.has_head:
             logits = torch.empty(batch.output_rows.shape[0], self.model.lm_head.out_features, dtype=torch.float32)

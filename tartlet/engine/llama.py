@@ -94,10 +94,12 @@ class GroupPlan(NamedTuple):
             -inf), or None.
         by_kernel: whether the C attention kernel runs it (one query per
             kernel row; a prefill group's ``B * Q`` queries each a row).
-        slots, rows_bias, rows, row_start: the kernel's arguments when
-            ``by_kernel``: int64 ``[R, L]`` KV slots per row, float32
-            ``[R, L]`` additive mask rows (or None: all visible), and the
-            ``R`` rows of ``q`` (``rows``, or ``row_start`` onwards).
+        slots, rows_bias: the kernel's arguments when ``by_kernel``: int64
+            ``[R, L]`` KV slots per kernel row and float32 ``[R, L]``
+            additive mask rows (or None: all visible), for the group's
+            ``R = B * Q`` rows of ``q`` (``group.rows``, or from
+            ``group.row_start``; request-major, so row ``b * Q + i`` is
+            query ``i`` of request ``b``).
     """
 
     group: AttentionGroup
@@ -105,8 +107,6 @@ class GroupPlan(NamedTuple):
     by_kernel: bool
     slots: torch.Tensor
     rows_bias: torch.Tensor | None
-    rows: torch.Tensor | None
-    row_start: int
 
 
 class Layer(TypedDict, total=False):
@@ -501,13 +501,13 @@ class LlamaModel:
             by_kernel = kern is not None and not soft and row_attention(g)
             if not by_kernel or Q == 1:
                 rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
-                return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias, g.rows, g.row_start)
+                return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias)
             # a prefill group query by query: row b * Q + i is query i of request b
             if bias is None:  # plain causal over exactly L == Q fresh tokens
                 rows_bias = torch.full((Q, L), float("-inf"), dtype=self.dtype).triu_(1).repeat(B, 1)
             else:
                 rows_bias = bias.reshape(B * Q, L).contiguous()
-            return GroupPlan(g, bias, True, g.kv_slots.repeat_interleave(Q, 0), rows_bias, g.rows, g.row_start)
+            return GroupPlan(g, bias, True, g.kv_slots.repeat_interleave(Q, 0), rows_bias)
 
         plans: dict[int | None, list[GroupPlan]] = {}
         if None in self.windows:
@@ -547,8 +547,7 @@ class LlamaModel:
             for plan in plans[self.windows[i]]:
                 g = plan.group
                 if plan.by_kernel and kern is not None:  # by_kernel: kern is not None
-                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, plan.rows, plan.row_start, attn_out,
-                                                self.scale)
+                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, g.rows, g.row_start, attn_out, self.scale)
                 elif id(g) in cuda:
                     rows, lens, mask2d = cuda[id(g)]
                     cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)

@@ -34,7 +34,7 @@ from ..host.api import HostApi
 from ..errors import InvalidHandleError, error_code
 from ..forward import OutputSlot
 
-#: The imported interface, as the component names it.
+#: The WIT package the component imports its interfaces from, and its version.
 PACKAGE, VERSION = "tartlet:inferlet", "0.2.0"  # 0.2.0: the interfaces (0.1.0 had one `host`)
 
 #: The interfaces of the WIT package (``wit/tartlet.wit``) and their
@@ -272,6 +272,11 @@ def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, fir
     return h.add_future("forward", fut)  # one slot-result::token per sampled token
 
 
+def _generate_stream(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
+                     stop: list[int]) -> int:
+    return h.api.generate_stream(handle, list(tokens), _sampler(sampler), first_step, max_steps, list(stop))
+
+
 def _future_take(h: InstanceHost, handle: int) -> Any:
     kind, fut = h.future(handle)
     if not fut.done():  # block as wait-any would: a guest with nothing else to run takes in one call
@@ -330,12 +335,8 @@ def _json_arg(text: str, what: str) -> Any:
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
     "model-info": (_model_info, "tagged"),
-    "tokenize": (
-        lambda h, m, text: h.api.tokenize(m, text), "untagged",
-    ),
-    "detokenize": (
-        lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged",
-    ),
+    "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
+    "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged"),
     "apply-chat-template": (_chat, "untagged"),
     "decoder-new": (lambda h, m: h.api.decoder_new(m), "untagged"),
     "decoder-push": (lambda h, d, ids: h.api.decoder_push(d, list(ids)), "untagged"),
@@ -354,16 +355,9 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "snapshot-take": (lambda h, m, name: h.api.snapshot_take(m, name), "untagged"),
     "snapshot-delete": (lambda h, m, name: h.api.snapshot_delete(m, name), "unit"),
     "snapshot-names": (lambda h, m: h.api.snapshot_names(m), "untagged"),
-    "forward": (
-        _forward, "untagged",
-    ),
-    "generate": (
-        _generate, "untagged",
-    ),
-    "generate-stream": (
-        lambda h, c, tokens, sampler, first, n, stop: h.api.generate_stream(c, list(tokens), _sampler(sampler), first, n,
-                                                                           list(stop)), "untagged",
-    ),
+    "forward": (_forward, "untagged"),
+    "generate": (_generate, "untagged"),
+    "generate-stream": (_generate_stream, "untagged"),
     "stream-next": (lambda h, st: h.add_future("forward", h.api.stream_next(st)), "untagged"),  # future-value::tokens
     "stream-close": (lambda h, st: h.add_future("forward", h.api.stream_close(st)), "untagged"),
     "kv-stats": (_kv_stats, "tagged"),
