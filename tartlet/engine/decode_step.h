@@ -9,8 +9,9 @@
  * cores, the wake-up of an OpenMP team (more than a 576 x 576 product
  * takes). Here the team is woken once per step and every projection is
  * split across all threads - llama.cpp's graph-compute scheme - but the
- * work is cut into chunks that threads claim, not shares assigned to each
- * thread, so no thread ever waits for another one (see tq_decode_layers).
+ * work is cut into chunks that threads claim (each its own range first,
+ * then what is left of the others'), not shares assigned to each thread, so
+ * no thread ever waits for another one (see tq_decode_layers).
  *
  * Work split: projections by weight rows (chunks of the stacked output rows,
  * crossing part boundaries), attention by (sequence, KV head), SiLU by
@@ -83,12 +84,31 @@ static inline void silu_mul(const float *g, const float *u, float *o, int64_t n)
     }
 }
 
-/* Claim counters of one phase, each on its own cache line: `next` hands out
- * chunk indexes, `done` counts finished chunks. */
+/* A counter on its own cache line. A phase has nthreads + 1 of them: claim
+ * counters, one per thread's range of chunks (claim_chunk), then the count
+ * of finished chunks. */
 typedef struct {
-    int64_t next, done;
-    char pad[48];
-} phase_ctr;
+    int64_t v;
+    char pad[56];
+} ctr_line;
+
+/* The next chunk of a phase of n chunks for thread tid of nt: first its own
+ * range [tid n / nt, (tid + 1) n / nt) front to back (consecutive weight
+ * rows, so its memory stream runs on from chunk to chunk), then, its range
+ * used up, those left in the other threads' ranges (so a thread the OS
+ * preempts holds back at most the chunk it is running); -1 when none is
+ * left. Each chunk is handed out exactly once: owner and helpers take it
+ * from the same counter. */
+static inline int64_t claim_chunk(ctr_line *claims, int64_t n, int tid, int nt) {
+    for (int i = 0; i < nt; i++) {
+        const int u = (tid + i) % nt;
+        const int64_t lo = n * u / nt, len = n * (u + 1) / nt - lo;
+        if (__atomic_load_n(&claims[u].v, __ATOMIC_RELAXED) >= len) continue;
+        const int64_t c = __atomic_fetch_add(&claims[u].v, 1, __ATOMIC_ACQ_REL);
+        if (c < len) return lo + c;
+    }
+    return -1;
+}
 
 /* Wait until *completed >= p: spin with pause (a phase's last chunk takes
  * microseconds), then yield the CPU, so that on an oversubscribed machine the
@@ -189,7 +209,9 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * projection (tail: RMSNorm + quantizing), gate/up, SiLU * up (tail:
  * quantizing), down projection (tail: the next layer's RMSNorm + quantizing,
  * or the head's), then the head; a first phase norms the input. Each phase
- * is cut into chunks that any thread claims with an atomic counter; the
+ * is cut into chunks, a range of consecutive chunks per thread, which any
+ * thread may claim (claim_chunk: a thread runs its own range in order, so
+ * its weight reads stay one stream, then helps with the others'). The
  * thread that finishes a phase's last chunk runs its tail (the small serial
  * piece) and opens the next phase. No thread waits for another thread, only
  * for unfinished chunks: when the OS preempts a thread (more runnable threads
@@ -216,7 +238,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
      * thread, hd for the int8 key row being written */
     const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax + hd);
     const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
-    const size_t cbytes = ((size_t)n_phases * sizeof(phase_ctr) + 63) / 64 * 64;
+    const size_t cbytes = (size_t)n_phases * (nt_max + 1) * sizeof(ctr_line);
     /* a panel buffer per thread when a projection may take the panel GEMM (no projection has more than T rows) */
     const size_t pbytes = panel_route(16, 0, T) ? (size_t)nt_max * kmax * PANEL_N * sizeof(float) : 0;
     char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes + pbytes);
@@ -225,7 +247,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F, *ktmp = scores + (int64_t)nt_max * g * Lmax;
     void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
-    phase_ctr *ctr = (phase_ctr *)((char *)fa + fbytes);
+    ctr_line *ctr = (ctr_line *)((char *)fa + fbytes); /* phase ph: ctr + ph (nt_max + 1) */
     float *pbuf = (float *)((char *)ctr + cbytes);
     memset(ctr, 0, cbytes);
     int64_t completed = 0; /* phases finished (their tails included) */
@@ -263,9 +285,10 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             const int64_t M = ph == n_phases - 1 && head ? S : T;
             if (lin) n_chunks = linear_chunks(lin->n_total, nt, panel_route(lin->bits, 0, M) ? PANEL_N : 16, &rows);
             if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
+            ctr_line *claims = ctr + ph * (nt_max + 1), *done = claims + nt_max;
             for (;;) {
-                const int64_t c = __atomic_fetch_add(&ctr[ph].next, 1, __ATOMIC_ACQ_REL);
-                if (c >= n_chunks) break;
+                const int64_t c = claim_chunk(claims, n_chunks, tid, nt);
+                if (c < 0) break;
                 if (lin) {
                     const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
                     linear_cols(lin, xin, qa, fa, M, y, res, lo, hi, pbuf + (int64_t)tid * kmax * PANEL_N);
@@ -286,7 +309,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     const int64_t t = c / silu_per_row, j = c % silu_per_row * silu_w;
                     silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < silu_w ? F - j : silu_w);
                 }
-                if (__atomic_add_fetch(&ctr[ph].done, 1, __ATOMIC_ACQ_REL) != n_chunks) continue;
+                if (__atomic_add_fetch(&done->v, 1, __ATOMIC_ACQ_REL) != n_chunks) continue;
                 /* the last chunk of the phase: its tail, then open the next phase */
                 if (ph == n_phases - 1 && head) {
                     /* nothing after the head */
