@@ -66,6 +66,23 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
 
 
+def build_stamp() -> str:
+    """What a build is reused for: the CMake flags and, since ``GGML_NATIVE``
+    compiles for the building CPU (``-march=native``), that CPU's model name
+    and feature flags (a cache folder carried to another machine, e.g. a
+    VM moved from Sapphire Rapids to Zen 4, would otherwise run code tuned
+    for, or even illegal on, the new CPU)."""
+    from tartlet.engine.c_build import cpu_flags
+
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return "\n".join([*CMAKE_FLAGS, f"cpu: {model}", "flags: " + " ".join(sorted(cpu_flags()))])
+
+
 def cache_root() -> Path:
     """``llama.cpp/`` under Tartlet's cache folder (:func:`tartlet.paths.cache_dir`)."""
     from tartlet.paths import cache_dir
@@ -90,9 +107,9 @@ def ensure_built(version: str = VERSION, rebuild: bool = False, jobs: int | None
     """The built binaries ``{name: path}``; builds them first unless all exist (or ``rebuild``)."""
     out = bin_dir(version)
     paths = {t: out / t for t in TARGETS}
-    stamp = out / "cmake-flags.txt"  # a build made with other flags is made again
+    stamp = out / "cmake-flags.txt"  # a build made with other flags, or on another CPU, is made again
     if (not rebuild and all(p.is_file() and os.access(p, os.X_OK) for p in paths.values())
-            and stamp.is_file() and stamp.read_text() == "\n".join(CMAKE_FLAGS)):
+            and stamp.is_file() and stamp.read_text() == build_stamp()):
         return paths
     _build(version, out, jobs or os.cpu_count() or 2, log)
     missing = [str(p) for p in paths.values() if not p.is_file()]
@@ -143,7 +160,7 @@ def _build(version: str, out: Path, jobs: int, log) -> None:
         staged.mkdir()
         for t in TARGETS:
             shutil.copy2(build / "bin" / t, staged / t)
-        (staged / "cmake-flags.txt").write_text("\n".join(CMAKE_FLAGS))
+        (staged / "cmake-flags.txt").write_text(build_stamp())
         shutil.rmtree(out, ignore_errors=True)
         staged.rename(out)
         log(f"llama.cpp: built in {time.perf_counter() - t0:.0f} s -> {out}")
