@@ -16,7 +16,7 @@ scheduler: no inferlet, no server). Prints both bandwidths, the roofline,
 the step and their ratio (the fraction of the roofline reached), then one
 ``JSON:`` line. Usage::
 
-    .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
+    .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5] [--compare-small-pages]
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per round")
     ap.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth buffer (MiB; >> last-level cache)")
+    ap.add_argument("--compare-small-pages", action="store_true",
+                    help="also load the model with huge_pages=False (4 KiB pages under the weights) and time its "
+                         "step in the same rounds, alternating, with the ratio of the two")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.steps, a.buffer_mb = 1, 8, 64
@@ -79,18 +82,27 @@ def main() -> None:
     import torch
 
     engine = load_engine(threads=a.threads)
+    small = load_engine(threads=a.threads, huge_pages=False) if a.compare_small_pages else None
     try:
         model = engine.model
         weight = read_bytes_per_token(model)
         ids = engine.tokenizer.encode(PROMPT)
         n = a.buffer_mb * 2**20 // 4
         buf, dst = torch.ones(n), torch.empty(n)
-        reads, copies, steps = [], [], []
+        reads, copies, steps, small_steps = [], [], [], []
+        if engine.huge_pages_thread is not None:  # measure the weights as they will stay
+            engine.huge_pages_thread.join()
         direct_tpot(engine, ids, 4)  # warm-up
-        for _ in range(a.rounds):
+        if small is not None:
+            direct_tpot(small, ids, 4)
+        for r in range(a.rounds):
             reads.append(read_gbs(buf))
             copies.append(copy_gbs(dst, buf))
+            if small is not None and r % 2:  # the 4 KiB-page engine first every other round
+                small_steps.append(direct_tpot(small, ids, a.steps))
             steps.append(direct_tpot(engine, ids, a.steps))
+            if small is not None and not r % 2:
+                small_steps.append(direct_tpot(small, ids, a.steps))
         read, copy, step = statistics.median(reads), statistics.median(copies), statistics.median(steps)
         roofline = weight / (read * 1e9)
         rows = [
@@ -101,15 +113,23 @@ def main() -> None:
             ["measured batch-1 step", f"{step * 1e3:.2f} ms"],
             ["fraction of the roofline", f"{roofline / step:.0%}"],
         ]
+        extra = {}
+        if small_steps:
+            ratio = statistics.median(b / h for h, b in zip(steps, small_steps))
+            rows += [["batch-1 step, weights on 4 KiB pages", f"{statistics.median(small_steps) * 1e3:.2f} ms"],
+                     ["4 KiB / huge-page step (median of round ratios)", f"{ratio:.3f}"]]
+            extra = {"small_pages_step_ms": [s * 1e3 for s in small_steps], "small_over_huge": ratio}
         title = (f"batch-1 decode vs the weight-bandwidth roofline: default model "
                  f"({model.weight_summary()}), {torch.get_num_threads()} threads, median of {a.rounds} rounds")
         report(title, ["quantity", "value"], rows, {
             "weight_bytes_per_token": weight, "read_gbs": read, "copy_gbs": copy, "roofline_ms": roofline * 1e3,
             "step_ms": step * 1e3, "fraction": roofline / step, "threads": torch.get_num_threads(),
-            "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps]},
+            "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps]}, **extra,
         })
     finally:
         engine.close()
+        if small is not None:
+            small.close()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .config import ModelConfig
+from . import huge_pages
 from .cuda_graphs import DecodeGraphs, unsupported
 from .kv_cache import PagePool
 from .llama import LlamaModel
@@ -89,6 +90,10 @@ class EngineConfig:
             inside decode attention, prefill dequantizes the gathered rows.
             The fused decode step (:mod:`tartlet.engine.fused_decode`) reads
             float32 pools only, so other pools take the per-op path.
+        huge_pages: on CPU under Linux, back the weights with 2 MiB
+            transparent huge pages (:mod:`tartlet.engine.huge_pages`: fewer
+            TLB misses and prefetcher restarts while a decode step streams
+            them); best effort, ``False`` keeps 4 KiB pages.
         cuda_graphs: on CUDA, replay decode steps as CUDA graphs (one per
             batch-size and length bucket, captured on first use; see
             :mod:`tartlet.engine.cuda_graphs`); ``False``: launch each op.
@@ -109,6 +114,7 @@ class EngineConfig:
     act_bits: int | str = 16
     matmul_dtype: str = "float32"
     kv_dtype: str = "auto"
+    huge_pages: bool = True
     cuda_graphs: bool = True
 
     def torch_dtype(self) -> torch.dtype:
@@ -175,6 +181,9 @@ class Engine:
             model_config, weights, dtype=dtype, device=device, cpu_kernels=cfg.cpu_kernels, gemv_copy=cfg.gemv_copy,
             act_bits=cfg.act_bits, matmul_dtype=cfg.matmul_dtype,
         )
+        #: the thread moving the weights onto huge pages (``huge_pages``), or None
+        self.huge_pages_thread = (huge_pages.advise_in_background(self.model.weight_tensors())
+                                  if cfg.huge_pages and device.type == "cpu" else None)
         c = model_config
         kv_dtype = cfg.torch_kv_dtype()
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)

@@ -297,18 +297,16 @@ class LlamaModel:
         #: CUDA graphs of decode steps (cuda_graphs.py), set by the engine when it enables them
         self.graphs: DecodeGraphs | None = None
 
-    def weight_bytes(self) -> int:
-        """Bytes of weight memory the model holds (each storage counted once:
-        a tied output head shares the embedding)."""
-        seen: dict[int, int] = {}
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of weight memory the model holds: embedding, norms,
+        projections (float, packed, transposed copies, or the values, scales
+        and minimums of quantized ones), biases, the head (a tied head adds
+        nothing: its tensors are the embedding's)."""
+        out: dict[int, torch.Tensor] = {}
 
         def add(t: torch.Tensor | None) -> None:
-            if t is None:
-                return
-            if t.is_mkldnn:  # a oneDNN-packed weight has no storage to look at: count its elements
-                seen[id(t)] = t.numel() * t.element_size()
-            else:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            if t is not None:
+                out.setdefault(id(t), t)
 
         def add_any(obj: object) -> None:
             if isinstance(obj, torch.Tensor):
@@ -333,6 +331,17 @@ class LlamaModel:
         for layer in self.layers:
             for v in layer.values():
                 add_any(v)
+        return list(out.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight memory the model holds (each storage counted once:
+        a tied output head shares the embedding)."""
+        seen: dict[int, int] = {}
+        for t in self.weight_tensors():
+            if t.is_mkldnn:  # a oneDNN-packed weight has no storage to look at: count its elements
+                seen[id(t)] = t.numel() * t.element_size()
+            else:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
     def weight_summary(self) -> str:
