@@ -1,0 +1,80 @@
+"""Compute speed of the integer kernels of quantized projections, weights hot in cache.
+
+A batch-1 decode step streams every weight from memory once; whether a
+kernel can keep up with the memory depends on how many weight bytes it
+multiplies per second when memory is not the limit. This measures that:
+each call multiplies a few activation rows (16-bit or 8-bit blocks, as
+``QuantLinear`` sends them) by one weight matrix small enough to stay in
+the core's L2 cache (~0.5 MiB), on ``--threads`` OpenMP threads (default
+1: a per-core figure), through the C entry point ``tq_matmul`` (no Python
+between repeats beyond one ctypes call, ~1 us). Shapes are the default
+model's projections (hidden 576, FFN 1536): 1536 x 576 (half of gate/up),
+576 x 1536 (down), and a long row, 128 x 4096, where per-row overhead
+vanishes. Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
+time, GB/s = weight bytes / time (compare with the machine's read
+bandwidth, ``bench_roofline.py``). Prints a table and one ``JSON:`` line.
+Usage::
+
+    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+SHAPES = [(1536, 576), (576, 1536), (128, 4096)]
+FORMATS = ["q4_0", "q4_1", "q5_1", "q8_0"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="1,4", help="activation rows per call, comma-separated")
+    ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="activation precision")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read when the kernel library starts its OpenMP runtime
+
+    import torch
+
+    from common import report
+    from tartlet.engine import quant_kernels
+    from tartlet.engine.quant_formats import quantize
+
+    qk = quant_kernels.load()
+    if qk is None:
+        raise SystemExit("the quantized kernels could not be built on this machine")
+    torch.manual_seed(0)
+    rows_out, payload = [], []
+    for fmt in a.formats.split(","):
+        for n, k in SHAPES:
+            w = quantize(torch.randn(n, k), fmt)
+            wbytes = sum(t.numel() * t.element_size() for t in (w.q, w.d, w.m) if t is not None)
+            for m in (int(r) for r in a.rows.split(",")):
+                qa, fa = qk.quantize(torch.randn(m, k), a.bits)
+                out = torch.empty(m, n)
+                args = (w.kind, a.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None,
+                        n, k, qa.data_ptr(), fa.data_ptr(), m, out.data_ptr(), n, None, None, 0)
+                call = qk._lib.tq_matmul
+                for _ in range(20):
+                    call(*args)
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(a.repeats):
+                        call(*args)
+                    best = min(best, (time.perf_counter() - t0) / a.repeats)
+                gmac = m * n * k / best / 1e9
+                rows_out.append([fmt, f"{n} x {k}", m, f"{best * 1e6:.1f}", f"{gmac:.1f}", f"{wbytes / best / 1e9:.1f}"])
+                payload.append({"format": fmt, "n": n, "k": k, "rows": m, "us": best * 1e6, "gmac_s": gmac,
+                                "weight_gb_s": wbytes / best / 1e9})
+    report(f"integer kernels, weights hot in cache: {a.bits}-bit activations, {a.threads} thread(s), "
+           f"ISA level {qk.isa}", ["format", "N x K", "rows", "us / call", "GMAC/s", "weight GB/s"], rows_out,
+           {"threads": a.threads, "bits": a.bits, "isa": qk.isa, "results": payload})
+
+
+if __name__ == "__main__":
+    main()
