@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from .config import ModelConfig
 from . import huge_pages
+from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, unsupported
 from .kv_cache import PagePool
 from .llama import LlamaModel
