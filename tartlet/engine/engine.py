@@ -182,7 +182,7 @@ class Engine:
             act_bits=cfg.act_bits, matmul_dtype=cfg.matmul_dtype,
         )
         #: the thread moving the weights onto huge pages (``huge_pages``), or None
-        self.huge_pages_thread = (huge_pages.advise_in_background(self.model.weight_tensors())
+        self.huge_pages_thread = (huge_pages.Mover(self.model.weight_tensors())
                                   if cfg.huge_pages and device.type == "cpu" else None)
         c = model_config
         kv_dtype = cfg.torch_kv_dtype()

@@ -20,7 +20,7 @@ their backing). Best effort: elsewhere, or when the kernel refuses, the
 pages stay as they are and :func:`advise` reports 0 bytes. Collapsing
 needs free 2 MiB pages, which the kernel may first have to compact: ~0.5 s
 for the default model's ~140 MiB of ranges on the project's VM, so the
-engine runs it on a background thread (:func:`advise_in_background`)
+engine runs it on a background thread (:class:`Mover`)
 while it starts serving; readers of the weights meanwhile see the same
 bytes.
 
@@ -125,14 +125,18 @@ def advise(tensors: Iterable[torch.Tensor]) -> int:
     return done
 
 
-def advise_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread:
-    """:func:`advise` on a daemon thread (started; it holds the tensors until
-    done, so they outlive it), logging the bytes collapsed. Returns the thread."""
-    held = list(tensors)
+class Mover(threading.Thread):
+    """:func:`advise` on a daemon thread: started at once; it holds the
+    tensors until done (so they outlive it), then logs and keeps in
+    :attr:`collapsed` the bytes the kernel collapsed (0 until then)."""
 
-    def run() -> None:
-        log.info("weights on huge pages: %.0f MiB", advise(held) / 2**20)
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        super().__init__(name="tartlet-huge-pages", daemon=True)
+        self._tensors: list[torch.Tensor] = list(tensors)
+        self.collapsed = 0
+        self.start()
 
-    t = threading.Thread(target=run, name="tartlet-huge-pages", daemon=True)
-    t.start()
-    return t
+    def run(self) -> None:
+        self.collapsed = advise(self._tensors)
+        self._tensors = []
+        log.info("weights on huge pages: %.0f MiB", self.collapsed / 2**20)
