@@ -48,7 +48,7 @@ _code_lock = threading.Lock()
 def _compiled(entry: Path) -> CodeType:
     """The code object of ``entry``'s current text (cached, see
     :data:`CODE_CACHE_SIZE`). Raises what reading or compiling raises
-    (``OSError``, ``SyntaxError``, ``ValueError`` for NUL bytes)."""
+    (``OSError``, ``SyntaxError``, ``ValueError``)."""
     source = entry.read_bytes()
     key = (str(entry), hashlib.sha256(source).digest())
     with _code_lock:
