@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -36,7 +38,8 @@ def test_anonymous_mappings_keeps_private_writable_anonymous_ones():
 
 def test_huge_ranges_widen_clip_and_merge():
     base = 100 * H
-    maps = [(base + 4096, base + 6 * H + 8192), (base + 10 * H, base + 12 * H)]
+    maps = [(base + 4096, base + 6 * H + 8192), (base + 10 * H, base + 12 * H), (base + 12 * H, base + 14 * H),
+            (base + 20 * H, base + 21 * H + 4096), (base + 21 * H + 4096, base + 24 * H)]
     spans = [
         (base + 4096 + 10, base + H + 5),  # widened to [base, base + 2H), clipped to whole pages in the mapping
         (base + H + 100, base + 2 * H + 1),  # overlaps the first once widened: merged
@@ -44,20 +47,34 @@ def test_huge_ranges_widen_clip_and_merge():
         (base + 10 * H + 1, base + 10 * H + 2),  # one byte: its whole page
         (base + 8 * H, base + 9 * H),  # in no mapping: dropped
         (base + 11 * H, base + 11 * H),  # empty: dropped
+        (base + 13 * H - 5, base + 13 * H + 5),  # in the third mapping
+        (base + 20 * H + 1, base + 23 * H + 1),  # crosses an unaligned end: the page around it dropped
     ]
     assert huge_pages.huge_ranges(spans, maps) == [
-        (base + H, base + 3 * H), (base + 5 * H, base + 6 * H), (base + 10 * H, base + 11 * H)]
+        (base + H, base + 3 * H), (base + 5 * H, base + 6 * H), (base + 10 * H, base + 11 * H),
+        (base + 12 * H, base + 14 * H), (base + 20 * H, base + 21 * H), (base + 22 * H, base + 24 * H)]
+
+
+def test_huge_ranges_follow_a_span_across_mappings():
+    """Earlier advice splits a heap mapping at 2 MiB boundaries: a span
+    crossing them is covered in every piece, the pieces merged."""
+    base = 300 * H
+    maps = [(base, base + 2 * H), (base + 2 * H, base + 4 * H), (base + 4 * H, base + 9 * H)]
+    assert huge_pages.huge_ranges([(base + H + 3, base + 7 * H + 3)], maps) == [(base + H, base + 8 * H)]
 
 
 @needs_thp
 def test_advise_collapses_a_tensor_and_keeps_its_bytes():
     """MADV_COLLAPSE succeeds only when the whole range is then backed by
     huge pages (``man 2 madvise``), so the bytes advise reports are huge."""
-    t = torch.arange(3 * H // 2, dtype=torch.int32)  # 6 MiB: at least two whole 2 MiB pages inside
-    want = t.clone()
+    buf = mmap.mmap(-1, 6 * H, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # its own mapping, whatever the heap holds
+    t = torch.frombuffer(buf, dtype=torch.int32)
+    t.copy_(torch.arange(t.numel(), dtype=torch.int32))
     done = huge_pages.advise([t])
-    assert done >= len(whole_pages([t])) * H >= 2 * H
-    assert torch.equal(t, want)
+    assert done >= len(whole_pages([t])) * H >= 5 * H  # 12 MiB: at least five whole 2 MiB pages inside
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int32))
+    del t
+    buf.close()
 
 
 def test_advise_of_nothing_on_the_cpu_is_nothing():

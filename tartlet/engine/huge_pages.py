@@ -68,19 +68,21 @@ def anonymous_mappings(maps_text: str) -> list[tuple[int, int]]:
 
 def huge_ranges(spans: Iterable[tuple[int, int]], mappings: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The 2 MiB-aligned ranges to advise for byte spans ``[start, end)``:
-    each span widened to whole huge pages, clipped to the mapping that holds
-    it (a huge page cannot cross a mapping's ends, so those parts narrow to
-    the whole huge pages inside), overlapping ranges merged, sorted; spans
-    outside every mapping are dropped."""
+    each span cut at the ends of the mappings it crosses (earlier advice
+    splits one mapping into several), each piece widened to whole huge
+    pages and clipped to its mapping (a huge page cannot cross a mapping's
+    ends, so there it narrows to the whole huge pages inside), overlapping
+    ranges merged, sorted; bytes outside every mapping are dropped."""
     out: list[tuple[int, int]] = []
     for start, end in spans:
-        vma = next(((lo, hi) for lo, hi in mappings if lo <= start < hi), None)
-        if vma is None or end <= start:
-            continue
-        lo = max(start // HUGE_PAGE * HUGE_PAGE, -(-vma[0] // HUGE_PAGE) * HUGE_PAGE)
-        hi = min(-(-end // HUGE_PAGE) * HUGE_PAGE, vma[1] // HUGE_PAGE * HUGE_PAGE)
-        if lo < hi:
-            out.append((lo, hi))
+        for vlo, vhi in mappings:
+            a, b = max(start, vlo), min(end, vhi)
+            if a >= b:
+                continue
+            lo = max(a // HUGE_PAGE * HUGE_PAGE, -(-vlo // HUGE_PAGE) * HUGE_PAGE)
+            hi = min(-(-b // HUGE_PAGE) * HUGE_PAGE, vhi // HUGE_PAGE * HUGE_PAGE)
+            if lo < hi:
+                out.append((lo, hi))
     out.sort()
     merged: list[tuple[int, int]] = []
     for lo, hi in out:
