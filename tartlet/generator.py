@@ -382,7 +382,7 @@ class Generator:
         left = min(c.n for c in limits) - len(self.tokens) if limits else None
         n = left if max_steps is None else max_steps if left is None else min(max_steps, left)
         assert n is not None and n >= 1  # a generation at its limit has finished
-        stop_ids = sorted({i for e in self._eos for i in e.ids})
+        stop_ids = self._eos_ids()
         inputs, ctx._pending = ctx._pending, []
         try:
             fut = _binding.host().generate(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
@@ -402,6 +402,10 @@ class Generator:
         elif left is not None and len(toks) >= left:
             self._finish("length")
         ctx._pending = [toks[-1]]
+
+    def _eos_ids(self) -> list[int]:
+        """The token ids of the EOS stop conditions, for the host to stop on."""
+        return sorted({i for e in self._eos for i in e.ids})
 
     def _streamable(self) -> bool:
         """Whether the passes can run as a token stream (see the module
@@ -458,7 +462,7 @@ class Generator:
         if n < 1:
             raise ValueError(f"the context ({kv + len(inputs)} tokens) leaves no room to generate in the model's "
                              f"{ctx.model.max_seq_len}")
-        stop_ids = sorted({i for e in self._eos for i in e.ids})
+        stop_ids = self._eos_ids()
         h = _binding.host().generate_stream(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
         ctx._pending = []
         self._stream = (h, inputs, kv + len(inputs), 0)
@@ -554,6 +558,6 @@ class Generator:
         child.stats = GenerationStats(self.stats.steps, self.stats.drafted, self.stats.accepted)
         host = _binding.host()
         child._decoder = host.decoder_new(child.ctx.model.name)
-        eos = {i for e in self._eos for i in e.ids}
+        eos = set(self._eos_ids())
         host.decoder_push(child._decoder, [t for t in self.tokens if t not in eos])
         return child

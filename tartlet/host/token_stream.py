@@ -110,11 +110,12 @@ class TokenStream:
         with self._lock:
             self.stopping = True
             waiter, self._waiter = self._waiter, None
-            if self._ended or self._closer is not None:
-                rest, self._buf = ([], self._buf) if self._closer is not None else (self._buf, [])
-                done = True
+            if self._closer is not None:  # closed before: the first close gets the rest
+                rest, done = [], True
+            elif self._ended:
+                rest, self._buf, done = self._buf, [], True
             else:
-                self._closer, done, rest = fut, False, []
+                self._closer, rest, done = fut, [], False
         if waiter is not None and waiter.set_running_or_notify_cancel():
             waiter.set_result([])
         if done:
