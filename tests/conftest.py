@@ -213,3 +213,19 @@ def oa(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The quantized CPU kernels (``quant_kernels.load()``), ISA reset after
+    the module; test_cpu_kernels and test_kv_int8 define their own ``kern``
+    (the float kernels)."""
+    from tartlet.engine import quant_kernels
+    from tartlet.engine.c_build import find_compiler
+
+    if not find_compiler():
+        pytest.skip("no C compiler on this machine")
+    k = quant_kernels.load()
+    assert k is not None, "a C compiler is present but the quantized kernels did not build"
+    yield k
+    k.set_isa(-1)

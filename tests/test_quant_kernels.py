@@ -24,23 +24,12 @@ import pytest
 import torch
 
 from tartlet.engine import quant_kernels
-from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, QuantWeight, from_gguf, quantize
+from tartlet.engine import quant_linear
+from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, QuantWeight, from_gguf, quantize
 from tartlet.engine.quant_linear import QuantLinear
 
 BLOCK_TYPES = [t for t in GGUF_TYPES if t not in ("F16", "BF16")]
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
-
-
-@pytest.fixture(scope="module")
-def kern():
-    from tartlet.engine.c_build import find_compiler
-
-    if not find_compiler():
-        pytest.skip("no C compiler on this machine")
-    k = quant_kernels.load()
-    assert k is not None, "a C compiler is present but the quantized kernels did not build"
-    yield k
-    k.set_isa(-1)
 
 
 def isa_levels():
@@ -194,7 +183,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(kern, isa, type_name):
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_panel_gemm_matches_dequantized_product(kern, type_name):
+def test_panel_gemm_matches_dequantized_product(kern, monkeypatch, type_name):
     """The float panel GEMM (AVX-512, from ``panel_rows`` rows, 16-bit activations or
     float16/bfloat16 weights): every format, output counts that leave a
     partial panel of 32 and a partial half, row counts 8..33 and 77 (tiles
@@ -205,6 +194,7 @@ def test_panel_gemm_matches_dequantized_product(kern, type_name):
     if kern.best_isa < 3:
         pytest.skip("the panel GEMM is the AVX-512 route; this CPU has no AVX-512 VNNI")
     kern.set_isa(3)
+    monkeypatch.setattr(quant_linear, "INTERLEAVE", False)  # Q4 parts in the row layout, as the panel serves them
     k = 256 if type_name in K_QUANTS else (40 if type_name in ("F16", "BF16") else 96)
     for n in (75, 64, 9):
         raw = random_gguf(type_name, n, k, seed=n)
@@ -232,7 +222,7 @@ def bf16_round(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_bf16_panel_gemm_matches_rounded_product(kern, type_name):
+def test_bf16_panel_gemm_matches_rounded_product(kern, monkeypatch, type_name):
     """``bf16=True`` (``matmul_dtype="bfloat16"``): the panel GEMM multiplies
     the bfloat16-rounded activations and dequantized weights with float32
     sums (``vdpbf16ps``). Every format, partial panels, row counts
@@ -240,8 +230,10 @@ def test_bf16_panel_gemm_matches_rounded_product(kern, type_name):
     product of the same rounded values within float32 summation error
     (1e-5 of the largest output; measured ~1e-6), and within 1e-2 of the
     float32 product (the rounding; measured ~2.5e-3). Below ``panel_rows``
-    rows the 16-bit integer kernel runs, as without ``bf16``."""
+    rows the 16-bit integer kernel runs, as without ``bf16`` (in the row
+    layout: a ``bf16`` projection is never interleaved)."""
     bf16_panel(kern)
+    monkeypatch.setattr(quant_linear, "INTERLEAVE", False)
     k = 256 if type_name in K_QUANTS else (40 if type_name in ("F16", "BF16") else 96)
     try:
         for n in (75, 64, 9):
@@ -341,7 +333,8 @@ def test_quant_linear_parts_bias_residual(kern, act_bits):
         refs.append(dequant_reference(raw, t, n, k))
     bias = torch.randn(88)
     lin = QuantLinear(parts, bias, kern, act_bits=act_bits)
-    assert [p.kind for p in lin.parts] == [parts[0].kind, parts[2].kind, F16], "runs of one kind are merged"
+    first = Q4I if act_bits == 16 and kern.isa == 3 else Q4  # 64 rows at output 0: interleaved where it can be
+    assert [p.kind for p in lin.parts] == [first, parts[2].kind, F16], "runs of one kind are merged"
     assert (lin.in_features, lin.out_features) == (k, 88)
     x, res = torch.randn(5, k), torch.randn(5, 88)
     want = x @ torch.cat(refs).T + bias + res

@@ -60,16 +60,17 @@ def chat_ids(engine, text: str) -> list[int]:
 def test_weights_stay_quantized_and_small(quant_engine, gguf_path):
     """Every projection is quantized (no float copy kept) and resident weight
     memory is within 1.2x of the file size."""
-    from tartlet.engine.quant_formats import Q4, Q8, QuantWeight
+    from tartlet.engine.quant_formats import Q4, Q4I, Q8, QuantWeight
     from tartlet.engine.quant_linear import QuantLinear
 
     m = quant_engine.model
+    q4 = Q4I if m.quant.isa == 3 else Q4  # interleaved by 16 rows for the AVX-512 VNNI kernel
     assert isinstance(m.embed, QuantWeight) and m.embed.kind == Q8 and m.embed.source == "Q8_0"
     assert isinstance(m.lm_head, QuantLinear) and m.lm_head.parts[0].q is m.embed.q, "tied head shares the embedding"
     for layer in m.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             lin = layer[name]
-            assert isinstance(lin, QuantLinear) and [p.kind for p in lin.parts] == [Q4], name
+            assert isinstance(lin, QuantLinear) and [p.kind for p in lin.parts] == [q4], name
     weight_bytes = m.weight_bytes()
     size = gguf_path.stat().st_size
     print(f"resident weights {weight_bytes / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB GGUF ({weight_bytes / size:.3f}x)")
@@ -212,8 +213,11 @@ def test_mixed_activation_precision(gguf_path, engine):
     """``act_bits="auto"``: 16-bit blocks into the projections fed by an
     RMSNorm, 8-bit into the output and down projections. Greedy tokens of
     the README prompt's answer agree with the float32 path (the 8-bit
-    blocks in every projection flip them); logits move by rounding only
-    (~1.0 measured on logits of ~38, bound 2.5)."""
+    blocks in every projection flip them) wherever the float32 path's top
+    two logits are further apart than the bound on how far a logit may
+    move; logits move by rounding only (~1.0 measured on logits of ~38,
+    bound 2.5). Two of the 12 positions are near-ties (0.08 and 0.31
+    apart), where that rounding may pick either token."""
     from tartlet.engine.engine import Engine, EngineConfig
 
     from test_loader import engine_logits
@@ -232,7 +236,10 @@ def test_mixed_activation_precision(gguf_path, engine):
     diff = float((got - want).abs().max())
     print(f"act_bits auto vs float32: max abs logit diff {diff:.3f}")
     assert diff <= 2.5
-    assert torch.equal(got[-12:].argmax(-1), want[-12:].argmax(-1))
+    top2 = want[-12:].topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2.5
+    assert int(clear.sum()) >= 10
+    assert torch.equal(got[-12:].argmax(-1)[clear], want[-12:].argmax(-1)[clear])
     with pytest.raises(ValueError, match="act_bits must be 8, 16 or 'auto'"):
         engine_logits(gguf_path, "auto", ids[:3], split=2, act_bits=4)
 

@@ -73,7 +73,7 @@ def close_writer(w: gguf.GGUFWriter) -> None:
 
 
 def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", seed: int = 0, arch: str = "llama",
-                     qkv_bias: bool = False) -> Path:
+                     qkv_bias: bool = False, tied: bool = False, vocab_multiple: int = 1) -> Path:
     """A 2-layer Llama GGUF (hidden 256, FFN 512, 4 heads, 2 KV heads).
 
     Args:
@@ -85,9 +85,13 @@ def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", s
         arch: ``general.architecture`` (``"qwen2"``: the same layout, Q/K rows
             not permuted, as Qwen2.5 GGUFs are).
         qkv_bias: add F32 ``attn_{q,k,v}.bias`` tensors (Qwen2).
+        tied: no ``output.weight``: the head is the token embedding.
+        vocab_multiple: pad the vocabulary (260 tokens) with unused
+            ``<pad_i>`` tokens to a multiple of this.
     """
     rng = np.random.default_rng(seed)
     tokens = byte_tokens()
+    tokens += [f"<pad_{i}>" for i in range(-len(tokens) % vocab_multiple)]
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -100,7 +104,7 @@ def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", s
     w.add_rope_freq_base(10000.0)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 257)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (vocab - 3))
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -119,7 +123,8 @@ def write_tiny_llama(path: Path, types: dict[str, str], default: str = "Q4_K", s
 
     matrix("token_embd.weight", vocab, HIDDEN)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    matrix("output.weight", vocab, HIDDEN)
+    if not tied:
+        matrix("output.weight", vocab, HIDDEN)
     hd = HIDDEN // HEADS
     for i in range(LAYERS):
         p = f"blk.{i}."

@@ -125,9 +125,10 @@ static inline void wait_phase(const int64_t *completed, int64_t p) {
     }
 }
 
-static inline int desc_has_blocks(const tq_linear_desc *L) {
+/* Whether M rows through L meet an integer kernel (and need their activations quantized). */
+static inline int desc_needs_quantized(const tq_linear_desc *L, int64_t M) {
     for (int64_t i = 0; i < L->nparts; i++)
-        if (L->parts[i].kind < 4) return 1;
+        if (!IS_HALF(L->parts[i].kind) && !panel_route(L->bits, L->parts[i].kind, M)) return 1;
     return 0;
 }
 
@@ -149,10 +150,10 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
             const int64_t c = n0 + a; /* first output column */
             const float *bias = L->bias ? L->bias + c : 0, *r = res ? res + c : 0;
             if (panel_route(L->bits, p->kind, M)) { /* the calling thread's panel buffer: cannot fail */
-                const int64_t eb = p->kind >= 4 ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
+                const int64_t eb = IS_HALF(p->kind) ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
                 panel_call((int)p->kind, p->q + a * eb, p->d ? p->d + a * nb * sc : 0, p->m ? p->m + a * nb : 0, b - a,
                            K, x, K, panel_bf16(L, M) ? (const uint16_t *)qa : 0, M, y + c, N, bias, r, N, pbuf);
-            } else if (p->kind >= 4) {
+            } else if (IS_HALF(p->kind)) {
                 tq_matmul_half(p->kind == 5, (const uint16_t *)p->q + a * K, b - a, K, x, K, M, y + c, N, bias, r, N);
             } else {
                 const int kind = (int)p->kind;
@@ -170,7 +171,7 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
 static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t M, void *qa, float *fa) {
     if (panel_bf16(L, M))
         panel_x(x, L->k, M, L->k, (uint16_t *)qa);
-    else if (desc_has_blocks(L) && !panel_route(L->bits, 0, M))
+    else if (desc_needs_quantized(L, M))
         tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
 }
 

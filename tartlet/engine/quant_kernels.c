@@ -25,6 +25,10 @@
  *   kind 3, Q6: Q4's 16 bytes + 8 bytes of high bit pairs: bits 2k, 2k+1 of
  *               byte j are bits 4, 5 of q[8 k + j]; two f16 d (one per 16
  *               values); m = -32 d
+ *   kind 6, Q4 interleaved by 16 rows (Q4's values, scales and minimums
+ *               regrouped for interleaved_avx512.h, which documents the
+ *               layout; N a multiple of 16). Kinds 4 and 5 are float16 and
+ *               bfloat16 rows (tq_matmul_half).
  *
  * The high-bit orders are chosen so one broadcast and one variable shift
  * spread them over a 32-byte vector (quant_kernels_isa.h).
@@ -43,10 +47,12 @@
 #include "float_kernels.h"
 
 #define QK 32
-enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3 };
-static const int QBYTES[4] = {32, 16, 20, 24};
+enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3, K_F16 = 4, K_BF16 = 5, K_Q4I = 6 };
+/* bytes of values per block and row (kinds 4, 5 have no blocks) */
+static const int QBYTES[7] = {32, 16, 20, 24, 0, 0, 16};
 /* the same as a constant expression, and the inlining the SIMD headers rely on */
 #define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
+#define IS_HALF(kind) ((kind) == K_F16 || (kind) == K_BF16)
 #define INLINE static inline __attribute__((always_inline))
 
 /* Per row of quantized activations, 4 * K/32 floats: d[b] (the block's
@@ -176,6 +182,41 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
     }
 }
 
+/* Kind K_Q4I (interleaved_avx512.h's layout): value j of block b of row n,
+ * and the index of that block's scale and minimum in d and m. */
+static inline int il_value(const uint8_t *wq, int64_t nb, int64_t n, int64_t b, int j) {
+    const int t = j >> 2;
+    const uint8_t byte = wq[((n / 16) * nb + b) * 256 + (t >> 1) * 64 + (n % 16) * 4 + (j & 3)];
+    return (byte >> ((t & 1) * 4)) & 0x0f;
+}
+
+static inline int64_t il_param(int64_t nb, int64_t n, int64_t b) { return ((n / 16) * nb + b) * 16 + n % 16; }
+
+/* The products of interleaved_avx512.h in portable C, the same arithmetic
+ * (bit for bit equal results), for 8-bit or 16-bit activations. */
+static void matmul_il_c(int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                        const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                        const float *res, int64_t ldr) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < M; r++) {
+            const float *f = fa + r * FA * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QK; j++) {
+                    const int64_t i = (r * nb + b) * QK + j;
+                    dot += il_value(wq, nb, n, b, j) * (bits == 8 ? ((const int8_t *)qa)[i] : ((const int16_t *)qa)[i]);
+                }
+                const int64_t pi = il_param(nb, n, b);
+                acc = fmaf((float)dot, fp16_to_fp32(wd[pi]) * f[b], acc);
+                acc = fmaf(fp16_to_fp32(wm[pi]), f[nb + b], acc);
+            }
+            y[r * ldy + n] = finish(acc, r, n, bias, res, ldr);
+        }
+}
+
 /* --------------------------------------------------------------- x86 SIMD */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -205,6 +246,7 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
 #undef VNNI
 #include "quant_kernels_avx512.h"
 #include "panel_gemm_avx512.h" /* and panel_gemm_bf16.h */
+#include "interleaved_avx512.h"
 #pragma GCC pop_options
 #endif
 
@@ -269,7 +311,7 @@ int64_t tq_set_panel_rows(int64_t n) {
  * integer kernels at every M, so their rounding does not depend on M. */
 static inline int panel_route(int64_t bits, int64_t kind, int64_t M) {
 #ifdef TQ_X86
-    return cur_isa() == 3 && M >= panel_rows && (bits == 16 || kind >= 4);
+    return cur_isa() == 3 && M >= panel_rows && ((bits == 16 && kind < 4) || IS_HALF(kind));
 #else
     (void)bits, (void)kind, (void)M;
     return 0;
@@ -322,6 +364,15 @@ void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, vo
 void tq_matmul(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
                const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                const float *res, int64_t ldr) {
+    if (kind == K_Q4I) { /* any row count: a row's result does not depend on M */
+#ifdef TQ_X86
+        if (cur_isa() == 3 && bits == 16 &&
+            il_matmul_avx512(wq, wd, wm, N, K, (const int16_t *)qa, fa, M, y, ldy, bias, res, ldr) == 0)
+            return;
+#endif
+        matmul_il_c(bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        return;
+    }
 #ifdef TQ_X86
     switch (cur_isa()) {
     case 3:
@@ -391,7 +442,7 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
         panel_x(x, ldx, M, K, xb);
     }
     for (int64_t i = 0; i < L->nparts; i++)
-        if (L->parts[i].kind < 4 && !qa && !panel_route(L->bits, L->parts[i].kind, M)) {
+        if (!IS_HALF(L->parts[i].kind) && !qa && !panel_route(L->bits, L->parts[i].kind, M)) {
             const size_t qbytes = (size_t)(M * K * (L->bits / 8) + 63) / 64 * 64;
             char *buf = scratch(qbytes + (size_t)M * FA * nb * sizeof(float));
             if (!buf) return -1;
@@ -406,7 +457,7 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
         if (panel_route(L->bits, p->kind, M)) {
             if (panel_call((int)p->kind, p->q, p->d, p->m, p->n, K, x, ldx, xb, M, y + n0, L->n_total, b, r, ldr, 0))
                 return -1;
-        } else if (p->kind >= 4)
+        } else if (IS_HALF(p->kind))
             tq_matmul_half(p->kind == 5, (const uint16_t *)p->q, p->n, K, x, ldx, M, y + n0, L->n_total, b, r, ldr);
         else
             tq_matmul((int)p->kind, (int)L->bits, p->q, p->d, p->m, p->n, K, qa, fa, M, y + n0, L->n_total, b, r, ldr);
@@ -418,6 +469,19 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
 /* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */
 void tq_dequantize(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t K,
                    const int64_t *rows, int64_t R, float *out) {
+    if (kind == K_Q4I) {
+        const int64_t nb = K / QK;
+#pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
+        for (int64_t i = 0; i < R; i++) {
+            const int64_t n = rows ? rows[i] : i;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t pi = il_param(nb, n, b);
+                const float d = fp16_to_fp32(wd[pi]), m = fp16_to_fp32(wm[pi]);
+                for (int j = 0; j < QK; j++) out[i * K + b * QK + j] = fmaf(d, (float)il_value(wq, nb, n, b, j), m);
+            }
+        }
+        return;
+    }
 #ifdef TQ_X86
     if (cur_isa() >= 1) {
         dequantize_avx2(kind, wq, wd, wm, K, rows, R, out);

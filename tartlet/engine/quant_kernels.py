@@ -23,14 +23,15 @@ import torch
 
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
-from .quant_formats import BF16, F16, QuantWeight
+from .quant_formats import BF16, F16, INTERLEAVE_ROWS, Q4I, QuantWeight
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
-                                    "panel_gemm_bf16.h", "float_kernels.h", "kv_int8.h", "decode_step.h"))
+                                    "panel_gemm_bf16.h", "interleaved_avx512.h", "float_kernels.h", "kv_int8.h",
+                                    "decode_step.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
@@ -229,7 +230,8 @@ class QuantKernels:
 
         Raises:
             ValueError: more than :data:`MAX_PARTS` parts, ``bits`` not 8 or
-                16, or ``bf16`` where it cannot be had.
+                16, ``bf16`` where it cannot be had, or an interleaved
+                (``Q4I``) part that does not start at a multiple of 16 outputs.
         """
         if len(parts) > MAX_PARTS:
             raise ValueError(f"a projection holds at most {MAX_PARTS} runs of one format, got {len(parts)}")
@@ -239,6 +241,11 @@ class QuantKernels:
         if bf16 and not (self.has_bf16 and bits == 16 and K % 2 == 0):
             raise ValueError(f"bfloat16 panel products need AVX512_BF16 (this CPU: {self.has_bf16}), "
                              f"16-bit activations (got {bits}) and an even width (got {K})")
+        n0 = 0
+        for p in parts:  # the kernels cut projections into runs of 16 outputs, aligned to the stack
+            if p.kind == Q4I and n0 % INTERLEAVE_ROWS:
+                raise ValueError(f"an interleaved part must start at a multiple of {INTERLEAVE_ROWS} outputs, not {n0}")
+            n0 += p.shape[0]
         desc = LinearDesc(len(parts), bits, K, sum(p.shape[0] for p in parts), _ptr(bias))
         desc.bf16 = int(bf16)
         for i, p in enumerate(parts):

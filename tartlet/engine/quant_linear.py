@@ -13,8 +13,16 @@ France?": the inputs of the projections after an RMSNorm have outliers
 columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
-Larger batches (prefill, large decode batches) multiply in float instead.
-On AVX-512, from ``QuantKernels.panel_rows`` rows (8), the same C call
+On AVX-512 VNNI, Q4 parts (Q4_0, Q4_1, Q4_K) with a multiple of 16 rows
+and 16-bit activations are interleaved by 16 rows at load
+(:func:`~tartlet.engine.quant_formats.interleave`) and multiplied by the
+integer kernel of ``interleaved_avx512.h`` for any number of rows: no
+per-row horizontal sums (2-3x the row-at-a-time kernel at one row), faster
+than the float panel GEMM at 8+ rows, and a row's result is the same bits
+in a batch of any size.
+
+Larger batches (prefill, large decode batches) of the other kinds multiply
+in float instead. On AVX-512, from ``QuantKernels.panel_rows`` rows (8), the same C call
 runs the panel GEMM (``panel_gemm_avx512.h``: 32 weight rows at a time
 dequantized into a cache-resident panel). Below AVX-512, from
 :data:`DEQUANT_ROWS` rows, each part is dequantized into float32 tiles
@@ -26,8 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import BF16, F16, QuantWeight
+from .quant_formats import BF16, F16, INTERLEAVE_ROWS, Q4, QuantWeight, interleave
 from .quant_kernels import QuantKernels
+
+#: Interleave eligible Q4 parts at load (see the module docstring); False
+#: keeps the row-at-a-time layout (for A/B measurements, e.g.
+#: ``benchmarks/bench_roofline.py --compare-layouts``).
+INTERLEAVE = True
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM
 #: (below AVX-512; there the C panel GEMM takes over from
@@ -64,6 +77,11 @@ class QuantLinear:
         bf16: the panel GEMM (AVX-512, 8+ rows) multiplies bfloat16 values
             (:meth:`QuantKernels.linear_desc`); needs ``act_bits`` 16.
 
+    With 16-bit activations, no ``bf16``, the AVX-512 VNNI kernels in use and
+    :data:`INTERLEAVE`, each Q4 part of a multiple of 16 rows that starts at
+    a multiple of 16 outputs is replaced by its interleaved copy (``parts``
+    then holds kind ``Q4I``).
+
     Raises:
         ValueError: parts of different widths, or a bias of the wrong size.
     """
@@ -82,6 +100,12 @@ class QuantLinear:
                 merged[-1] = QuantWeight.cat([merged[-1], p])
             else:
                 merged.append(p)
+        if INTERLEAVE and act_bits == 16 and not bf16 and kernels.isa == 3:
+            n0 = 0
+            for i, p in enumerate(merged):
+                if p.kind == Q4 and p.shape[0] % INTERLEAVE_ROWS == 0 and n0 % INTERLEAVE_ROWS == 0:
+                    merged[i] = interleave(p)
+                n0 += p.shape[0]
         self.parts = merged
         self.in_features = widths.pop()
         self.out_features = sum(p.shape[0] for p in merged)

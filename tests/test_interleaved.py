@@ -1,0 +1,160 @@
+"""Q4 weights interleaved by 16 rows (kind ``Q4I``, ``interleaved_avx512.h``).
+
+The layout holds the same values as the row layout (dequantized bit for bit
+equal). The AVX-512 VNNI kernel and its portable C twin compute the same
+bits, for any number of activation rows, so a row's result is the same in
+a batch of any size; against the quantized activations times the
+dequantized weight they agree to float32 summation order (1e-5 of the
+largest output; 1e-3 for Q4_K, whose sub-block scales are rounded to
+float16 at repack).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tartlet.engine import quant_linear
+from tartlet.engine.quant_formats import Q4, Q4I, QuantWeight, from_gguf, interleave
+from tartlet.engine.quant_linear import QuantLinear
+
+from test_quant_kernels import isa_levels, random_gguf, rel_err
+
+TYPES = ["Q4_0", "Q4_1", "Q4_K"]
+
+
+def q4(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    return from_gguf(random_gguf(type_name, n, k, seed=seed), type_name, n, k)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_interleave_keeps_every_value(kern, type_name):
+    w = q4(type_name, 48, 256)
+    wi = interleave(w)
+    assert (wi.kind, wi.shape, wi.nbytes) == (Q4I, w.shape, w.nbytes)
+    for isa in isa_levels():
+        kern.set_isa(isa)
+        assert torch.equal(kern.dequantize(wi), kern.dequantize(w)), isa
+    kern.set_isa(-1)
+    rows = torch.tensor([47, 0, 16, 17, 16])
+    assert torch.equal(kern.dequantize(wi, rows), kern.dequantize(w, rows))
+
+
+def test_interleave_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="only q4 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
+        interleave(q4("Q4_0", 40, 64))
+    with pytest.raises(ValueError, match="got q8 with 16 rows"):
+        interleave(from_gguf(random_gguf("Q8_0", 16, 64), "Q8_0", 16, 64))
+    wi = interleave(q4("Q4_1", 32, 64))
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        QuantWeight.cat([wi, wi])
+    with pytest.raises(ValueError, match="cannot be selected"):
+        wi.select_rows(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name):
+    """Every row count 1..19, 33 and 70 (row tiles of 8 and every tail), a
+    bias and a residual: each row's result is the same bits alone, in any
+    slice and on every instruction set (the portable C twin below AVX-512
+    VNNI); against the exact product of the quantized activations."""
+    k = 256 if type_name == "Q4_K" else 288
+    w = q4(type_name, 64, k, seed=1)
+    wi = interleave(w)
+    held = kern.dequantize(w)
+    g = torch.Generator().manual_seed(2)
+    x, res, bias = torch.randn(70, k, generator=g) * 4, torch.randn(70, 64, generator=g), torch.randn(64, generator=g)
+    x[:, ::5] *= 40  # both bytes of the 16-bit values matter
+    qa, fa = kern.quantize(x, 16)
+    full = torch.empty(70, 64)
+    kern.matmul(wi, qa, fa, full, bias=bias, residual=res)
+    xq = (qa.view(70, -1, 32).float() * fa[:, 0, :, None]).view(70, k)
+    assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name == "Q4_K" else 1e-5)
+    for isa in isa_levels():
+        kern.set_isa(isa)
+        for lo, hi in [(r, r + 1) for r in range(0, 70, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (1, 70)]:
+            out = torch.empty(hi - lo, 64)
+            kern.matmul(wi, qa[lo:hi], fa[lo:hi], out, bias=bias, residual=res[lo:hi])
+            assert torch.equal(out, full[lo:hi]), (type_name, isa, lo, hi)
+    kern.set_isa(-1)
+
+
+def test_eight_bit_activations_on_the_portable_path(kern):
+    """The portable C twin also takes 8-bit blocks (the engine never sends
+    them to an interleaved part; the C entry point accepts them)."""
+    w = q4("Q4_1", 32, 96, seed=3)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
+    qa, fa = kern.quantize(x, 8)
+    out = torch.empty(5, 32)
+    kern.matmul(interleave(w), qa, fa, out)
+    xq = (qa.view(5, -1, 32).float() * fa[:, 0, :, None]).view(5, 96)
+    assert rel_err(out, xq @ kern.dequantize(w).T) < 1e-5
+
+
+def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
+    """``QuantLinear`` interleaves a Q4 run of a multiple of 16 rows that
+    starts at a multiple of 16 outputs, with 16-bit activations, no
+    bfloat16 panel and the AVX-512 VNNI kernels in use; the result equals
+    the row layout's within rounding (1e-5 below 8 rows: summation order;
+    from 8 the row layout's float panel multiplies unrounded activations,
+    so there the 16-bit rounding too: 1e-4)."""
+    if kern.best_isa < 3:
+        pytest.skip("interleaving serves the AVX-512 VNNI kernel; this CPU has none")
+    a, b, c = q4("Q4_1", 32, 128, 5), q4("Q5_0", 16, 128, 6), q4("Q4_0", 48, 128, 7)
+    b24, odd = q4("Q5_0", 24, 128, 8), q4("Q4_0", 40, 128, 9)
+    kinds = lambda lin: [p.kind for p in lin.parts]  # noqa: E731
+    lin = QuantLinear([a, b, c], None, kern)
+    assert kinds(lin) == [Q4I, b.kind, Q4I]
+    assert kinds(QuantLinear([b24, c], None, kern)) == [b.kind, Q4], "starts at output 24"
+    assert kinds(QuantLinear([odd], None, kern)) == [Q4], "40 rows"
+    assert kinds(QuantLinear([a], None, kern, act_bits=8)) == [Q4]
+    if kern.has_bf16:
+        assert kinds(QuantLinear([a], None, kern, bf16=True)) == [Q4]
+    kern.set_isa(1)
+    try:
+        assert kinds(QuantLinear([a], None, kern)) == [Q4]
+    finally:
+        kern.set_isa(-1)
+    monkeypatch.setattr(quant_linear, "INTERLEAVE", False)
+    rows = QuantLinear([a, b, c], None, kern)
+    assert kinds(rows) == [Q4, b.kind, Q4]
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(9))
+    for m in (1, 5, 11):  # the row layout's integer kernel below 8 rows, its float panel from 8
+        assert rel_err(lin(x[:m]), rows(x[:m])) < (1e-5 if m < 8 else 1e-4), m
+
+
+def test_descriptor_refuses_a_misaligned_interleaved_part(kern):
+    b, wi = q4("Q4_0", 24, 64), interleave(q4("Q4_0", 16, 64))
+    with pytest.raises(ValueError, match="must start at a multiple of 16 outputs, not 24"):
+        kern.linear_desc([b, wi], None, 16)
+
+
+def test_tied_q4_head_keeps_one_copy(tmp_path, monkeypatch):
+    """A tied Q4_0 head (vocabulary padded to 272 = 17 x 16 rows) is
+    interleaved once and the token lookups read that copy: resident weights
+    stay within 1.2x of the file; logits of a prompt and 4 decode steps
+    agree with the row layout's within the kernels' rounding, and the greedy
+    tokens are equal."""
+    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.quant_kernels import load
+
+    k = load()
+    if k is None or k.best_isa < 3:
+        pytest.skip("interleaving serves the AVX-512 VNNI kernel; this CPU has none")
+    from test_loader import engine_logits
+    from tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tied.gguf", {}, default="Q4_0", tied=True, vocab_multiple=16)
+    eng = Engine.load(EngineConfig(model=str(path), kv_cache_mb=8))
+    try:
+        m = eng.model
+        assert [p.kind for p in m.lm_head.parts] == [Q4I] and m.embed is m.lm_head.parts[0]
+        assert m.weight_bytes() <= 1.2 * path.stat().st_size
+    finally:
+        eng.close()
+    ids = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 60]
+    got = engine_logits(path, "auto", ids, split=7)
+    monkeypatch.setattr(quant_linear, "INTERLEAVE", False)
+    want = engine_logits(path, "auto", ids, split=7)
+    assert rel_err(got, want) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
