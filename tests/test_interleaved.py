@@ -1,4 +1,4 @@
-"""Q4 weights interleaved by 16 rows (kind ``Q4I``, ``interleaved_avx512.h``).
+"""Q4 and Q8 weights interleaved by 16 rows (kinds ``Q4I``, ``Q8I``, ``interleaved_avx512.h``).
 
 The layout holds the same values as the row layout (dequantized bit for bit
 equal). The AVX-512 VNNI kernel and its portable C twin compute the same
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import Q4, Q4I, QuantWeight, from_gguf, interleave
+from tartlet.engine.quant_formats import INTERLEAVED, Q4, Q4I, Q8I, QuantWeight, from_gguf, interleave
 from tartlet.engine.quant_linear import QuantLinear
 
 from test_quant_kernels import isa_levels, random_gguf, rel_err
 
-TYPES = ["Q4_0", "Q4_1", "Q4_K"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
 
 
 def q4(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
@@ -31,7 +31,7 @@ def q4(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
 def test_interleave_keeps_every_value(kern, type_name):
     w = q4(type_name, 48, 256)
     wi = interleave(w)
-    assert (wi.kind, wi.shape, wi.nbytes) == (Q4I, w.shape, w.nbytes)
+    assert (wi.kind, wi.shape, wi.nbytes) == (INTERLEAVED[w.kind], w.shape, w.nbytes)
     for isa in isa_levels():
         kern.set_isa(isa)
         assert torch.equal(kern.dequantize(wi), kern.dequantize(w)), isa
@@ -41,15 +41,16 @@ def test_interleave_keeps_every_value(kern, type_name):
 
 
 def test_interleave_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="only q4 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
+    with pytest.raises(ValueError, match="only q4 and q8 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
         interleave(q4("Q4_0", 40, 64))
-    with pytest.raises(ValueError, match="got q8 with 16 rows"):
-        interleave(from_gguf(random_gguf("Q8_0", 16, 64), "Q8_0", 16, 64))
+    with pytest.raises(ValueError, match="got q5 with 16 rows"):
+        interleave(q4("Q5_0", 16, 64))
     wi = interleave(q4("Q4_1", 32, 64))
-    with pytest.raises(ValueError, match="cannot be stacked"):
-        QuantWeight.cat([wi, wi])
-    with pytest.raises(ValueError, match="cannot be selected"):
-        wi.select_rows(torch.tensor([0]))
+    for wi in (wi, interleave(q4("Q8_0", 16, 64))):
+        with pytest.raises(ValueError, match=r"interleaved \(q[48]x16\) matrices cannot be stacked"):
+            QuantWeight.cat([wi, wi])
+        with pytest.raises(ValueError, match="cannot be selected"):
+            wi.select_rows(torch.tensor([0]))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -92,7 +93,7 @@ def test_eight_bit_activations_on_the_portable_path(kern):
 
 
 def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
-    """``QuantLinear`` interleaves a Q4 run of a multiple of 16 rows that
+    """``QuantLinear`` interleaves a Q4 (or Q8) run of a multiple of 16 rows that
     starts at a multiple of 16 outputs, with 16-bit activations, no
     bfloat16 panel and the AVX-512 VNNI kernels in use; the result equals
     the row layout's within rounding (1e-5 below 8 rows: summation order;
@@ -107,6 +108,7 @@ def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
     assert kinds(lin) == [Q4I, b.kind, Q4I]
     assert kinds(QuantLinear([b24, c], None, kern)) == [b.kind, Q4], "starts at output 24"
     assert kinds(QuantLinear([odd], None, kern)) == [Q4], "40 rows"
+    assert kinds(QuantLinear([q4("Q8_0", 16, 128, 10), b], None, kern)) == [Q8I, b.kind]
     assert kinds(QuantLinear([a], None, kern, act_bits=8)) == [Q4]
     if kern.has_bf16:
         assert kinds(QuantLinear([a], None, kern, bf16=True)) == [Q4]
@@ -129,8 +131,9 @@ def test_descriptor_refuses_a_misaligned_interleaved_part(kern):
         kern.linear_desc([b, wi], None, 16)
 
 
-def test_tied_q4_head_keeps_one_copy(tmp_path, monkeypatch):
-    """A tied Q4_0 head (vocabulary padded to 272 = 17 x 16 rows) is
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_tied_head_keeps_one_copy(tmp_path, monkeypatch, type_name):
+    """A tied Q4_0 or Q8_0 head (vocabulary padded to 272 = 17 x 16 rows) is
     interleaved once and the token lookups read that copy: resident weights
     stay within 1.2x of the file; logits of a prompt and 4 decode steps
     agree with the row layout's within the kernels' rounding, and the greedy
@@ -144,11 +147,11 @@ def test_tied_q4_head_keeps_one_copy(tmp_path, monkeypatch):
     from test_loader import engine_logits
     from tiny_gguf import write_tiny_llama
 
-    path = write_tiny_llama(tmp_path / "tied.gguf", {}, default="Q4_0", tied=True, vocab_multiple=16)
+    path = write_tiny_llama(tmp_path / "tied.gguf", {}, default=type_name, tied=True, vocab_multiple=16)
     eng = Engine.load(EngineConfig(model=str(path), kv_cache_mb=8))
     try:
         m = eng.model
-        assert [p.kind for p in m.lm_head.parts] == [Q4I] and m.embed is m.lm_head.parts[0]
+        assert [p.kind for p in m.lm_head.parts] == [Q4I if type_name == "Q4_0" else Q8I] and m.embed is m.lm_head.parts[0]
         assert m.weight_bytes() <= 1.2 * path.stat().st_size
     finally:
         eng.close()

@@ -60,12 +60,13 @@ def chat_ids(engine, text: str) -> list[int]:
 def test_weights_stay_quantized_and_small(quant_engine, gguf_path):
     """Every projection is quantized (no float copy kept) and resident weight
     memory is within 1.2x of the file size."""
-    from tartlet.engine.quant_formats import Q4, Q4I, Q8, QuantWeight
+    from tartlet.engine.quant_formats import Q4, Q4I, Q8, Q8I, QuantWeight
     from tartlet.engine.quant_linear import QuantLinear
 
     m = quant_engine.model
-    q4 = Q4I if m.quant.isa == 3 else Q4  # interleaved by 16 rows for the AVX-512 VNNI kernel
-    assert isinstance(m.embed, QuantWeight) and m.embed.kind == Q8 and m.embed.source == "Q8_0"
+    il = m.quant.isa == 3  # interleaved by 16 rows for the AVX-512 VNNI kernel
+    q4 = Q4I if il else Q4
+    assert isinstance(m.embed, QuantWeight) and m.embed.kind == (Q8I if il else Q8) and m.embed.source == "Q8_0"
     assert isinstance(m.lm_head, QuantLinear) and m.lm_head.parts[0].q is m.embed.q, "tied head shares the embedding"
     for layer in m.layers:
         for name in ("qkv", "o", "gate_up", "down"):

@@ -1,51 +1,64 @@
-/* Integer kernel for weights interleaved by 16 rows (kind K_Q4I, made at load
- * by quant_formats.interleave from kind Q4): y = x @ W^T (+ bias) (+ res)
- * with x quantized to 16-bit blocks (tq_quantize, bits 16), for any number
- * of activation rows. Included after quant_kernels_avx512.h, inside the same
- * "#pragma GCC target" region.
+/* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I and K_Q8I,
+ * made at load by quant_formats.interleave from kinds Q4 and Q8):
+ * y = x @ W^T (+ bias) (+ res) with x quantized to 16-bit blocks
+ * (tq_quantize, bits 16), for any number of activation rows. Included after
+ * quant_kernels_avx512.h, inside the same "#pragma GCC target" region.
  *
  * Layout. Rows come in groups of 16; a group's blocks follow each other
- * (block b of group g at byte (g nb + b) 256 of q, its 16 scales and 16
- * minimums at float16 index (g nb + b) 16 of d and m). A block's 256 bytes
- * are four 64-byte vectors; in vector c, the 4 bytes of lane L (row 16 g + L)
- * hold values 8 c + e (low nibble) and 8 c + 4 + e (high nibble), e = 0..3,
- * of that row's block: one AND (and a shift) gives the 16 rows' values of 4
- * consecutive k as vpdpbusd wants them, one row per 32-bit lane.
+ * (block b of group g at byte (g nb + b) QB of q, QB = 256 for Q4I and 512
+ * for Q8I; its 16 scales, and for Q4I 16 minimums, at float16 index
+ * (g nb + b) 16 of d and m). A block is 64-byte vectors holding, in lane L
+ * (row 16 g + L), 4 consecutive values of that row's block as vpdpbusd
+ * wants them: Q4I, four vectors, vector c's lane holds values 8 c + e in its
+ * low nibbles and 8 c + 4 + e in its high ones (e = 0..3; one AND and a
+ * shift unpack them); Q8I, eight vectors, vector t's lane holds values
+ * 4 t + e as signed bytes (the value q - 128 of the Q8 kind).
  *
  * Method. The 16 rows of a group are the 16 lanes of one accumulator, so no
  * row needs a horizontal sum and the unpacked weights of a block serve every
  * activation row (the layout of llama.cpp's repacked "q4_0_8x8" GEMV/GEMM,
  * here with 16 rows and 16-bit activations). A 16-bit activation
  * a = 256 hi + lo (lo unsigned, hi signed bytes, split once per call) meets
- * the weights q (0..15) in two vpdpbusd per 4 values, q as the unsigned
- * operand against a broadcast of 4 hi bytes and as the signed one against 4
- * lo bytes (the byte split of quant_kernels_avx512.h). A block's int32 dot
- * product is exact (|dot| <= 32 * 15 * 32768 < 2^24, so its float conversion
- * is exact too); then, per output,
+ * the weights in two vpdpbusd per 4 values (the byte split of
+ * quant_kernels_avx512.h): Q4I's q (0..15) as the unsigned operand against
+ * a broadcast of 4 hi bytes and as the signed one against 4 lo bytes; Q8I's
+ * signed s against broadcasts of lo and of hi + 128 (unsigned), then
+ * s . hi = s . (hi + 128) - 128 sum(s), sum(s) from one more vpdpbusd per 4
+ * values shared by every row. A block's int32 dot product is exact; per
+ * output then
  *
- *   acc = fma(dot_b, d_w[b] * d_x[b], acc);  acc = fma(m_w[b], s_x[b], acc)
+ *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I: acc = fma(m_w[b], s_x[b], acc))
  *
  * for b = 0 .. nb - 1 in order (d_x, s_x: the activation block's scale and
- * scale times sum, FA planes), then acc + bias, + res. This is the same
- * arithmetic for every output whatever else shares the call, so a row's
- * result does not depend on M, on the row tile it falls in or on the thread
- * split; matmul_il_c (quant_kernels.c) computes the same values bit for bit.
+ * scale times sum, FA planes; the float conversion of dot_b is exact for
+ * Q4I, |dot| < 2^24, and rounds to nearest for Q8I), then acc + bias, + res.
+ * This is the same arithmetic for every output whatever else shares the
+ * call, so a row's result does not depend on M, on the row tile it falls in
+ * or on the thread split; matmul_il_c (quant_kernels.c) computes the same
+ * values bit for bit.
  *
- * Speed (2-vCPU Zen 4 VM, one thread, weights hot in L2, 1536 x 576): 47 G
- * multiply-adds/s at one row against 17 for the row-at-a-time kernel
+ * Speed (2-vCPU Zen 4 VM, one thread, weights hot in L2, 1536 x 576, Q4I):
+ * 47 G multiply-adds/s at one row against 17 for the row-at-a-time kernel
  * (one16_row), 69 at 8 rows against ~45 for the float32 panel GEMM; see
  * docs/benchmarks.md. */
 
 #define IL_ROWS 16
 /* activation rows one pass over a group's blocks serves (accumulators in registers) */
 #define IL_MR 8
-/* blocks prefetched ahead (4 KiB of a group's values): on a 2-vCPU Zen 4 VM,
- * two threads streaming 55 MB reached 25.9 GB/s without, 34.7 with 8 blocks
- * ahead, 37.0 with 16 */
-#define IL_PF 16
+/* bytes of values prefetched ahead: on a 2-vCPU Zen 4 VM two threads
+ * streaming 55 MB of Q4I reached 25.9 GB/s without, 34.7 with 2 KiB ahead,
+ * 37.0 with 4 KiB */
+#define IL_PF 4096
+
+/* Bytes of a block of 16 rows. */
+#define IL_QB(kind) ((kind) == K_Q4I ? 256 : 512)
 
 /* Block b's 16 x 32 values of a group as 8 vectors, w[t] = values 4t..4t+3 of each row. */
-INLINE void il_unpack_q4(const uint8_t *q, __m512i w[8]) {
+INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
+    if (kind == K_Q8I) {
+        for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512((const void *)(q + 64 * t));
+        return;
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * c));
@@ -54,44 +67,67 @@ INLINE void il_unpack_q4(const uint8_t *q, __m512i w[8]) {
     }
 }
 
-/* One group (16 weight rows: values wq, scales wd, minimums wm, nb blocks)
- * times R activation rows (row r: lo / hi bytes at lo + r ps, hi + r ps; FA
- * planes at fa + r fs) into y [R, 16] (row stride ldy), bias [16] and res
- * [R, 16] (row stride ldr) added when not NULL. */
-INLINE void il_group(const int R, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t nb,
-                     const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa, int64_t fs, float *y,
-                     int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+/* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I), nb
+ * blocks) times R activation rows (row r: lo / hi bytes at lo + r ps,
+ * hi + r ps, hi + 128 for Q8I; FA planes at fa + r fs) into y [R, 16] (row
+ * stride ldy), bias [16] and res [R, 16] (row stride ldr) added when not NULL. */
+INLINE void il_group(const int kind, const int R, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                     int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa, int64_t fs,
+                     float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    const int qb = IL_QB(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *q = wq + b * 256;
-        const char *pq = (const char *)(q + IL_PF * 256);
-        _mm_prefetch(pq, _MM_HINT_T0);
-        _mm_prefetch(pq + 64, _MM_HINT_T0);
-        _mm_prefetch(pq + 128, _MM_HINT_T0);
-        _mm_prefetch(pq + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)(wd + (b + IL_PF) * 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wm + (b + IL_PF) * 16), _MM_HINT_T0);
+        const uint8_t *q = wq + b * qb;
+        for (int o = 0; o < qb; o += 64) _mm_prefetch((const char *)(q + IL_PF + o), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wd + (b + IL_PF / qb) * 16), _MM_HINT_T0);
+        if (kind == K_Q4I) _mm_prefetch((const char *)(wm + (b + IL_PF / qb) * 16), _MM_HINT_T0);
         __m512i w[8];
-        il_unpack_q4(q, w);
+        il_unpack(kind, q, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16)));
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
+        __m512 mw = _mm512_setzero_ps();
+        __m512i corr = _mm512_setzero_si512();
+        if (kind == K_Q4I) {
+            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
+        } else { /* 32768 sum(s): 256 times the 128 sum(s) that hi + 128 adds */
+            const __m512i ones = _mm512_set1_epi8(1);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[0]);
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[1]);
+            for (int t = 2; t < 8; t += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, ones, w[t]);
+                s1 = _mm512_dpbusd_epi32(s1, ones, w[t + 1]);
+            }
+            corr = _mm512_slli_epi32(_mm512_add_epi32(s0, s1), 15);
+        }
         for (int r = 0; r < R; r++) {
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * ps + b * QK);
-            /* four independent chains; hi against q unsigned, lo unsigned against q signed */
-            __m512i h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
-            __m512i h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(h[1]));
-            __m512i l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[0]), w[0]);
-            __m512i l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[1]), w[1]);
+            /* four independent chains. Q4I: hi against q unsigned, lo unsigned against q signed;
+             * Q8I: lo and hi + 128 unsigned against s signed */
+            __m512i h0, h1, l0, l1;
+            if (kind == K_Q4I) {
+                h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
+                h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(h[1]));
+            } else {
+                h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[0]), w[0]);
+                h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[1]), w[1]);
+            }
+            l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[0]), w[0]);
+            l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[1]), w[1]);
             for (int t = 2; t < 8; t += 2) {
-                h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
-                h1 = _mm512_dpbusd_epi32(h1, w[t + 1], _mm512_set1_epi32(h[t + 1]));
+                if (kind == K_Q4I) {
+                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
+                    h1 = _mm512_dpbusd_epi32(h1, w[t + 1], _mm512_set1_epi32(h[t + 1]));
+                } else {
+                    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
+                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 1]), w[t + 1]);
+                }
                 l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
                 l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 1]), w[t + 1]);
             }
-            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+            if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(fa[r * fs + b])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+            if (kind == K_Q4I) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -105,12 +141,13 @@ INLINE void il_group(const int R, const uint8_t *wq, const uint16_t *wd, const u
 static _Thread_local uint8_t *il_buf;
 static _Thread_local size_t il_cap;
 
-/* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I ([N, K], N a multiple of
- * 16) and M rows of 16-bit activations qa [M, K] with their FA planes fa;
- * returns 0, or -1 (nothing done) when the byte planes cannot be allocated. */
-static int il_matmul_avx512(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                            const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                            const float *res, int64_t ldr) {
+/* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I or K_Q8I ([N, K], N a
+ * multiple of 16) and M rows of 16-bit activations qa [M, K] with their FA
+ * planes fa; returns 0, or -1 (nothing done) when the byte planes cannot be
+ * allocated. */
+INLINE int il_matmul_kind(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                          int64_t K, const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
+                          const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK, ps = (K + 63) & ~(int64_t)63, fs = FA * nb;
     const size_t bytes = (size_t)(2 * M * ps);
     if (bytes > il_cap) {
@@ -120,32 +157,42 @@ static int il_matmul_avx512(const uint8_t *wq, const uint16_t *wd, const uint16_
         if (!il_buf) return -1;
     }
     uint8_t *const lo = il_buf, *const hi = il_buf + M * ps;
-    for (int64_t r = 0; r < M; r++) /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift */
+    /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
+    const __m256i flip = _mm256_set1_epi8(kind == K_Q8I ? (char)0x80 : 0);
+    for (int64_t r = 0; r < M; r++)
         for (int64_t k = 0; k < K; k += 32) {
             const __m512i a = _mm512_loadu_si512((const void *)(qa + r * K + k));
             _mm256_store_si256((__m256i *)(lo + r * ps + k), _mm512_cvtepi16_epi8(a));
-            _mm256_store_si256((__m256i *)(hi + r * ps + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)));
+            _mm256_store_si256((__m256i *)(hi + r * ps + k),
+                               _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
         }
 #pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
     for (int64_t g = 0; g < N / IL_ROWS; g++) {
         const int64_t n = g * IL_ROWS;
-        const uint8_t *q = wq + n * nb * 16;
-        const uint16_t *d = wd + n * nb, *m = wm + n * nb;
+        const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
+        const uint16_t *d = wd + n * nb, *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
             const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
             const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
-            case 1: il_group(1, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 2: il_group(2, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 3: il_group(3, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 4: il_group(4, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 5: il_group(5, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 6: il_group(6, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 7: il_group(7, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            default: il_group(8, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 1: il_group(kind, 1, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 2: il_group(kind, 2, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 3: il_group(kind, 3, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 4: il_group(kind, 4, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 5: il_group(kind, 5, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 6: il_group(kind, 6, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 7: il_group(kind, 7, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            default: il_group(kind, 8, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
             }
         }
     }
     return 0;
+}
+
+static int il_matmul_avx512(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                            const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                            const float *res, int64_t ldr) {
+    if (kind == K_Q4I) return il_matmul_kind(K_Q4I, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+    return il_matmul_kind(K_Q8I, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
 }

@@ -60,7 +60,7 @@ from .fused_decode import FusedDecoder
 from .kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
-from .quant_formats import F16, KIND_NAMES, Q4I, QuantWeight
+from .quant_formats import F16, KIND_NAMES, Q4I, Q8I, QuantWeight
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 
@@ -252,7 +252,7 @@ class LlamaModel:
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.lm_head = linear(head, copy=False)
         if c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear) and len(self.lm_head.parts) == 1 \
-                and self.lm_head.parts[0].kind == Q4I:
+                and self.lm_head.parts[0].kind in (Q4I, Q8I):
             self.embed = self.lm_head.parts[0]  # the head's interleaved copy serves the lookups too: one copy kept
         self.norm = norm("model.norm.weight")
         self.layers: list[Layer] = []

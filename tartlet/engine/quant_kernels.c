@@ -27,8 +27,10 @@
  *               values); m = -32 d
  *   kind 6, Q4 interleaved by 16 rows (Q4's values, scales and minimums
  *               regrouped for interleaved_avx512.h, which documents the
- *               layout; N a multiple of 16). Kinds 4 and 5 are float16 and
- *               bfloat16 rows (tq_matmul_half).
+ *               layout; N a multiple of 16)
+ *   kind 7, Q8 interleaved by 16 rows: the signed values q - 128 and the
+ *               scales regrouped likewise; no minimums
+ * Kinds 4 and 5 are float16 and bfloat16 rows (tq_matmul_half).
  *
  * The high-bit orders are chosen so one broadcast and one variable shift
  * spread them over a 32-byte vector (quant_kernels_isa.h).
@@ -47,12 +49,13 @@
 #include "float_kernels.h"
 
 #define QK 32
-enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3, K_F16 = 4, K_BF16 = 5, K_Q4I = 6 };
+enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3, K_F16 = 4, K_BF16 = 5, K_Q4I = 6, K_Q8I = 7 };
 /* bytes of values per block and row (kinds 4, 5 have no blocks) */
-static const int QBYTES[7] = {32, 16, 20, 24, 0, 0, 16};
+static const int QBYTES[8] = {32, 16, 20, 24, 0, 0, 16, 32};
 /* the same as a constant expression, and the inlining the SIMD headers rely on */
 #define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
 #define IS_HALF(kind) ((kind) == K_F16 || (kind) == K_BF16)
+#define IS_IL(kind) ((kind) == K_Q4I || (kind) == K_Q8I)
 #define INLINE static inline __attribute__((always_inline))
 
 /* Per row of quantized activations, 4 * K/32 floats: d[b] (the block's
@@ -182,10 +185,12 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
     }
 }
 
-/* Kind K_Q4I (interleaved_avx512.h's layout): value j of block b of row n,
- * and the index of that block's scale and minimum in d and m. */
-static inline int il_value(const uint8_t *wq, int64_t nb, int64_t n, int64_t b, int j) {
+/* Kinds K_Q4I, K_Q8I (interleaved_avx512.h's layout): value j of block b of
+ * row n (Q4I: q, 0..15; Q8I: the signed q - 128), and the index of that
+ * block's scale (and minimum) in d (and m). */
+static inline int il_value(int kind, const uint8_t *wq, int64_t nb, int64_t n, int64_t b, int j) {
     const int t = j >> 2;
+    if (kind == K_Q8I) return ((const int8_t *)wq)[((n / 16) * nb + b) * 512 + t * 64 + (n % 16) * 4 + (j & 3)];
     const uint8_t byte = wq[((n / 16) * nb + b) * 256 + (t >> 1) * 64 + (n % 16) * 4 + (j & 3)];
     return (byte >> ((t & 1) * 4)) & 0x0f;
 }
@@ -194,7 +199,7 @@ static inline int64_t il_param(int64_t nb, int64_t n, int64_t b) { return ((n / 
 
 /* The products of interleaved_avx512.h in portable C, the same arithmetic
  * (bit for bit equal results), for 8-bit or 16-bit activations. */
-static void matmul_il_c(int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+static void matmul_il_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
                         const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                         const float *res, int64_t ldr) {
     const int64_t nb = K / QK;
@@ -207,11 +212,11 @@ static void matmul_il_c(int bits, const uint8_t *wq, const uint16_t *wd, const u
                 int32_t dot = 0;
                 for (int j = 0; j < QK; j++) {
                     const int64_t i = (r * nb + b) * QK + j;
-                    dot += il_value(wq, nb, n, b, j) * (bits == 8 ? ((const int8_t *)qa)[i] : ((const int16_t *)qa)[i]);
+                    dot += il_value(kind, wq, nb, n, b, j) * (bits == 8 ? ((const int8_t *)qa)[i] : ((const int16_t *)qa)[i]);
                 }
                 const int64_t pi = il_param(nb, n, b);
                 acc = fmaf((float)dot, fp16_to_fp32(wd[pi]) * f[b], acc);
-                acc = fmaf(fp16_to_fp32(wm[pi]), f[nb + b], acc);
+                if (kind == K_Q4I) acc = fmaf(fp16_to_fp32(wm[pi]), f[nb + b], acc);
             }
             y[r * ldy + n] = finish(acc, r, n, bias, res, ldr);
         }
@@ -364,13 +369,13 @@ void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, vo
 void tq_matmul(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
                const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                const float *res, int64_t ldr) {
-    if (kind == K_Q4I) { /* any row count: a row's result does not depend on M */
+    if (IS_IL(kind)) { /* any row count: a row's result does not depend on M */
 #ifdef TQ_X86
         if (cur_isa() == 3 && bits == 16 &&
-            il_matmul_avx512(wq, wd, wm, N, K, (const int16_t *)qa, fa, M, y, ldy, bias, res, ldr) == 0)
+            il_matmul_avx512(kind, wq, wd, wm, N, K, (const int16_t *)qa, fa, M, y, ldy, bias, res, ldr) == 0)
             return;
 #endif
-        matmul_il_c(bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
+        matmul_il_c(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);
         return;
     }
 #ifdef TQ_X86
@@ -469,15 +474,15 @@ int tq_linear(const tq_linear_desc *L, const float *x, int64_t ldx, int64_t M, f
 /* Dequantize R rows of W (rows[i], or row i when rows is NULL) into out [R, K] float32. */
 void tq_dequantize(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t K,
                    const int64_t *rows, int64_t R, float *out) {
-    if (kind == K_Q4I) {
+    if (IS_IL(kind)) {
         const int64_t nb = K / QK;
 #pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
         for (int64_t i = 0; i < R; i++) {
             const int64_t n = rows ? rows[i] : i;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t pi = il_param(nb, n, b);
-                const float d = fp16_to_fp32(wd[pi]), m = fp16_to_fp32(wm[pi]);
-                for (int j = 0; j < QK; j++) out[i * K + b * QK + j] = fmaf(d, (float)il_value(wq, nb, n, b, j), m);
+                const float d = fp16_to_fp32(wd[pi]), m = kind == K_Q4I ? fp16_to_fp32(wm[pi]) : 0.0f;
+                for (int j = 0; j < QK; j++) out[i * K + b * QK + j] = fmaf(d, (float)il_value(kind, wq, nb, n, b, j), m);
             }
         }
         return;

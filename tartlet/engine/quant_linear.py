@@ -13,8 +13,8 @@ France?": the inputs of the projections after an RMSNorm have outliers
 columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
-On AVX-512 VNNI, Q4 parts (Q4_0, Q4_1, Q4_K) with a multiple of 16 rows
-and 16-bit activations are interleaved by 16 rows at load
+On AVX-512 VNNI, Q4 and Q8 parts (Q4_0, Q4_1, Q4_K, Q8_0) with a multiple
+of 16 rows and 16-bit activations are interleaved by 16 rows at load
 (:func:`~tartlet.engine.quant_formats.interleave`) and multiplied by the
 integer kernel of ``interleaved_avx512.h`` for any number of rows: no
 per-row horizontal sums (2-3x the row-at-a-time kernel at one row), faster
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import BF16, F16, INTERLEAVE_ROWS, Q4, QuantWeight, interleave
+from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight, interleave
 from .quant_kernels import QuantKernels
 
 #: Interleave eligible Q4 parts at load (see the module docstring); False
@@ -78,9 +78,9 @@ class QuantLinear:
             (:meth:`QuantKernels.linear_desc`); needs ``act_bits`` 16.
 
     With 16-bit activations, no ``bf16``, the AVX-512 VNNI kernels in use and
-    :data:`INTERLEAVE`, each Q4 part of a multiple of 16 rows that starts at
-    a multiple of 16 outputs is replaced by its interleaved copy (``parts``
-    then holds kind ``Q4I``).
+    :data:`INTERLEAVE`, each Q4 or Q8 part of a multiple of 16 rows that
+    starts at a multiple of 16 outputs is replaced by its interleaved copy
+    (``parts`` then holds kind ``Q4I`` or ``Q8I``).
 
     Raises:
         ValueError: parts of different widths, or a bias of the wrong size.
@@ -103,7 +103,7 @@ class QuantLinear:
         if INTERLEAVE and act_bits == 16 and not bf16 and kernels.isa == 3:
             n0 = 0
             for i, p in enumerate(merged):
-                if p.kind == Q4 and p.shape[0] % INTERLEAVE_ROWS == 0 and n0 % INTERLEAVE_ROWS == 0:
+                if p.kind in INTERLEAVED and p.shape[0] % INTERLEAVE_ROWS == 0 and n0 % INTERLEAVE_ROWS == 0:
                     merged[i] = interleave(p)
                 n0 += p.shape[0]
         self.parts = merged
