@@ -15,9 +15,10 @@
  *
  * Work split: projections by weight rows (chunks of the stacked output rows,
  * crossing part boundaries), attention by (sequence, KV head), SiLU by
- * 256-column runs of a row; the small sequential pieces (RMSNorm +
- * activation quantization, RoPE + KV write) run as the tail of the phase
- * before them, on whichever thread finished it. Results equal the op-by-op
+ * 256-column runs of a row (both quantizing what they wrote for the next
+ * projection); the small sequential pieces (RMSNorm + activation quantization,
+ * RoPE + KV write) run as the tail of the phase before them, on whichever
+ * thread finished it. Results equal the op-by-op
  * path (same kernels, same order of summation per output) except SiLU (see
  * silu_mul), whatever the thread count.
  *
@@ -206,9 +207,11 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * allocated (x untouched then).
  *
  * Scheduling. The step is a sequence of phases, six per layer: QKV (tail:
- * RoPE + KV write), attention (tail: quantizing its output), output
- * projection (tail: RMSNorm + quantizing), gate/up, SiLU * up (tail:
- * quantizing), down projection (tail: the next layer's RMSNorm + quantizing,
+ * RoPE + KV write), attention (each chunk quantizing its output columns'
+ * blocks, or a tail rounding them for the bfloat16 panel), output
+ * projection (tail: RMSNorm + quantizing), gate/up, SiLU * up (each chunk
+ * quantizing its blocks for the integer kernels, or a tail rounding them
+ * for the bfloat16 panel), down projection (tail: the next layer's RMSNorm + quantizing,
  * or the head's), then the head; a first phase norms the input. Each phase
  * is cut into chunks, a range of consecutive chunks per thread, which any
  * thread may claim (claim_chunk: a thread runs its own range in order, so
@@ -267,6 +270,13 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                 t_last = now;
             }
             const tq_layer_desc *ly = li >= 0 && li < D->n_layers ? &D->layers[li] : 0;
+            /* SiLU phase: its chunks quantize the down projection's input block by block (silu_w and F
+             * are multiples of QK) when integer kernels take it; else its tail rounds it (quantize_for) */
+            const int down_blocks = ly && kind == 4 && !panel_bf16(ly->down, T) && desc_needs_quantized(ly->down, T);
+            /* attention phase: likewise each (sequence, KV head) chunk quantizes its g hd output columns for
+             * the output projection, when they are whole blocks */
+            const int o_blocks = ly && kind == 1 && (g * hd) % QK == 0 && !panel_bf16(ly->o, T) &&
+                                 desc_needs_quantized(ly->o, T);
             const tq_linear_desc *lin = 0;
             float *y = 0;
             const float *xin = xn, *res = 0;
@@ -306,9 +316,17 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     else
                         attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd, kh,
                                        D->scale, sc, oh);
+                    if (o_blocks) {
+                        const int64_t nbo = nh * hd / QK, b0 = kh * g * hd / QK;
+                        quantize_blocks((int)ly->o->bits, attn + r * nh * hd, nbo, b0, b0 + g * hd / QK,
+                                        (char *)qa + r * nh * hd * (ly->o->bits / 8), fa + r * FA * nbo);
+                    }
                 } else if (ph > 0 && kind == 4) { /* SiLU(gate) * up into xn [T, F], silu_w columns a chunk */
-                    const int64_t t = c / silu_per_row, j = c % silu_per_row * silu_w;
-                    silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, F - j < silu_w ? F - j : silu_w);
+                    const int64_t t = c / silu_per_row, j = c % silu_per_row * silu_w, w = F - j < silu_w ? F - j : silu_w;
+                    silu_mul(gu + t * 2 * F + j, gu + t * 2 * F + F + j, xn + t * F + j, w);
+                    if (down_blocks) /* the down projection's blocks of these columns, here rather than in a serial tail */
+                        quantize_blocks((int)ly->down->bits, xn + t * F, F / QK, j / QK, (j + w) / QK,
+                                        (char *)qa + t * F * (ly->down->bits / 8), fa + t * FA * (F / QK));
                 }
                 if (__atomic_add_fetch(&done->v, 1, __ATOMIC_ACQ_REL) != n_chunks) continue;
                 /* the last chunk of the phase: its tail, then open the next phase */
@@ -330,11 +348,11 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                         else
                             rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
                                            ly->v_pool, write_slots[t], nh, nkv, hd);
-                } else if (kind == 1) {
+                } else if (kind == 1 && !o_blocks) {
                     quantize_for(ly->o, attn, T, qa, fa);
                 } else if (kind == 2) {
                     norm_quantize(x, ly->ln2, xn, T, H, D->eps, ly->gate_up, qa, fa);
-                } else if (kind == 4) {
+                } else if (kind == 4 && !down_blocks) {
                     quantize_for(ly->down, xn, T, qa, fa);
                 }
                 __atomic_store_n(&completed, ph + 1, __ATOMIC_RELEASE);

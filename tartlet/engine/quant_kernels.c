@@ -128,31 +128,34 @@ static inline void params_c(int kind, const uint16_t *d, const uint16_t *m, int6
     ms[0] = ms[1] = kind == K_Q8 ? -128.0f * ds[0] : fp16_to_fp32(m[b]);
 }
 
-/* qa: int8 (bits 8, scale max|x| / 127) or int16 (bits 16, max|x| / 32767) */
+/* qa: int8 (bits 8, scale max|x| / 127) or int16 (bits 16, max|x| / 32767);
+ * blocks b0 .. b1 - 1 of one row of nb blocks (x, qa, fa at the row's start) */
+static void quantize_blocks_c(int bits, const float *x, int64_t nb, int64_t b0, int64_t b1, void *qa, float *fa) {
+    const float qmax = bits == 8 ? 127.0f : 32767.0f;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
+        int s[2] = {0, 0};
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)nearbyintf(xb[j] * id);
+            if (bits == 8) ((int8_t *)qa)[b * QK + j] = (int8_t)q;
+            else ((int16_t *)qa)[b * QK + j] = (int16_t)q;
+            s[j >= 16] += q;
+        }
+        fa[b] = d;
+        fa[nb + b] = d * (float)(s[0] + s[1]);
+        fa[2 * nb + 2 * b] = d * (float)s[0];
+        fa[2 * nb + 2 * b + 1] = d * (float)s[1];
+    }
+}
+
 static void quantize_c(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
     const int64_t nb = K / QK;
-    const float qmax = bits == 8 ? 127.0f : 32767.0f;
 #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t r = 0; r < M; r++) {
-        float *f = fa + r * FA * nb;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
-            int s[2] = {0, 0};
-            for (int j = 0; j < QK; j++) {
-                const int q = (int)nearbyintf(xb[j] * id);
-                if (bits == 8) ((int8_t *)qa)[(r * nb + b) * QK + j] = (int8_t)q;
-                else ((int16_t *)qa)[(r * nb + b) * QK + j] = (int16_t)q;
-                s[j >= 16] += q;
-            }
-            f[b] = d;
-            f[nb + b] = d * (float)(s[0] + s[1]);
-            f[2 * nb + 2 * b] = d * (float)s[0];
-            f[2 * nb + 2 * b + 1] = d * (float)s[1];
-        }
-    }
+    for (int64_t r = 0; r < M; r++)
+        quantize_blocks_c(bits, x + r * ldx, nb, 0, nb, (char *)qa + r * K * (bits / 8), fa + r * FA * nb);
 }
 
 static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
@@ -361,6 +364,18 @@ void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, vo
     }
 #endif
     quantize_c(bits, x, ldx, M, K, qa, fa);
+}
+
+/* Blocks b0 .. b1 - 1 of one row of nb blocks, as tq_quantize quantizes them
+ * (x, qa and fa at the row's start; qa, fa laid out as tq_quantize's rows). */
+static inline void quantize_blocks(int bits, const float *x, int64_t nb, int64_t b0, int64_t b1, void *qa, float *fa) {
+#ifdef TQ_X86
+    if (cur_isa() >= 1) {
+        quantize_blocks_avx2(bits, x, nb, b0, b1, qa, fa);
+        return;
+    }
+#endif
+    quantize_blocks_c(bits, x, nb, b0, b1, qa, fa);
 }
 
 /* y[r, n] = sum_k x[r, k] W[n, k] (+ bias[n]) (+ res[r, n]) for r < M, n < N,

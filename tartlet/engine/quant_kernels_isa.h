@@ -206,49 +206,54 @@ static void FN(dequantize)(int kind, const uint8_t *wq, const uint16_t *wd, cons
 #if !VNNI
 /* Activation quantization, same results as quantize_c: int8 (bits 8, scale
  * max|x| / 127) or int16 (bits 16, max|x| / 32767), round half to even;
- * and the float16/bfloat16 weight kernel. */
-static void FN(quantize)(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
-    const int64_t nb = K / QK;
+ * and the float16/bfloat16 weight kernel. Blocks b0 .. b1 - 1 of one row
+ * of nb blocks: x, qa and fa at the row's start. */
+static void FN(quantize_blocks)(int bits, const float *x, int64_t nb, int64_t b0, int64_t b1, void *qa, float *fa) {
     const float qmax = bits == 8 ? 127.0f : 32767.0f;
     const __m256 signbit = _mm256_set1_ps(-0.0f);
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
+        if (bits == 8) {
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)((int8_t *)qa + b * QK), p);
+        } else { /* packs interleaves 128-bit lanes: restore the order with a 64-bit permute */
+            int16_t *o = (int16_t *)qa + b * QK;
+            _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
+            _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
+        }
+        __m256i h = _mm256_hadd_epi32(s0, s1);  /* [s0 s0 s1 s1 | s0 s0 s1 s1] pair sums */
+        h = _mm256_hadd_epi32(h, h);
+        const int t0 = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
+        const int t1 = _mm256_extract_epi32(h, 1) + _mm256_extract_epi32(h, 5);
+        fa[b] = d;
+        fa[nb + b] = d * (float)(t0 + t1);
+        fa[2 * nb + 2 * b] = d * (float)t0;
+        fa[2 * nb + 2 * b + 1] = d * (float)t1;
+    }
+}
+
+/* M whole rows (row stride ldx floats, K a multiple of 32) into qa [M, K] and fa [M, FA K/32]. */
+static void FN(quantize)(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
+    const int64_t nb = K / QK;
 #pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
     for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * QK;
-            __m256 v[4], mx = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(xb + 8 * i);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, v[i]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
-            const __m256 idv = _mm256_set1_ps(id);
-            __m256i q[4];
-            for (int i = 0; i < 4; i++)
-                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
-            if (bits == 8) {
-                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-                p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-                _mm256_storeu_si256((__m256i *)((int8_t *)qa + (r * nb + b) * QK), p);
-            } else { /* packs interleaves 128-bit lanes: restore the order with a 64-bit permute */
-                int16_t *o = (int16_t *)qa + (r * nb + b) * QK;
-                _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
-                _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
-            }
-            __m256i h = _mm256_hadd_epi32(s0, s1);  /* [s0 s0 s1 s1 | s0 s0 s1 s1] pair sums */
-            h = _mm256_hadd_epi32(h, h);
-            const int t0 = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
-            const int t1 = _mm256_extract_epi32(h, 1) + _mm256_extract_epi32(h, 5);
-            float *f = fa + r * FA * nb;
-            f[b] = d;
-            f[nb + b] = d * (float)(t0 + t1);
-            f[2 * nb + 2 * b] = d * (float)t0;
-            f[2 * nb + 2 * b + 1] = d * (float)t1;
-        }
+        FN(quantize_blocks)(bits, x + r * ldx, nb, 0, nb, (char *)qa + r * K * (bits / 8), fa + r * FA * nb);
 }
 
 INLINE __m256 FN(load_half)(const int bf16, const uint16_t *p) {
