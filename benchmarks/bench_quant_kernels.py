@@ -10,12 +10,17 @@ the core's L2 cache (~0.5 MiB), on ``--threads`` OpenMP threads (default
 between repeats beyond one ctypes call, ~1 us). Shapes are the default
 model's projections (hidden 576, FFN 1536): 1536 x 576 (half of gate/up),
 576 x 1536 (down), and a long row, 128 x 4096, where per-row overhead
-vanishes. Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
+vanishes. Each Q4 and Q8 format runs in both layouts: ``rows`` (a row's
+blocks in a row: the row-at-a-time integer kernel; the engine sends calls
+of 8+ rows in this layout to the float panel GEMM instead, not timed here)
+and ``x16`` (interleaved by 16 rows, as the engine holds them on AVX-512
+VNNI with 16-bit activations: the integer kernel of
+``interleaved_avx512.h``, at any row count). Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
 time, GB/s = weight bytes / time (compare with the machine's read
 bandwidth, ``bench_roofline.py``). Prints a table and one ``JSON:`` line.
 Usage::
 
-    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16]
+    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16] [--layouts rows,x16]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="activation precision")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q8 kinds, 16-bit activations)")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read when the kernel library starts its OpenMP runtime
 
@@ -42,7 +48,7 @@ def main() -> None:
 
     from common import report
     from tartlet.engine import quant_kernels
-    from tartlet.engine.quant_formats import quantize
+    from tartlet.engine.quant_formats import INTERLEAVED, interleave, quantize
 
     qk = quant_kernels.load()
     if qk is None:
@@ -50,8 +56,12 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out, payload = [], []
     for fmt in a.formats.split(","):
-        for n, k in SHAPES:
+        for (n, k), layout in ((s, lay) for s in SHAPES for lay in a.layouts.split(",")):
             w = quantize(torch.randn(n, k), fmt)
+            if layout == "x16":
+                if w.kind not in INTERLEAVED or a.bits != 16:
+                    continue
+                w = interleave(w)
             wbytes = sum(t.numel() * t.element_size() for t in (w.q, w.d, w.m) if t is not None)
             for m in (int(r) for r in a.rows.split(",")):
                 qa, fa = qk.quantize(torch.randn(m, k), a.bits)
@@ -68,11 +78,12 @@ def main() -> None:
                         call(*args)
                     best = min(best, (time.perf_counter() - t0) / a.repeats)
                 gmac = m * n * k / best / 1e9
-                rows_out.append([fmt, f"{n} x {k}", m, f"{best * 1e6:.1f}", f"{gmac:.1f}", f"{wbytes / best / 1e9:.1f}"])
-                payload.append({"format": fmt, "n": n, "k": k, "rows": m, "us": best * 1e6, "gmac_s": gmac,
-                                "weight_gb_s": wbytes / best / 1e9})
+                rows_out.append([fmt, layout, f"{n} x {k}", m, f"{best * 1e6:.1f}", f"{gmac:.1f}",
+                                 f"{wbytes / best / 1e9:.1f}"])
+                payload.append({"format": fmt, "layout": layout, "n": n, "k": k, "rows": m, "us": best * 1e6,
+                                "gmac_s": gmac, "weight_gb_s": wbytes / best / 1e9})
     report(f"integer kernels, weights hot in cache: {a.bits}-bit activations, {a.threads} thread(s), "
-           f"ISA level {qk.isa}", ["format", "N x K", "rows", "us / call", "GMAC/s", "weight GB/s"], rows_out,
+           f"ISA level {qk.isa}", ["format", "layout", "N x K", "rows", "us / call", "GMAC/s", "weight GB/s"], rows_out,
            {"threads": a.threads, "bits": a.bits, "isa": qk.isa, "results": payload})
 
 

@@ -16,14 +16,23 @@ scheduler: no inferlet, no server). Prints both bandwidths, the roofline,
 the step and their ratio (the fraction of the roofline reached), then one
 ``JSON:`` line. Usage::
 
-    .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5] [--compare-small-pages]
+    .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
+        [--compare-small-pages | --compare-row-layout]
+
+The two ``--compare`` options load a second engine that differs in one
+setting (4 KiB pages under the weights; Q4/Q8 weights in the row layout
+rather than interleaved by 16 rows, ``quant_linear.INTERLEAVE``) and time
+its step in the same rounds, alternating which goes first, with the median
+of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 from bench_wasm import PROMPT, direct_tpot
 from common import load_engine, report
@@ -72,9 +81,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per round")
     ap.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth buffer (MiB; >> last-level cache)")
-    ap.add_argument("--compare-small-pages", action="store_true",
-                    help="also load the model with huge_pages=False (4 KiB pages under the weights) and time its "
-                         "step in the same rounds, alternating, with the ratio of the two")
+    cmp = ap.add_mutually_exclusive_group()
+    cmp.add_argument("--compare-small-pages", action="store_true",
+                     help="also load the model with huge_pages=False (4 KiB pages under the weights) and time its "
+                          "step in the same rounds, alternating, with the ratio of the two")
+    cmp.add_argument("--compare-row-layout", action="store_true",
+                     help="also load the model with its Q4/Q8 weights in the row layout (not interleaved by 16 "
+                          "rows) and time its step likewise")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.steps, a.buffer_mb = 1, 8, 64
@@ -82,7 +95,13 @@ def main() -> None:
     import torch
 
     engine = load_engine(threads=a.threads)
-    small = load_engine(threads=a.threads, huge_pages=False) if a.compare_small_pages else None
+    small, label, key = None, "", ""
+    if a.compare_small_pages:
+        small, label, key = load_engine(threads=a.threads, huge_pages=False), "weights on 4 KiB pages", "small_pages"
+    elif a.compare_row_layout:
+        with row_layout():
+            small = load_engine(threads=a.threads)
+        label, key = "Q4/Q8 weights in the row layout", "row_layout"
     try:
         model = engine.model
         weight = read_bytes_per_token(model)
@@ -90,15 +109,16 @@ def main() -> None:
         n = a.buffer_mb * 2**20 // 4
         buf, dst = torch.ones(n), torch.empty(n)
         reads, copies, steps, small_steps = [], [], [], []
-        if engine.huge_pages_thread is not None:  # measure the weights as they will stay
-            engine.huge_pages_thread.join()
+        for e in (engine, small):  # measure the weights as they will stay
+            if e is not None and e.huge_pages_thread is not None:
+                e.huge_pages_thread.join()
         direct_tpot(engine, ids, 4)  # warm-up
         if small is not None:
             direct_tpot(small, ids, 4)
         for r in range(a.rounds):
             reads.append(read_gbs(buf))
             copies.append(copy_gbs(dst, buf))
-            if small is not None and r % 2:  # the 4 KiB-page engine first every other round
+            if small is not None and r % 2:  # the other engine first every other round
                 small_steps.append(direct_tpot(small, ids, a.steps))
             steps.append(direct_tpot(engine, ids, a.steps))
             if small is not None and not r % 2:
@@ -116,9 +136,9 @@ def main() -> None:
         extra = {}
         if small_steps:
             ratio = statistics.median(b / h for h, b in zip(steps, small_steps))
-            rows += [["batch-1 step, weights on 4 KiB pages", f"{statistics.median(small_steps) * 1e3:.2f} ms"],
-                     ["4 KiB / huge-page step (median of round ratios)", f"{ratio:.3f}"]]
-            extra = {"small_pages_step_ms": [s * 1e3 for s in small_steps], "small_over_huge": ratio}
+            rows += [[f"batch-1 step, {label}", f"{statistics.median(small_steps) * 1e3:.2f} ms"],
+                     ["that step / the default's (median of round ratios)", f"{ratio:.3f}"]]
+            extra = {f"{key}_step_ms": [s * 1e3 for s in small_steps], f"{key}_over_default": ratio}
         title = (f"batch-1 decode vs the weight-bandwidth roofline: default model "
                  f"({model.weight_summary()}), {torch.get_num_threads()} threads, median of {a.rounds} rounds")
         report(title, ["quantity", "value"], rows, {
@@ -130,6 +150,18 @@ def main() -> None:
         engine.close()
         if small is not None:
             small.close()
+
+
+@contextlib.contextmanager
+def row_layout() -> Iterator[None]:
+    """Engines loaded inside keep Q4/Q8 weights in the row layout."""
+    from tartlet.engine import quant_linear
+
+    quant_linear.INTERLEAVE = False
+    try:
+        yield
+    finally:
+        quant_linear.INTERLEAVE = True
 
 
 if __name__ == "__main__":

@@ -160,7 +160,10 @@ class LlamaModel:
             result then depends on whether its batch has 8+ rows (1-7 rows
             keep the 16-bit integer kernel), so batching can change greedy
             outputs at near-ties. Projections with 8-bit activations keep
-            their integer kernels at any row count.
+            their integer kernels at any row count. Q4/Q8 projections are
+            interleaved for the integer kernel of every row count only
+            with ``"float32"`` (see :mod:`tartlet.engine.quant_linear`);
+            ``"bfloat16"`` keeps them in the row layout for its panel.
 
     Raises:
         ValueError: a missing tensor, quantized weights off the CPU or not in
