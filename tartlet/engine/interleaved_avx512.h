@@ -138,9 +138,6 @@ INLINE void il_group(const int kind, const int R, const uint8_t *wq, const uint1
     }
 }
 
-static _Thread_local uint8_t *il_buf;
-static _Thread_local size_t il_cap;
-
 /* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I or K_Q8I ([N, K], N a
  * multiple of 16) and M rows of 16-bit activations qa [M, K] with their FA
  * planes fa; returns 0, or -1 (nothing done) when the byte planes cannot be
@@ -149,14 +146,9 @@ INLINE int il_matmul_kind(const int kind, const uint8_t *wq, const uint16_t *wd,
                           int64_t K, const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK, ps = (K + 63) & ~(int64_t)63, fs = FA * nb;
-    const size_t bytes = (size_t)(2 * M * ps);
-    if (bytes > il_cap) {
-        free(il_buf);
-        il_buf = aligned_alloc(64, bytes);
-        il_cap = il_buf ? bytes : 0;
-        if (!il_buf) return -1;
-    }
-    uint8_t *const lo = il_buf, *const hi = il_buf + M * ps;
+    uint8_t *const lo = activation_planes((size_t)(2 * M * ps));
+    if (!lo) return -1;
+    uint8_t *const hi = lo + M * ps;
     /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
     const __m256i flip = _mm256_set1_epi8(kind == K_Q8I ? (char)0x80 : 0);
     for (int64_t r = 0; r < M; r++)

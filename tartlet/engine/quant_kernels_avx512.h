@@ -247,8 +247,20 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
  * in one process: no prefetch 15.1 ms, 2 rows ahead 12.3, 4 rows 10.1 / 8.0,
  * 8 rows 8.6 (two runs, the machine getting quieter). */
 #define ONE16_PF 4
-static _Thread_local uint8_t *one16_buf;
-static _Thread_local size_t one16_cap;
+static _Thread_local uint8_t *planes_buf;
+static _Thread_local size_t planes_cap;
+
+/* This thread's buffer for the byte planes of split 16-bit activations
+ * (one16_kind, il_matmul_kind), at least `bytes` long, 64-byte aligned;
+ * NULL when it cannot be allocated. */
+static uint8_t *activation_planes(size_t bytes) {
+    if (bytes > planes_cap) {
+        free(planes_buf);
+        planes_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        planes_cap = planes_buf ? bytes : 0;
+    }
+    return planes_buf;
+}
 
 /* y = x @ W^T for M activation rows (the engine sends it fewer than
  * tq_set_panel_rows); returns 0, or -1 (nothing done) when the activation
@@ -257,14 +269,9 @@ INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, con
                       const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                       const float *res, int64_t ldr) {
     const int64_t nb = K / QK, ps = ((nb + 3) & ~(int64_t)3) * QK, qb = KIND_QBYTES(kind);
-    const size_t bytes = (size_t)(2 * M * ps);
-    if (bytes > one16_cap) {
-        free(one16_buf);
-        one16_buf = aligned_alloc(64, bytes);
-        one16_cap = one16_buf ? bytes : 0;
-        if (!one16_buf) return -1;
-    }
-    uint8_t *const lo = one16_buf, *const hi = one16_buf + M * ps;
+    uint8_t *const lo = activation_planes((size_t)(2 * M * ps));
+    if (!lo) return -1;
+    uint8_t *const hi = lo + M * ps;
     for (int64_t r = 0; r < M; r++) one16_split(kind, qa + r * K, nb, lo + r * ps, hi + r * ps);
 #pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
     for (int64_t n = 0; n < N; n++) {
