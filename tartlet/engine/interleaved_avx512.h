@@ -37,10 +37,10 @@
  * or on the thread split; matmul_il_c (quant_kernels.c) computes the same
  * values bit for bit.
  *
- * Speed (2-vCPU Zen 4 VM, one thread, weights hot in L2, 1536 x 576, Q4I):
- * 47 G multiply-adds/s at one row against 17 for the row-at-a-time kernel
- * (one16_row), 69 at 8 rows against ~45 for the float32 panel GEMM; see
- * docs/benchmarks.md. */
+ * Speed (benchmarks/bench_quant_kernels.py: 2-vCPU Zen 4 VM, one thread,
+ * weights hot in L2, Q4_1 1536 x 576): 52.5 G multiply-adds/s at one row
+ * against 17.5 for the row-at-a-time kernel (one16_row), 83 at 8 rows
+ * against ~40-47 for the float32 panel GEMM; see docs/benchmarks.md. */
 
 #define IL_ROWS 16
 /* activation rows one pass over a group's blocks serves (accumulators in registers) */

@@ -145,7 +145,7 @@ def interleave(w: QuantWeight) -> QuantWeight:
     if w.kind not in INTERLEAVED or n % INTERLEAVE_ROWS:
         raise ValueError(f"only q4 and q8 matrices with a multiple of {INTERLEAVE_ROWS} rows interleave, got "
                          f"{KIND_NAMES[w.kind]} with {n} rows")
-    assert w.d is not None  # block kinds have scales
+    assert w.d is not None and (w.m is not None or w.kind == Q8)  # scales; Q4 has minimums too
     g, nb = n // INTERLEAVE_ROWS, k // QK
     q = w.q.numpy().reshape(n, nb, QBYTES[w.kind])
     if w.kind == Q4:

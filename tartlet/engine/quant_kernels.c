@@ -316,7 +316,8 @@ int64_t tq_set_panel_rows(int64_t n) {
 /* Whether M rows of a part of `kind` under activation precision `bits` take
  * the panel GEMM: 16-bit (or float-weight) parts only, whose float GEMM
  * matches the integer kernels' precision; 8-bit activations keep their
- * integer kernels at every M, so their rounding does not depend on M. */
+ * integer kernels at every M, so their rounding does not depend on M, and
+ * so do interleaved parts (K_Q4I, K_Q8I: one kernel for every M). */
 static inline int panel_route(int64_t bits, int64_t kind, int64_t M) {
 #ifdef TQ_X86
     return cur_isa() == 3 && M >= panel_rows && ((bits == 16 && kind < 4) || IS_HALF(kind));

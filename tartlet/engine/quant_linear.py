@@ -37,9 +37,9 @@ import torch
 from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight, interleave
 from .quant_kernels import QuantKernels
 
-#: Interleave eligible Q4 parts at load (see the module docstring); False
-#: keeps the row-at-a-time layout (for A/B measurements, e.g.
-#: ``benchmarks/bench_roofline.py --compare-layouts``).
+#: Interleave eligible Q4/Q8 parts at load (see the module docstring);
+#: False keeps the row layout (for A/B measurements:
+#: ``benchmarks/bench_roofline.py --compare-row-layout``).
 INTERLEAVE = True
 
 #: Row count from which a call dequantizes weight tiles into a float GEMM
