@@ -151,13 +151,6 @@ static void quantize_blocks_c(int bits, const float *x, int64_t nb, int64_t b0, 
     }
 }
 
-static void quantize_c(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t r = 0; r < M; r++)
-        quantize_blocks_c(bits, x + r * ldx, nb, 0, nb, (char *)qa + r * K * (bits / 8), fa + r * FA * nb);
-}
-
 static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
                      const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                      const float *res, int64_t ldr) {
@@ -355,18 +348,6 @@ static inline void panel_x(const float *x, int64_t ldx, int64_t M, int64_t K, ui
 #endif
 }
 
-/* Quantize M rows of x (row stride ldx floats, K a multiple of 32) into
- * qa [M, K] (int8 for bits 8, int16 for bits 16) and fa [M, 4 K/32] (see FA). */
-void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
-#ifdef TQ_X86
-    if (cur_isa() >= 1) {
-        quantize_avx2(bits, x, ldx, M, K, qa, fa);
-        return;
-    }
-#endif
-    quantize_c(bits, x, ldx, M, K, qa, fa);
-}
-
 /* Blocks b0 .. b1 - 1 of one row of nb blocks, as tq_quantize quantizes them
  * (x, qa and fa at the row's start; qa, fa laid out as tq_quantize's rows). */
 static inline void quantize_blocks(int bits, const float *x, int64_t nb, int64_t b0, int64_t b1, void *qa, float *fa) {
@@ -377,6 +358,15 @@ static inline void quantize_blocks(int bits, const float *x, int64_t nb, int64_t
     }
 #endif
     quantize_blocks_c(bits, x, nb, b0, b1, qa, fa);
+}
+
+/* Quantize M rows of x (row stride ldx floats, K a multiple of 32) into
+ * qa [M, K] (int8 for bits 8, int16 for bits 16) and fa [M, 4 K/32] (see FA). */
+void tq_quantize(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        quantize_blocks(bits, x + r * ldx, nb, 0, nb, (char *)qa + r * K * (bits / 8), fa + r * FA * nb);
 }
 
 /* y[r, n] = sum_k x[r, k] W[n, k] (+ bias[n]) (+ res[r, n]) for r < M, n < N,

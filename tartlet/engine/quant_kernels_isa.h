@@ -204,7 +204,7 @@ static void FN(dequantize)(int kind, const uint8_t *wq, const uint16_t *wd, cons
 #endif
 
 #if !VNNI
-/* Activation quantization, same results as quantize_c: int8 (bits 8, scale
+/* Activation quantization, same results as quantize_blocks_c: int8 (bits 8, scale
  * max|x| / 127) or int16 (bits 16, max|x| / 32767), round half to even;
  * and the float16/bfloat16 weight kernel. Blocks b0 .. b1 - 1 of one row
  * of nb blocks: x, qa and fa at the row's start. */
@@ -246,14 +246,6 @@ static void FN(quantize_blocks)(int bits, const float *x, int64_t nb, int64_t b0
         fa[2 * nb + 2 * b] = d * (float)t0;
         fa[2 * nb + 2 * b + 1] = d * (float)t1;
     }
-}
-
-/* M whole rows (row stride ldx floats, K a multiple of 32) into qa [M, K] and fa [M, FA K/32]. */
-static void FN(quantize)(int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *qa, float *fa) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for if (M * K >= (1 << 16)) schedule(static)
-    for (int64_t r = 0; r < M; r++)
-        FN(quantize_blocks)(bits, x + r * ldx, nb, 0, nb, (char *)qa + r * K * (bits / 8), fa + r * FA * nb);
 }
 
 INLINE __m256 FN(load_half)(const int bf16, const uint16_t *p) {
