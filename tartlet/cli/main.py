@@ -155,7 +155,7 @@ def _print_stats(engine: Engine) -> None:
         f"{st.prefix_tokens_reused}, forward time {st.forward_seconds:.2f} s, "
         f"pages used {kv.used} cached {kv.cached} free {kv.free} of {kv.total}\n"
         f"weights {engine.model.weight_bytes() / 2**20:.1f} MiB ({engine.model.weight_summary()}"
-        f"{'' if engine.model.matmul_dtype is None else f'; {engine.model.matmul_dtype} products from 8 rows'}), "
+        f"{'; ' + products if (products := engine.model.products_summary()) else ''}), "
         f"{engine.kv_summary()}\n"
         f"peak RSS {peak_mib:.0f} MiB",
         highlight=False,

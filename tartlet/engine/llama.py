@@ -358,14 +358,33 @@ class LlamaModel:
         from collections import Counter
 
         kinds: Counter[str] = Counter()
-        held = [v for layer in self.layers for v in layer.values()]
-        held += [p for v in held if isinstance(v, SparseMoe) for p in v.parts()]
-        for lin in [self.lm_head] + held:
-            if isinstance(lin, QuantLinear):
-                kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
+        for lin in self._quant_linears():
+            kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
         if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, QuantLinear) or self.lm_head.parts[0].q is not self.embed.q):
             kinds[self.embed.source] += 1
         return ", ".join(f"{k} x {n}" for k, n in kinds.most_common()) or str(self.dtype).replace("torch.", "")
+
+    def products_summary(self) -> str:
+        """How the quantized projections multiply, for ``--stats``: the runs
+        interleaved by 16 rows take integer products at every row count,
+        the others the ``matmul_dtype`` panel GEMM from 8 rows (see
+        :mod:`tartlet.engine.quant_linear`); "" without quantized weights."""
+        if self.matmul_dtype is None:
+            return ""
+        runs = [p.kind for lin in self._quant_linears() for p in lin.parts]
+        interleaved = sum(k in (Q4I, Q8I) for k in runs)
+        panel = f"{self.matmul_dtype} products from 8 rows"
+        if interleaved == 0:
+            return panel
+        if interleaved == len(runs):
+            return "integer products at every row count (16-row layout)"
+        return f"integer products at every row count for {interleaved} of {len(runs)} runs, {panel} for the rest"
+
+    def _quant_linears(self) -> list[QuantLinear]:
+        """The quantized projections: the head, every layer's, MoE experts'."""
+        held = [v for layer in self.layers for v in layer.values()]
+        held += [p for v in held if isinstance(v, SparseMoe) for p in v.parts()]
+        return [lin for lin in [self.lm_head] + held if isinstance(lin, QuantLinear)]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
