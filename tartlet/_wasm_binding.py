@@ -76,8 +76,8 @@ def _call(fn: Any, *args: Any) -> Any:
 _U32 = 1 << 32
 
 
-def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
-                 stop_ids: list[int]) -> tuple[Any, ...]:
+def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, grammar: int | None, first_step: int,
+                 max_steps: int, stop_ids: list[int]) -> tuple[Any, ...]:
     """``generate`` / ``generate_stream`` arguments checked and lowered to WIT values."""
     if not isinstance(tokens, list) or not tokens:
         raise ValueError(f"{call} needs a non-empty list of input tokens")
@@ -85,8 +85,11 @@ def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, first_
     for name, v in (("first_step", first_step), ("max_steps", max_steps)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
             raise ValueError(f"{name} must be an int in [0, 2**32), got {v!r}")
-    return (handle, _u32s(tokens, "input tokens"), _sampler_params(sampler), first_step, max_steps,
-            _u32s(stop_ids, "stop token ids"))
+    params = _sampler_params(sampler)
+    if sampler.grammar is not None:
+        raise ValueError(f"a {call} sampler slot carries no grammar: pass the matcher handle as `grammar`")
+    g = None if grammar is None else _handle(grammar, "grammar matcher")
+    return (handle, _u32s(tokens, "input tokens"), params, g, first_step, max_steps, _u32s(stop_ids, "stop token ids"))
 
 
 def _handle(v: Any, what: str = "context") -> int:
@@ -408,15 +411,17 @@ class WasmHost:
         return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots))
 
     def generate(
-        self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
+        self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int, max_steps: int,
+        stop_ids: list[int],
     ) -> HostFuture:
-        return HostFuture(_call(_wit_inference.generate, *_decode_args("generate", handle, tokens, sampler, first_step,
-                                                                         max_steps, stop_ids)))
+        return HostFuture(_call(_wit_inference.generate, *_decode_args("generate", handle, tokens, sampler, grammar,
+                                                                         first_step, max_steps, stop_ids)))
 
     def generate_stream(
-        self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int, stop_ids: list[int]
+        self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int, max_steps: int,
+        stop_ids: list[int],
     ) -> int:
-        return _call(_wit_inference.generate_stream, *_decode_args("generate_stream", handle, tokens, sampler,
+        return _call(_wit_inference.generate_stream, *_decode_args("generate_stream", handle, tokens, sampler, grammar,
                                                                      first_step, max_steps, stop_ids))
 
     def stream_next(self, handle: int) -> HostFuture:

@@ -69,6 +69,23 @@ def slot_fields(constraint: Any) -> dict[str, Any]:
     return {} if mask is None else {"logit_mask": list(mask)}
 
 
+def host_grammar_handle(constraint: Any) -> int | None:
+    """The matcher handle of a constraint whose every step is masked by a
+    host matcher and nothing else (``slot_fields()`` is exactly
+    ``{"grammar": handle}``, as the built-ins'), else None. The host can
+    then mask and advance its own copy between passes (host-side decoding
+    and token streams, ``HostApi.generate``) while the generator advances
+    this one with the tokens it keeps."""
+    fields = getattr(constraint, "slot_fields", None)
+    if fields is None:
+        return None
+    f = fields()
+    if not isinstance(f, dict) or set(f) != {"grammar"}:
+        return None
+    h: int = f["grammar"]
+    return h
+
+
 class HostGrammar:
     """A constraint compiled and matched by the host's grammar engine.
 

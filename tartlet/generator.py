@@ -21,8 +21,8 @@ processing). Same passes, same tokens. The price: while a pass is queued
 ahead the context is busy, so the caller must not use it until the
 generation has ended or :meth:`Generator.aclose` has returned.
 
-Token streams (``overlap=True`` with an engine-side sampler, no drafter and
-no constraint): the host queues every next pass itself, from the
+Token streams (``overlap=True`` with an engine-side sampler, no drafter, and
+no constraint or a host grammar's): the host queues every next pass itself, from the
 completion of the pass before (``generate_stream``), and the generator takes
 the tokens sampled since its last step, one when it keeps up, several when
 it lags. The model then never waits for the inferlet, whose code (and
@@ -30,10 +30,17 @@ whose client's streaming) runs beside the passes: the decoupling of vLLM's
 engine core from its output processing. Any stop condition applies: it is
 checked here, token by token, and the passes run past a stop are dropped
 (the stream is closed and the context truncated), so the tokens, text and
-context are what stepping gives. Same passes, same tokens.
+context are what stepping gives. Same passes, same tokens. A host grammar
+(:class:`~tartlet.constraint.HostGrammar`) is masked and advanced by the
+host's own copy of its matcher between passes, which also stops the stream
+after the token that completes it; the generator advances the constraint
+itself with the tokens it takes, as stepping does (so a stop string that
+ends the generation early leaves it at the kept tokens). Python
+constraints (``mask()``) still step, one round trip per token.
 
 Chunks (``chunk=N``): when nothing needs to run between tokens (stops only
-``max_tokens`` and EOS, an engine-side sampler, no drafter or constraint),
+``max_tokens`` and EOS, an engine-side sampler, no drafter, no constraint or a
+host grammar's, as for streams),
 each step decodes its tokens host-side in one ``generate`` call, 1, 2, 4, ...
 up to N of them, each next pass queued by the host as the last resolves.
 A step then carries several tokens (as with a drafter) and the caller's
@@ -49,7 +56,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _binding
-from .constraint import slot_fields
+from .constraint import host_grammar_handle, slot_fields
 from .forward import OutputSlot
 from .sampler import Sampler
 from .stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
@@ -366,8 +373,9 @@ class Generator:
     def _host_decodable(self) -> bool:
         """Whether the host can decode the next tokens without code of ours
         between them (``generate``): stops only ``max_tokens`` (>= 1) and
-        EOS tokens, an engine-side sampler, no drafter, no constraint."""
-        if self.drafter is not None or self.constraint is not None or not self._engine_sampler():
+        EOS tokens, an engine-side sampler, no drafter, no constraint but a
+        host grammar (which the host masks and advances itself)."""
+        if self.drafter is not None or not self._constraint_on_host() or not self._engine_sampler():
             return False
         limits = self._stop.find(MaxTokens)
         return (not limits or min(c.n for c in limits) >= 1) and all(
@@ -385,7 +393,8 @@ class Generator:
         stop_ids = self._eos_ids()
         inputs, ctx._pending = ctx._pending, []
         try:
-            fut = _binding.host().generate(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
+            fut = _binding.host().generate(ctx._h, inputs, self.sampler.slot(0), self._host_grammar(), len(self.tokens), n,
+                                           stop_ids)
             toks = await _binding.wait(fut)
         except BaseException:
             ctx._pending = inputs + ctx._pending
@@ -396,9 +405,16 @@ class Generator:
         if text:
             assert self._decoder is not None  # open from start() until _finish()
             self._raw += _binding.host().decoder_push(self._decoder, text)
-        # in the order _step keeps: the turn ends before the last token is pending
+        c = self.constraint
+        if c is not None:  # the host masked with its own copy: ours follows the tokens kept
+            for t in toks:
+                c.advance(t)
+        # in the order _step keeps (EOS, the constraint, max_tokens); the
+        # turn ends before the last token is pending
         if toks[-1] in stop_ids:
             self._finish("eos")
+        elif c is not None and c.is_finished():  # the host stops at the token that completes it
+            self._finish("constraint")
         elif left is not None and len(toks) >= left:
             self._finish("length")
         ctx._pending = [toks[-1]]
@@ -409,9 +425,19 @@ class Generator:
 
     def _streamable(self) -> bool:
         """Whether the passes can run as a token stream (see the module
-        docstring): an engine-side sampler, no drafter, no constraint (any
-        stop condition: they are checked here)."""
-        return self.drafter is None and self.constraint is None and self._engine_sampler()
+        docstring): an engine-side sampler, no drafter, no constraint but a
+        host grammar (any stop condition: they are checked here)."""
+        return self.drafter is None and self._constraint_on_host() and self._engine_sampler()
+
+    def _constraint_on_host(self) -> bool:
+        """No constraint, or one the host can apply between passes itself
+        (:func:`~tartlet.constraint.host_grammar_handle`)."""
+        return self.constraint is None or host_grammar_handle(self.constraint) is not None
+
+    def _host_grammar(self) -> int | None:
+        """The matcher handle host-side passes (``generate``,
+        ``generate_stream``) are constrained by: the constraint's, if any."""
+        return None if self.constraint is None else host_grammar_handle(self.constraint)
 
     def _engine_sampler(self) -> bool:
         """Whether the engine draws every token as the sampler would: a
@@ -463,7 +489,8 @@ class Generator:
             raise ValueError(f"the context ({kv + len(inputs)} tokens) leaves no room to generate in the model's "
                              f"{ctx.model.max_seq_len}")
         stop_ids = self._eos_ids()
-        h = _binding.host().generate_stream(ctx._h, inputs, self.sampler.slot(0), len(self.tokens), n, stop_ids)
+        h = _binding.host().generate_stream(ctx._h, inputs, self.sampler.slot(0), self._host_grammar(), len(self.tokens),
+                                            n, stop_ids)
         ctx._pending = []
         self._stream = (h, inputs, kv + len(inputs), 0)
 

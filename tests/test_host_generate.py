@@ -51,7 +51,7 @@ async def run_counting_generate(runtime, tmp_path, monkeypatch, source: str):
     ``(first_step, max_steps)`` of each ``HostApi.generate`` call it made."""
     calls = []
     orig = HostApi.generate
-    monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[3:5]) or orig(self, *a))
+    monkeypatch.setattr(HostApi, "generate", lambda self, *a: calls.append(a[4:6]) or orig(self, *a))
     inst = await run(runtime, inline_program(tmp_path, source))
     assert inst.status is Status.FINISHED, inst.error
     return inst, calls
@@ -153,7 +153,7 @@ async def main(args):
         errors = []
         for steps in (0, -1, True):
             try:
-                _binding.host().generate(ctx._h, ctx.pending, {"temperature": 0.0}, 0, steps, [])
+                _binding.host().generate(ctx._h, ctx.pending, {"temperature": 0.0}, None, 0, steps, [])
             except ValueError as e:
                 errors.append(str(e))
         return errors, ctx.kv_len

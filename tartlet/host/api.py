@@ -34,10 +34,10 @@ from ..engine.kv_accounting import PageAccount
 from ..engine.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
-from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
+from ..errors import GrammarError, InvalidHandleError, KvCacheFullError, LimitError, SamplingError
 from ..forward import OutputSlot
 from ..sampler import step_seed
-from .grammar import Matcher
+from .grammar import GrammarOutputSlot, Matcher
 from .grammar_api import GrammarHostMixin
 from .io_api import ChildLauncher, IoHostMixin
 from .session import Session
@@ -447,9 +447,11 @@ class HostApi(IoHostMixin, GrammarHostMixin):
     def _forward(self, handle: int, tokens: list[int], positions: list[int] | None, attention: list[list[int]] | None,
                  outputs: list[OutputSlot] | None,
                  then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
-                 ) -> Future[list[object]]:  # fmt: skip
+                 matcher: Matcher | None = None) -> Future[list[object]]:  # fmt: skip
         """:meth:`forward`, and ``then(ctx)`` as the request's continuation
-        (:class:`~tartlet.engine.scheduler.ForwardRequest`), if given."""
+        (:class:`~tartlet.engine.scheduler.ForwardRequest`), if given;
+        ``matcher`` masks the slots that name a grammar instead of their
+        handle's (see :meth:`_slot`)."""
         ctx = self._ctx(handle)
         e = ctx.engine
         if not isinstance(tokens, list) or not tokens:
@@ -477,7 +479,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 if len(attention) != len(tokens):
                     raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
-            slots = [self._slot(e, o, len(tokens)) for o in (outputs or [])]
+            slots = [self._slot(e, o, len(tokens), matcher) for o in (outputs or [])]
             span = [start, end]  # the tokens of the request's current pass in ctx.tokens
             cont = None
             if then is not None:
@@ -509,6 +511,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         handle: int,
         tokens: list[int],
         sampler: OutputSlot,
+        grammar: int | None,
         first_step: int,
         max_steps: int,
         stop_ids: list[int],
@@ -528,6 +531,15 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 (``Sampler.slot``): its ``temperature``, ``top_k``, ``top_p``,
                 ``min_p`` and ``seed`` apply; ``index`` is set here. With a ``seed``, step ``first_step + i`` samples
                 with the seed the SDK's ``Sampler.slot`` derives for it.
+                A ``logit_mask`` applies to every pass; its ``grammar`` must
+                be None (pass the matcher as ``grammar``).
+            grammar: a matcher handle (``grammar_new``) that constrains the
+                tokens, or None: the host masks each pass with its own copy
+                of the matcher, advances the copy with each sampled token,
+                and stops after the token that finishes the grammar
+                (:meth:`grammar_is_finished`). The handle's matcher is left
+                as it was: the caller advances it with the tokens it keeps,
+                as a step-by-step generation would.
             first_step: generation step of the first sampled token.
             max_steps: most tokens to sample (>= 1).
             stop_ids: sampling one of these ends the generation.
@@ -541,6 +553,9 @@ class HostApi(IoHostMixin, GrammarHostMixin):
 
         Raises:
             ValueError: a malformed argument (nothing is queued then).
+            InvalidHandleError: an unknown context or grammar handle.
+            GrammarError: the grammar was compiled for another model, or its
+                matcher failed.
         """
         out: list[int] = []
         result: Future[list[int]] = Future()
@@ -555,11 +570,12 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             else:
                 result.set_result(out)
 
-        self._decode(handle, tokens, sampler, first_step, max_steps, stop_ids, out.append, result.done).add_done_callback(done)
+        self._decode(handle, tokens, sampler, grammar, first_step, max_steps, stop_ids, out.append,
+                     result.done).add_done_callback(done)
         return result
 
-    def generate_stream(self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int,
-                        stop_ids: list[int]) -> int:
+    def generate_stream(self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int,
+                        max_steps: int, stop_ids: list[int]) -> int:
         """Start the passes :meth:`generate` would run and hand their tokens
         over as they are sampled (:class:`~tartlet.host.token_stream.TokenStream`):
         the scheduler queues each next pass itself, so the model does not
@@ -572,9 +588,12 @@ class HostApi(IoHostMixin, GrammarHostMixin):
 
         Raises:
             ValueError: a malformed argument (nothing is queued then).
+            InvalidHandleError: an unknown context or grammar handle.
+            GrammarError: the grammar was compiled for another model, or its
+                matcher failed.
         """
         stream = TokenStream()
-        fut = self._decode(handle, tokens, sampler, first_step, max_steps, stop_ids, stream.push,
+        fut = self._decode(handle, tokens, sampler, grammar, first_step, max_steps, stop_ids, stream.push,
                            lambda: stream.stopping or self.closed)
 
         def ended(f: Future[list[object]]) -> None:
@@ -620,7 +639,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             raise InvalidHandleError(f"no token stream with handle {handle!r}")
         return stream
 
-    def _decode(self, handle: int, tokens: list[int], sampler: OutputSlot, first_step: int, max_steps: int,
+    def _decode(self, handle: int, tokens: list[int], sampler: OutputSlot, grammar_h: int | None, first_step: int, max_steps: int,
                 stop_ids: list[int], on_token: Callable[[int], None], stopped: Callable[[], bool]) -> Future[list[object]]:
         """Queue the passes of :meth:`generate`: ``on_token`` gets each
         sampled token (on the scheduler thread), and no pass follows once
@@ -637,25 +656,40 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         seed = sampler.seed
         stop = frozenset(int(t) for t in stop_ids)
         count = [0]  # tokens sampled so far
+        # a grammar masks the passes through a copy of its matcher that the
+        # chain advances itself (the inferlet advances its own with the
+        # tokens it keeps, so nothing is rolled back when it stops early)
+        if sampler.grammar is not None:
+            raise ValueError("a generate sampler slot carries no grammar: pass the matcher handle as `grammar`")
+        grammar = None
+        if grammar_h is not None:
+            g = self._matcher(grammar_h)
+            if g.engine is not self._ctx(handle).engine:
+                raise GrammarError(f"grammar matcher {grammar_h} was compiled for another model than this context's")
+            grammar = g.fork()
 
         def slot(n_inputs: int) -> OutputSlot:
             step = None if seed is None else step_seed(seed, first_step + count[0])
-            return replace(sampler, index=n_inputs - 1, seed=step)
+            return replace(sampler, index=n_inputs - 1, seed=step, grammar=grammar_h)
 
         def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
             e = ctx.engine
             # the engine slot of a one-token pass, built and validated once (a
             # grammar's slot is built per pass: its mask is the matcher's now)
-            base = None if sampler.grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
+            base = None if grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
 
             def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
                 tok = int(cast(int, results[0]))  # a `sample` slot yields its token id
                 count[0] += 1
                 on_token(tok)
+                if grammar is not None:
+                    grammar.advance(tok)  # the masked sampler drew it: raises only for a failed matcher
+                    if grammar.is_finished():
+                        return None
                 if count[0] >= max_steps or tok in stop or stopped():
                     return None
                 if base is None:
-                    return [tok], [self._slot(e, slot(1), 1)]
+                    return [tok], [self._slot(e, slot(1), 1, grammar)]
                 if seed is None:
                     return [tok], [base]
                 spec = replace(cast(SamplerSpec, base.spec), seed=step_seed(seed, first_step + count[0]))
@@ -665,10 +699,21 @@ class HostApi(IoHostMixin, GrammarHostMixin):
 
         # each next pass is queued by the scheduler itself when the pass
         # before it is done, before it builds the next batch (ForwardRequest.then)
-        return self._forward(handle, list(tokens), None, None, [slot(len(tokens))], then=continuation)
+        try:
+            fut = self._forward(handle, list(tokens), None, None, [slot(len(tokens))], then=continuation, matcher=grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.close()
+            raise
+        if grammar is not None:
+            fut.add_done_callback(lambda _: grammar.close())
+        return fut
 
-    def _slot(self, e: Engine, o: OutputSlot, n_inputs: int) -> EngineSlot:
-        """The engine's slot for output request ``o`` (validated here)."""
+    def _slot(self, e: Engine, o: OutputSlot, n_inputs: int, matcher: Matcher | None = None) -> EngineSlot:
+        """The engine's slot for output request ``o`` (validated here). A
+        slot naming a ``grammar`` is masked by ``matcher`` when given (a
+        host-side generation's own copy of it, see :meth:`_decode`), else
+        by the handle's matcher."""
         if not isinstance(o, OutputSlot):
             raise ValueError(f"an output slot is a tartlet.forward.OutputSlot, got {type(o).__name__}")
         idx = o.index
@@ -698,6 +743,8 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             raise SamplingError(f"seed must be an int, got {spec.seed!r}")
         allowed = None if o.logit_mask is None else _brle_tensor(o.logit_mask, e.config.vocab_size, "logit mask")
         if o.grammar is not None:  # mask computed by the host from a matcher
+            if matcher is not None:
+                return GrammarOutputSlot(idx, spec, matcher, allowed)
             return self._grammar_output_slot(e, idx, spec, o.grammar, allowed)
         return EngineSlot(idx, spec, allowed)
 

@@ -266,15 +266,15 @@ def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, at
     return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots))
 
 
-def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
-              stop: list[int]) -> int:
-    fut = h.api.generate(handle, list(tokens), _sampler(sampler), first_step, max_steps, list(stop))
+def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, grammar: int | None, first_step: int,
+              max_steps: int, stop: list[int]) -> int:
+    fut = h.api.generate(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop))
     return h.add_future("forward", fut)  # one slot-result::token per sampled token
 
 
-def _generate_stream(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, first_step: int, max_steps: int,
-                     stop: list[int]) -> int:
-    return h.api.generate_stream(handle, list(tokens), _sampler(sampler), first_step, max_steps, list(stop))
+def _generate_stream(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, grammar: int | None,
+                     first_step: int, max_steps: int, stop: list[int]) -> int:
+    return h.api.generate_stream(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop))
 
 
 def _future_take(h: InstanceHost, handle: int) -> Any:
