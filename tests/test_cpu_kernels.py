@@ -127,6 +127,43 @@ def test_argmax_rows_is_torch_argmax(kern, rows, vocab):
         kern.argmax_rows(x.double())
 
 
+@pytest.mark.parametrize("vocab", [1, 1023, 1024, 1025, 3000, 49152])
+def test_argmax_masked_is_torch_masked_argmax(kern, vocab):
+    """Greedy sampling under a logit mask: the index ``torch.argmax`` gives
+    for the row with its forbidden positions set to -inf, on sparse, half
+    and full masks, ties inside and across blocks of 1024, a forbidden
+    larger value, NaNs (an allowed one wins, a forbidden one is ignored);
+    the first allowed position when every allowed value is -inf (torch says
+    0 there, allowed or not); -1 when nothing is allowed."""
+    g = gen(vocab)
+    for density in (0.001, 0.5, 1.0):
+        x = torch.randn(vocab, generator=g)
+        m = torch.rand(vocab, generator=g) < density
+        m[torch.randint(vocab, (1,), generator=g)] = True
+        cases = [x]
+        tie = x.clone()
+        tie[m] = 7.0  # every allowed position ties: the first allowed one
+        cases.append(tie)
+        big = x.clone()
+        big[~m] = 1e30  # forbidden maxima
+        cases.append(big)
+        nan_out = x.clone()
+        nan_out[~m] = float("nan")
+        cases.append(nan_out)
+        for t in cases:
+            assert kern.argmax_masked(t, m) == int(t.masked_fill(~m, float("-inf")).argmax()), density
+        nan_in = x.clone()
+        allowed_ids = m.nonzero().flatten()
+        nan_in[allowed_ids[-1]] = float("nan")
+        assert kern.argmax_masked(nan_in, m) == int(allowed_ids[-1])
+        assert kern.argmax_masked(torch.full((vocab,), float("-inf")), m) == int(allowed_ids[0])
+    assert kern.argmax_masked(torch.randn(vocab), torch.zeros(vocab, dtype=torch.bool)) == -1
+    with pytest.raises(ValueError, match="argmax_masked"):
+        kern.argmax_masked(torch.randn(vocab), torch.ones(vocab + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="argmax_masked"):
+        kern.argmax_masked(torch.randn(vocab), torch.ones(vocab, dtype=torch.uint8))
+
+
 def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
@@ -196,3 +233,27 @@ def test_greedy_sampler_uses_the_argmax_kernel(kern, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "argmax", lambda *a, **k: pytest.fail("torch.argmax was called"))
     got = SlotSampler(V, kern.argmax_rows).run(logits, slots)
     assert got == want and got[1] in (7, 2999)
+
+
+def test_masked_greedy_slots_take_the_masked_argmax_kernel(kern, monkeypatch):
+    """With ``argmax_masked``, a greedy slot with a mask is sampled without
+    the masked copy of the logits (no clone), with the tokens PyTorch's
+    masked path gives; an empty mask fails that slot alone; a masked draw
+    still takes the copy."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec, SlotSampler
+    from tartlet.errors import SamplingError
+
+    V = 3000
+    logits = torch.randn(4, V, generator=gen(6))
+    masks = [torch.rand(V, generator=gen(i)) < 0.1 for i in range(3)]
+    slots = [OutputSlot(0, SamplerSpec(), masks[0]), OutputSlot(1, SamplerSpec()),
+             OutputSlot(2, SamplerSpec(), masks[1]), OutputSlot(3, SamplerSpec(), torch.zeros(V, dtype=torch.bool))]
+    want = SlotSampler(V).run(logits, slots)
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "clone", lambda *a, **k: pytest.fail("the logits were copied"))
+        got = SlotSampler(V, kern.argmax_rows, kern.argmax_masked).run(logits, slots)
+    assert got[:3] == want[:3] and isinstance(got[3], SamplingError) and isinstance(want[3], SamplingError)
+    for i in (0, 2):
+        assert bool(slots[i].allowed[got[i]])
+    drawn = [OutputSlot(0, SamplerSpec(temperature=0.8, seed=3), masks[2])]
+    assert SlotSampler(V, kern.argmax_rows, kern.argmax_masked).run(logits, drawn) == SlotSampler(V).run(logits, drawn)

@@ -16,6 +16,8 @@
  *                          sharing each key/value read.
  *   argmax_rows            greedy sampling: the first maximum of each row of
  *                          logits, as torch.argmax.
+ *   argmax_masked          greedy sampling under a logit mask: the first
+ *                          maximum over the allowed positions of one row.
  *
  * Layouts (all float32, row-major, contiguous unless a stride is given):
  *   KV pool layer  [slots, nkv, hd]
@@ -200,4 +202,50 @@ void argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
             while (i < end && r[i] != best) i++;
         out[s] = i < end ? i : blk;
     }
+}
+
+/* The first maximum of x [V] over the allowed positions (mask [V], nonzero
+ * = allowed): what torch.argmax gives for x.masked_fill(~mask, -inf) (a NaN
+ * at an allowed position counts as larger than any number, the first one
+ * wins), except that when every allowed value is -inf the first allowed
+ * position is returned (torch would return 0, allowed or not); -1 when
+ * nothing is allowed. Greedy sampling under a logit mask (a grammar's)
+ * without the masked copy of the row: one pass over the row and its mask. */
+int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V)
+{
+    float best = -INFINITY;
+    int64_t blk = -1, first = -1;
+    int nan = 0;
+    for (int64_t b0 = 0; b0 < V; b0 += ARGMAX_BLOCK) {
+        const int64_t n = V - b0 < ARGMAX_BLOCK ? V - b0 : ARGMAX_BLOCK;
+        float m = -INFINITY;
+        int bad = 0, any = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad, any)
+        for (int64_t i = 0; i < n; i++) {
+            const float v = mask[b0 + i] ? x[b0 + i] : -INFINITY;
+            m = v > m ? v : m;
+            bad |= v != v;
+            any |= mask[b0 + i] != 0;
+        }
+        if (any && first < 0)
+            first = b0;
+        if (bad) { /* the first allowed NaN is the answer: it is in this block */
+            nan = 1;
+            blk = b0;
+            break;
+        }
+        if (m > best) { /* strictly: an equal maximum later does not move the answer */
+            best = m;
+            blk = b0;
+        }
+    }
+    if (first < 0)
+        return -1;
+    if (blk < 0) /* every allowed value is -inf */
+        blk = first, best = -INFINITY;
+    const int64_t end = blk + ARGMAX_BLOCK < V ? blk + ARGMAX_BLOCK : V;
+    for (int64_t i = blk; i < end; i++)
+        if (mask[i] && (nan ? x[i] != x[i] : x[i] == best))
+            return i;
+    return -1; /* not reached: the block holds an allowed position with that value */
 }

@@ -108,6 +108,9 @@ class CpuKernels:
         self._attn_q8.argtypes = self._attn.argtypes
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [_P, _I, _I, _I, _P]
+        self._argmax_masked = lib.argmax_masked
+        self._argmax_masked.argtypes = [_P, _P, _I]
+        self._argmax_masked.restype = ctypes.c_int64
         for f in (self._rms, self._rope, self._argmax):
             f.restype = None
         for f in (self._attn, self._rope_q8, self._attn_q8):
@@ -127,6 +130,25 @@ class CpuKernels:
         out = torch.empty(xs[0], dtype=torch.int64)
         self._argmax(x.data_ptr(), xst[0], xs[0], xs[1], out.data_ptr())
         return out.tolist()
+
+    def argmax_masked(self, x: torch.Tensor, allowed: torch.Tensor) -> int:
+        """Index of the first maximum of float32 ``x`` ``[V]`` (contiguous)
+        over the positions bool ``allowed`` ``[V]`` (contiguous) marks True:
+        ``x.masked_fill(~allowed, -inf).argmax()`` without the copy (a NaN at
+        an allowed position counts as the maximum, as in PyTorch; when every
+        allowed value is -inf, the first allowed position, where PyTorch
+        gives 0 allowed or not); -1 when nothing is allowed. Greedy sampling
+        under a grammar's mask.
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype, layout or device.
+        """
+        if not (x.dim() == 1 and x.dtype is F32 and x.is_cpu and x.is_contiguous()):
+            bad_tensor("argmax_masked", "x", x, ["V"])
+        V = x.shape[0]
+        if not (allowed.shape == (V,) and allowed.dtype is torch.bool and allowed.is_cpu and allowed.is_contiguous()):
+            bad_tensor("argmax_masked", "allowed", allowed, [V], dtype="bool")
+        return int(self._argmax_masked(x.data_ptr(), allowed.data_ptr(), V))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` of ``x`` ``[T, H]``

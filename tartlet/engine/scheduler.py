@@ -186,7 +186,8 @@ class Scheduler:
         self.model = model
         self.pool = pool
         kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
-        self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None)
+        self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
+                                   kern.argmax_masked if kern is not None else None)
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.batch_wait_s = batch_wait_s
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings

@@ -425,7 +425,10 @@ class GrammarOutputSlot(OutputSlot):
     the sampler picks from the unmasked logits and checks the token with the
     matcher (:attr:`OutputSlot.check`, :meth:`Matcher.accepts`); only when
     the grammar forbids it is the mask computed, then, while the sampler
-    waits. Greedy picks the same token as masking first, a draw follows the
+    waits: on the sampler's thread when it is the batch's only one (a
+    handoff to a worker thread cost ~0.15 ms on a 2-core machine), else on
+    :data:`MASK_POOL` beside the others (``OutputSlot.prefetch``). Greedy
+    picks the same token as masking first, a draw follows the
     same (masked) distribution (see :attr:`OutputSlot.check`). On a JSON
     string's inside or free text nearly every step's pick is allowed, so
     most steps cost a check (~10 us) instead of a mask (~0.5 ms of CPU that,
@@ -451,25 +454,29 @@ class GrammarOutputSlot(OutputSlot):
         if lazy:
             matcher.ensure_ok()
         self._mask: Future[torch.Tensor] | None = None if lazy else matcher.mask_async()
-        super().__init__(index, spec, None, self._accepts if lazy else None)
+        super().__init__(index, spec, None, self._accepts if lazy else None, self._prefetch if lazy else None)
 
     def _accepts(self, token: int) -> bool:
-        if (self._extra is None or bool(self._extra[token])) and self._matcher.accepts(token):
-            return True
-        try:  # the sampler reads the mask next: start it now, beside the other slots' checks
-            self._mask = self._matcher.mask_async()
-        except GrammarError:  # failed since: `allowed` gives the empty mask
-            pass
-        return False
+        return (self._extra is None or bool(self._extra[token])) and self._matcher.accepts(token)
+
+    def _prefetch(self) -> None:
+        """Start this checked slot's mask on :data:`MASK_POOL` (the sampler
+        needs several masks of one batch: see ``OutputSlot.prefetch``)."""
+        if self._mask is None and self._resolved is None:
+            try:
+                self._mask = self._matcher.mask_async()
+            except GrammarError:  # failed since: `allowed` gives the empty mask
+                pass
 
     @property
     def allowed(self) -> torch.Tensor:
         if self._resolved is None:
             t0 = time.perf_counter()
             try:
-                if self._mask is None:  # a greedy slot whose best token the grammar forbids
-                    self._mask = self._matcher.mask_async()
-                m = self._mask.result()
+                if self._mask is None:  # a checked slot whose pick the grammar forbids: computed here
+                    m = bits_to_tensor(self._matcher.bits(), self._matcher.vocab_size)
+                else:
+                    m = self._mask.result()
             except GrammarError:  # failed since: this slot fails alone, the next call raises
                 m = torch.zeros(self._matcher.vocab_size, dtype=torch.bool)
             STATS.wait_seconds += time.perf_counter() - t0
