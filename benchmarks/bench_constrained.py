@@ -4,22 +4,31 @@ first-mask latency (grammar compile) of a large schema.
 
 Same engine, same prompt, same run: free and constrained generations
 alternate, ``--reps`` times each, at batch 1 and at ``--batch`` concurrent
-inferlets. The constrained schema is an array of at least ``--tokens``
-strings, so the constraint never completes before ``max_tokens``.
+inferlets, in each of ``--modes``: ``step`` (``async for`` over
+``ctx.generate``: one forward round trip through the inferlet per token)
+and ``stream`` (the same with ``overlap=True``, as the OpenAI-API inferlet
+generates: the host queues each next pass itself, and a host grammar is
+masked and advanced there by its own copy of the matcher). The constrained
+schema is an array of at least ``--tokens`` strings, so the constraint
+never completes before ``max_tokens``.
 
 Columns:
-    tpot_ms: mean wall time per output token after the first (decode only).
+    tpot_ms: wall time per output token after the first (decode only), the
+        median over repetitions and inferlets (the mean until 2026-11-26:
+        one slow repetition on this noisy VM moved it by several percent).
     overhead: constrained TPOT / free TPOT - 1.
-    mask_us / advance_us / check_us: llguidance time per step (mask on a
-        worker thread; advance inline in the inferlet; check: the greedy
+    mask_us / advance_us / check_us: llguidance time per step (mask: on the
+        sampler's thread when it is its batch's only one, else on a worker
+        thread; advance inline in the inferlet, and in ``stream`` mode
+        also the host's copy on the scheduler thread; check: the greedy
         token validated before any mask, on the scheduler thread).
     masks/step: masks computed per step (greedy steps compute one only
         when the grammar forbids the unmasked best token).
-    wait_us: per step, time the sampler waited for a mask that was not ready
-        when the logits were, i.e. the part of the mask not hidden.
+    wait_us: per step, time the sampler waited for masks once the logits
+        were there (a mask computed then, or the part of one not hidden).
 
 Usage: ``python benchmarks/bench_constrained.py [--quick] [--tokens N]
-[--reps R] [--batch B] [--model NAME] [--mask-first]``. Prints a table, then one JSON line.
+[--reps R] [--batch B] [--modes step,stream] [--model NAME] [--mask-first]``. Prints a table, then one JSON line.
 Timings depend on the machine and its load; nothing is asserted.
 """
 
@@ -57,7 +66,8 @@ async def main(args):
     with model.new_context() as ctx:
         ctx.user(args["prompt"])
         await ctx.flush()
-        gen = ctx.generate(Sampler.greedy(), max_tokens=args["tokens"], eos=False, constraint=c)
+        gen = ctx.generate(Sampler.greedy(), max_tokens=args["tokens"], eos=False, constraint=c,
+                           overlap=args["overlap"])
         times = []
         async for step in gen:
             times.append(time.perf_counter())
@@ -150,13 +160,14 @@ async def main_async(opts) -> dict:
         }
         prompt = "List as many fruits as you can."
         schema = long_schema(opts.tokens)
-        for batch in sorted({1, opts.batch}):
+        for mode, batch in [(m, b) for m in opts.modes for b in sorted({1, opts.batch})]:
             tp: dict[bool, list[float]] = {False: [], True: []}
             share: dict[str, float] = {}
             for _ in range(opts.reps):
                 for constrained in (False, True):
                     s0 = dict(vars(grammar.STATS))
-                    args = [{"prompt": prompt, "tokens": opts.tokens, "constrained": constrained, "schema": schema}] * batch
+                    args = [{"prompt": prompt, "tokens": opts.tokens, "constrained": constrained, "schema": schema,
+                             "overlap": mode == "stream"}] * batch
                     res = await _bench(rt, prog, args)
                     for r in res:
                         tp[constrained].append(r["decode_s"] / max(1, r["tokens"] - 1))
@@ -164,8 +175,9 @@ async def main_async(opts) -> dict:
                         steps = sum(r["tokens"] for r in res)
                         for k in ("mask_seconds", "advance_seconds", "wait_seconds", "check_seconds", "masks"):
                             share[k] = share.get(k, 0.0) + (vars(grammar.STATS)[k] - s0[k]) / steps / opts.reps
-            free, con = statistics.mean(tp[False]), statistics.mean(tp[True])
+            free, con = statistics.median(tp[False]), statistics.median(tp[True])
             report["rows"].append({
+                "mode": mode,
                 "batch": batch,
                 "free_tpot_ms": free * 1e3,
                 "constrained_tpot_ms": con * 1e3,
@@ -188,10 +200,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--modes", default="step,stream",
+                    help="comma-separated: step (a round trip per token), stream (overlap=True)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--mask-first", action="store_true",
                     help="compute every step's mask up front, greedy steps too (the behaviour before the greedy check)")
     opts = ap.parse_args()
+    opts.modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if not opts.modes or set(opts.modes) - {"step", "stream"}:
+        ap.error(f"--modes takes step and/or stream, got {opts.modes}")
     if opts.quick:
         opts.tokens, opts.reps, opts.batch = 16, 1, 2
     if opts.mask_first:
@@ -204,10 +221,10 @@ def main() -> None:
     print(f"tokenizer bridge (once per model): {report['tokenizer_bridge_s'] * 1e3:.0f} ms")
     print(f"large schema ({ls['properties']} properties): compile {ls['compile_ms']:.1f} ms, "
           f"first mask {ls['first_mask_ms']:.2f} ms, cached compile {ls['cached_compile_ms']:.2f} ms")
-    print(f"{'batch':>5} {'free ms/tok':>12} {'json ms/tok':>12} {'overhead':>9} {'mask us':>8} {'masks/step':>10} "
+    print(f"{'mode':>6} {'batch':>5} {'free ms/tok':>12} {'json ms/tok':>12} {'overhead':>9} {'mask us':>8} {'masks/step':>10} "
           f"{'check us':>8} {'advance us':>10} {'wait us':>8} {'mask share':>10}")
     for r in report["rows"]:
-        print(f"{r['batch']:>5} {r['free_tpot_ms']:>12.2f} {r['constrained_tpot_ms']:>12.2f} {r['overhead']:>8.1%} "
+        print(f"{r['mode']:>6} {r['batch']:>5} {r['free_tpot_ms']:>12.2f} {r['constrained_tpot_ms']:>12.2f} {r['overhead']:>8.1%} "
               f"{r['mask_us']:>8.0f} {r['masks_per_step']:>10.2f} {r['check_us']:>8.0f} {r['advance_us']:>10.0f} "
               f"{r['wait_us']:>8.0f} {r['mask_share_of_step']:>10.1%}")
     print(json.dumps(report))
