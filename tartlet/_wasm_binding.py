@@ -424,9 +424,9 @@ class WasmHost:
         return _call(_wit_inference.generate_stream, *_decode_args("generate_stream", handle, tokens, sampler, grammar,
                                                                      first_step, max_steps, stop_ids))
 
-    def stream_next(self, handle: int) -> HostFuture:
+    def stream_next(self, handle: int, count: int) -> HostFuture:
         _handle(handle, "token stream")
-        return HostFuture(_call(_wit_inference.stream_next, handle))
+        return HostFuture(_call(_wit_inference.stream_next, handle, _u32(count, "count")))
 
     def stream_close(self, handle: int) -> HostFuture:
         _handle(handle, "token stream")

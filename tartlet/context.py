@@ -400,18 +400,20 @@ class Context:
             constraint: grammar constraint whose allowed tokens mask the logits.
             overlap: let the model run ahead of the caller, so its work on
                 a step overlaps the next passes: with an engine-side
-                sampler and no drafter or constraint, a host token stream
-                (each step takes the tokens sampled since the last, one or
-                several), else the next pass queued before each step is
+                sampler, no drafter and no constraint but a built-in (host)
+                grammar, a host token stream (each step takes the tokens
+                sampled since the last, one or several; with ``chunk``, the
+                next chunk), else the next pass queued before each step is
                 returned; the context is then busy until the generation
                 ends or ``await gen.aclose()`` (see :mod:`tartlet.generator`).
-            chunk: stream in steps of up to this many tokens, decoded
-                host-side between steps (1, 2, 4, ... up to ``chunk``: the
-                first token comes at once), when only ``max_tokens`` and EOS
-                stop the generation and the sampler, drafter and constraint
-                leave nothing to do between tokens; otherwise one token a
-                step as without it. Same tokens and text; the code between
-                steps runs once per chunk. None: one token a step.
+            chunk: stream in steps of up to this many tokens (1, 2, 4, ...
+                up to ``chunk``: the first token comes at once): taken from
+                the token stream with ``overlap``, else decoded host-side
+                between steps when only ``max_tokens`` and EOS stop the
+                generation and the sampler, drafter and constraint leave
+                nothing to do between tokens (otherwise one token a step as
+                without it). Same tokens and text; the code between steps
+                runs once per chunk. None: one token a step.
 
         Raises:
             ContextClosedError: the context was closed.

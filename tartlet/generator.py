@@ -38,7 +38,11 @@ itself with the tokens it takes, as stepping does (so a stop string that
 ends the generation early leaves it at the kept tokens). Python
 constraints (``mask()``) still step, one round trip per token.
 
-Chunks (``chunk=N``): when nothing needs to run between tokens (stops only
+Chunks (``chunk=N``): with a token stream (``overlap=True``), each step
+takes the next 1, 2, 4, ... up to N tokens of the stream (``stream_next``
+with a count), so the caller's code and a sandboxed inferlet's host round
+trips run once a chunk while the passes go on. Without overlap, when nothing
+needs to run between tokens (stops only
 ``max_tokens`` and EOS, an engine-side sampler, no drafter, no constraint or a
 host grammar's, as for streams),
 each step decodes its tokens host-side in one ``generate`` call, 1, 2, 4, ...
@@ -212,11 +216,11 @@ class Generator:
         return slots
 
     async def _step(self) -> None:
-        if self.chunk is not None and self._ahead is None and self._host_decodable():
-            await self._step_on_host()
-            return
         if self._stream is not None or (self.overlap and self._ahead is None and self._streamable()):
             await self._step_stream()
+            return
+        if self.chunk is not None and self._ahead is None and self._host_decodable():
+            await self._step_on_host()
             return
         ctx = self.ctx
         if self._ahead is not None:  # queued by the last step (overlap): no draft
@@ -456,8 +460,12 @@ class Generator:
             self._open_stream()
         assert self._stream is not None
         h, inputs, base, taken = self._stream
+        count = 0  # every token sampled since the last step
+        if self.chunk is not None:  # the next 1, 2, 4, ... up to `chunk` tokens
+            count = self._next_chunk
+            self._next_chunk = min(2 * count, self.chunk)
         try:
-            toks = await _binding.wait(_binding.host().stream_next(h))
+            toks = await _binding.wait(_binding.host().stream_next(h, count))
             self.stats.steps += len(toks)
             for tok in toks:
                 self.tokens.append(tok)
@@ -503,15 +511,16 @@ class Generator:
         h, inputs, base, taken = self._stream
         ctx = self.ctx
         try:
-            rest = await _binding.wait(_binding.host().stream_close(h))
+            await _binding.wait(_binding.host().stream_close(h))  # once no pass is left (its tokens: not taken)
         finally:
             self._stream = None
-        # the KV cache holds the inputs and every sampled token but the last
-        # (``rest`` are those not taken); keep it up to the last token taken
+        # the KV cache holds the inputs and every sampled token but the last;
+        # keep it up to the last token taken. Past it: those not handed over
+        # and, after a stop, the rest of the step that held the stop (handed
+        # over, not taken: a chunk or a lagging step holds several)
         keep = base - 1 + taken if taken else base - len(inputs)
-        if rest or not taken:
-            if ctx.kv_len > keep:
-                ctx._truncate(keep)
+        if ctx.kv_len > keep:
+            ctx._truncate(keep)
         ctx._pending = [self.tokens[-1]] if taken else list(inputs)
         if self._turn_end_due:
             self._turn_end_due = False

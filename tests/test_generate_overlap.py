@@ -121,6 +121,43 @@ async def main(args):
     assert slow == plain
 
 
+async def test_chunked_stream_steps(runtime, tmp_path):
+    """``overlap=True`` with ``chunk=4``: steps of the next 1, 2, 4, 4, ...
+    tokens of the token stream (the inferlet wakes once a chunk while the
+    passes go on, a stream open beside every step but the last), the
+    tokens, text and context of stepping; a stop string is still checked
+    token by token."""
+    prog = inline_program(tmp_path, """
+from tartlet import Model
+
+async def main(args):
+    model = Model.load()
+    out = []
+    for kw in (dict(max_tokens=13, eos=False), dict(max_tokens=30, eos=False, stop=[" is 1000"])):
+        runs = []
+        for mode in ("stream", "step"):
+            with model.new_context() as ctx:
+                ctx.user("Count from one to twenty in words.")
+                gen = ctx.generate(chunk=4, overlap=True, **kw) if mode == "stream" else ctx.generate(**kw)
+                sizes, running = [], []
+                async for step in gen:
+                    sizes.append(len(step.tokens))
+                    running.append(gen._stream is not None)
+                runs.append({"sizes": sizes, "running": running, "tokens": gen.tokens, "text": gen.text,
+                             "finish": gen.finish_reason, "context": ctx.tokens, "kv_len": ctx.kv_len})
+        out.append(runs)
+    return out
+""")
+    (chunked, stepped), (cut, cut_stepped) = await run_ok(runtime, prog)
+    assert chunked["sizes"] == [1, 2, 4, 4, 2] and chunked["finish"] == "length"
+    assert chunked["running"] == [True] * 4 + [False]
+    assert set(stepped["sizes"]) == {1}
+    for a, b in ((chunked, stepped), (cut, cut_stepped)):
+        assert {k: v for k, v in a.items() if k not in ("sizes", "running")} == \
+            {k: v for k, v in b.items() if k not in ("sizes", "running")}
+    assert cut["finish"] == "stop" and " is 1000" not in cut["text"] and max(cut["sizes"]) > 1
+
+
 LEAVE_EARLY = """
 from tartlet import Model
 

@@ -35,10 +35,10 @@ async def test_streams_text_and_stops_at_eos(runtime):
 
 
 async def test_abort_mid_stream_frees_its_pages(runtime):
-    """text-completion decodes its steps host-side, several tokens each
-    (``generate(chunk=8)``, a host ``generate`` in flight while a step is
-    streamed): aborting it mid-stream still frees every page, and the
-    engine keeps serving."""
+    """text-completion takes its steps from a host token stream, several
+    tokens each (``generate(chunk=8, overlap=True)``, passes running while a
+    step is streamed): aborting it mid-stream still frees every page, and
+    the engine keeps serving."""
     args = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True}
     session, out = Session(), list[str | bytes]()
     session.listen(out.append)

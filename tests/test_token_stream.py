@@ -49,6 +49,28 @@ def test_error_comes_after_the_tokens_before_it_once():
     assert s.next().result(timeout=1) == []
 
 
+def test_a_counted_next_waits_for_its_count_and_leaves_the_rest():
+    """``next(count)``: resolved once ``count`` tokens are there, with those
+    only (the rest stays for the next call); fewer at the end."""
+    s = TokenStream()
+    fut = s.next(3)
+    s.push(1)
+    s.push(2)
+    assert not fut.done()
+    s.push(3)
+    assert fut.result(timeout=1) == [1, 2, 3]
+    for t in (4, 5, 6):
+        s.push(t)
+    assert s.next(2).result(timeout=1) == [4, 5]
+    fut = s.next(4)
+    s.end(None)
+    assert fut.result(timeout=1) == [6]
+    assert s.next(4).result(timeout=1) == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="count"):
+            TokenStream().next(bad)
+
+
 def test_one_next_at_a_time():
     s = TokenStream()
     s.next()

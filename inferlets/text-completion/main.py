@@ -40,9 +40,9 @@ async def main(args: dict) -> dict:
             max_tokens=int(args.get("max_tokens", 256)),
             stop=args.get("stop"),
             eos=not args.get("ignore_eos", False),
-            # up to 8 tokens a step decoded host-side (the first at once); with
-            # stop strings (checked here) a host token stream: the passes run on
-            # while a step is streamed, a step takes what was sampled since the last
+            # a host token stream: the passes run on while a step is streamed;
+            # a step takes the next 1, 2, 4, then 8 tokens (the first at once),
+            # so this code runs once per chunk (stop strings are checked here)
             chunk=8,
             overlap=True,
         )

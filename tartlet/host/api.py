@@ -607,18 +607,22 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         self._streams[h] = stream
         return h
 
-    def stream_next(self, handle: int) -> Future[list[int]]:
-        """Future of the tokens the stream sampled since the last call (at
-        least one; several when the inferlet lags behind the model), or
-        ``[]`` once the generation ended (``max_steps``, a stop token) and
+    def stream_next(self, handle: int, count: int) -> Future[list[int]]:
+        """Future of the stream's next tokens: with ``count`` 0, those
+        sampled since the last call (at least one; several when the inferlet
+        lags behind the model); with ``count`` >= 1, the next ``count``
+        (fewer only at the end), so an inferlet that handles tokens in
+        chunks wakes once a chunk while the passes go on. ``[]`` once the
+        generation ended (``max_steps``, a stop token, the grammar) and
         every token was taken. Fails with the error of a failed pass, after
         the tokens sampled before it.
 
         Raises:
             InvalidHandleError: no open stream ``handle``.
-            ValueError: a ``stream_next`` of this stream is still pending.
+            ValueError: a ``stream_next`` of this stream is still pending,
+                or ``count`` is not an int >= 0.
         """
-        return self._stream(handle).next()
+        return self._stream(handle).next(count)
 
     def stream_close(self, handle: int) -> Future[list[int]]:
         """Stop the stream after the pass in flight and release the handle;

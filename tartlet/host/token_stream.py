@@ -4,8 +4,8 @@ sampled (:meth:`tartlet.host.api.HostApi.generate_stream`).
 The passes of the generation are queued by the scheduler itself, each from
 the completion of the pass before (``ForwardRequest.then``), so the model
 never waits for the inferlet: the inferlet takes what has been sampled
-since it last asked (one token when it keeps up, several when it lags) and
-streams it, while the next passes run. This is the decoupling of vLLM's
+since it last asked (one token when it keeps up, several when it lags; or
+a chunk of a given size) and streams it, while the next passes run. This is the decoupling of vLLM's
 engine core from its output processing, on the CPU as on a GPU: with the
 per-token round trip of ``forward``, a decode step of a batch waits for
 every inferlet in it to take its token and queue its next pass.
@@ -33,6 +33,7 @@ class TokenStream:
         self._lock = threading.Lock()
         self._buf: list[int] = []
         self._waiter: Future[list[int]] | None = None
+        self._count = 0  # the waiter's count (see next)
         self._closer: Future[list[int]] | None = None
         self._ended = False
         self._error: BaseException | None = None
@@ -66,13 +67,14 @@ class TokenStream:
         the caller resolves it after the lock. A waiter cancelled meanwhile
         is dropped and the tokens stay buffered."""
         w = self._waiter
-        if w is None or not (self._buf or self._ended):
+        if w is None or not (len(self._buf) >= max(1, self._count) or self._ended):
             return None
         self._waiter = None
         if not w.set_running_or_notify_cancel():
             return None
         if self._buf:
-            got, self._buf = self._buf, []
+            n = self._count or len(self._buf)
+            got, self._buf = self._buf[:n], self._buf[n:]
             return w, got
         if self._error is not None:
             err, self._error = self._error, None
@@ -80,23 +82,28 @@ class TokenStream:
         return w, []
 
     # -- inferlet side -------------------------------------------------------------
-    def next(self) -> Future[list[int]]:
-        """Future of the tokens sampled since the last call (at least one),
-        or of ``[]`` once the generation has ended and every token was
+    def next(self, count: int = 0) -> Future[list[int]]:
+        """Future of the next tokens: with ``count`` 0, those sampled since
+        the last call (at least one); with ``count`` >= 1, the next
+        ``count`` (fewer only once the generation has ended: a caller that
+        processes tokens in chunks wakes once a chunk while the passes go
+        on). ``[]`` once the generation has ended and every token was
         taken; it fails with the error of a failed pass (once, after the
         tokens sampled before it).
 
         Raises:
-            ValueError: a :meth:`next` is still pending, or the stream was
-                closed.
+            ValueError: a :meth:`next` is still pending, the stream was
+                closed, or ``count`` is not an int >= 0.
         """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
         fut: Future[list[int]] = Future()
         with self._lock:
             if self.stopping:
                 raise ValueError("the token stream was closed")
             if self._waiter is not None and not self._waiter.done():
                 raise ValueError("a stream_next of this stream is still pending")
-            self._waiter = fut
+            self._waiter, self._count = fut, count
             give = self._take_waiter()
         _resolve(give)
         return fut

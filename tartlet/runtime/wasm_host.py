@@ -358,7 +358,7 @@ IMPORTS: dict[str, tuple[Any, str]] = {
     "forward": (_forward, "untagged"),
     "generate": (_generate, "untagged"),
     "generate-stream": (_generate_stream, "untagged"),
-    "stream-next": (lambda h, st: h.add_future("forward", h.api.stream_next(st)), "untagged"),  # future-value::tokens
+    "stream-next": (lambda h, st, n: h.add_future("forward", h.api.stream_next(st, n)), "untagged"),  # future-value::tokens
     "stream-close": (lambda h, st: h.add_future("forward", h.api.stream_close(st)), "untagged"),
     "kv-stats": (_kv_stats, "tagged"),
     "session-send": (lambda h, msg: h.api.session_send(msg), "unit"),
