@@ -50,6 +50,20 @@
  * 37.0 with 4 KiB */
 #define IL_PF 4096
 
+/* Prefetch for a weight stream read once (one row tile: decode batches of
+ * up to IL_MR rows) or again by later row tiles. Read once, the lines are
+ * prefetched non-temporally (PREFETCHNTA): the ~100 MB a batch-1 step
+ * streams then stops evicting the rest of the process from L2, and the
+ * Python between steps (batch building, sampling: ~0.8 ms a step with
+ * T0, on caches the step had flushed) ran in about half the time; the
+ * step's phases did not slow down (docs/benchmarks.md). Read again (prefill, larger
+ * decode batches), T0 keeps them for the next tile. */
+#define IL_PREFETCH(p, once)                                                   \
+    do {                                                                       \
+        if (once) _mm_prefetch((const char *)(p), _MM_HINT_NTA);               \
+        else _mm_prefetch((const char *)(p), _MM_HINT_T0);                     \
+    } while (0)
+
 /* Bytes of a block of 16 rows. */
 #define IL_QB(kind) ((kind) == K_Q4I ? 256 : 512)
 
@@ -68,20 +82,20 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
 }
 
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I), nb
- * blocks) times R activation rows (row r: lo / hi bytes at lo + r ps,
+ * blocks; once: no later row tile reads them, see IL_PREFETCH) times R activation rows (row r: lo / hi bytes at lo + r ps,
  * hi + r ps, hi + 128 for Q8I; FA planes at fa + r fs) into y [R, 16] (row
  * stride ldy), bias [16] and res [R, 16] (row stride ldr) added when not NULL. */
-INLINE void il_group(const int kind, const int R, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                     int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa, int64_t fs,
-                     float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+INLINE void il_group(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
+                     const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa,
+                     int64_t fs, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     const int qb = IL_QB(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * qb;
-        for (int o = 0; o < qb; o += 64) _mm_prefetch((const char *)(q + IL_PF + o), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wd + (b + IL_PF / qb) * 16), _MM_HINT_T0);
-        if (kind == K_Q4I) _mm_prefetch((const char *)(wm + (b + IL_PF / qb) * 16), _MM_HINT_T0);
+        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once);
+        IL_PREFETCH(wd + (b + IL_PF / qb) * 16, once);
+        if (kind == K_Q4I) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
         __m512i w[8];
         il_unpack(kind, q, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16)));
@@ -158,6 +172,7 @@ INLINE int il_matmul_kind(const int kind, const uint8_t *wq, const uint16_t *wd,
             _mm256_store_si256((__m256i *)(hi + r * ps + k),
                                _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
         }
+    const int once = M <= IL_MR; /* one row tile: each weight is read once */
 #pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
     for (int64_t g = 0; g < N / IL_ROWS; g++) {
         const int64_t n = g * IL_ROWS;
@@ -168,14 +183,14 @@ INLINE int il_matmul_kind(const int kind, const uint8_t *wq, const uint16_t *wd,
             const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
-            case 1: il_group(kind, 1, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 2: il_group(kind, 2, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 3: il_group(kind, 3, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 4: il_group(kind, 4, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 5: il_group(kind, 5, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 6: il_group(kind, 6, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 7: il_group(kind, 7, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            default: il_group(kind, 8, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 1: il_group(kind, 1, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 2: il_group(kind, 2, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 3: il_group(kind, 3, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 4: il_group(kind, 4, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 5: il_group(kind, 5, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 6: il_group(kind, 6, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 7: il_group(kind, 7, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            default: il_group(kind, 8, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
             }
         }
     }
