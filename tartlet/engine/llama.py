@@ -523,7 +523,6 @@ class LlamaModel:
                 cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
             ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernels
         T = x.shape[0]
-        attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         # once per pass, not per layer: additive masks (as [B, L] rows for
         # the decode kernel) and per-layer cache views; sliding layers get their own
         soft = c.attn_logit_softcapping is not None  # the decode kernel does not soft-cap
@@ -559,6 +558,7 @@ class LlamaModel:
             layers = []  # done
         else:
             layers = self.layers
+        attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         for i, (layer, kc, vc) in enumerate(zip(layers, k_cache.unbind(0), v_cache.unbind(0))):
             qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
             if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
