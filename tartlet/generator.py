@@ -312,15 +312,22 @@ class Generator:
         room = self.ctx.model.max_seq_len - self.ctx.seq_len - 1
         return draft[: max(0, room)]
 
-    def _consume(self, tok: int) -> bool:
-        """Account one generated token; True when generation must end."""
+    def _consume(self, tok: int, held: list[int] | None = None) -> bool:
+        """Account one generated token; True when generation must end.
+        ``held``: no stop condition reads the text (:meth:`_text_unread`),
+        so the token's text is decoded later, with the others of its step
+        (:meth:`_flush`: one host call a step instead of one a token)."""
         is_eos = any(tok in e.ids for e in self._eos)
         if not is_eos:
-            assert self._decoder is not None  # open from start() until _finish()
-            self._raw += _binding.host().decoder_push(self._decoder, [tok])
+            if held is not None:
+                held.append(tok)
+            else:
+                assert self._decoder is not None  # open from start() until _finish()
+                self._raw += _binding.host().decoder_push(self._decoder, [tok])
         if self.constraint is not None:
             self.constraint.advance(tok)
         if is_eos:
+            self._flush(held)
             self._finish("eos")
             return True
         for s in self._strings:
@@ -328,12 +335,25 @@ class Generator:
                 self._finish("stop")
                 return True
         if self.constraint is not None and self.constraint.is_finished():
+            self._flush(held)
             self._finish("constraint")
             return True
         if self._stop.should_stop(self.tokens, self._raw):
+            self._flush(held)
             self._finish("length" if any(isinstance(c, MaxTokens) and c.should_stop(self.tokens, "") for c in self._stop.conditions) else "stop")
             return True
         return False
+
+    def _flush(self, held: list[int] | None) -> None:
+        """Decode the text of the tokens ``_consume`` held back."""
+        if held:
+            assert self._decoder is not None  # open from start() until _finish()
+            self._raw += _binding.host().decoder_push(self._decoder, held)
+            held.clear()
+
+    def _text_unread(self) -> bool:
+        """No stop condition reads the text (only ``max_tokens`` and EOS)."""
+        return all(isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions)
 
     def _visible(self) -> str:
         raw = self._raw
@@ -382,8 +402,7 @@ class Generator:
         if self.drafter is not None or not self._constraint_on_host() or not self._engine_sampler():
             return False
         limits = self._stop.find(MaxTokens)
-        return (not limits or min(c.n for c in limits) >= 1) and all(
-            isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions)
+        return (not limits or min(c.n for c in limits) >= 1) and self._text_unread()
 
     async def _decode_on_host(self, max_steps: int | None) -> None:
         """Up to ``max_steps`` tokens (None: to ``max_tokens``) in one host
@@ -464,15 +483,21 @@ class Generator:
         if self.chunk is not None:  # the next 1, 2, 4, ... up to `chunk` tokens
             count = self._next_chunk
             self._next_chunk = min(2 * count, self.chunk)
+        held: list[int] | None = [] if self._text_unread() else None  # the step's text decoded at once
         try:
             toks = await _binding.wait(_binding.host().stream_next(h, count))
             self.stats.steps += len(toks)
             for tok in toks:
                 self.tokens.append(tok)
                 taken += 1
-                if self._consume(tok):
+                if self._consume(tok, held):
                     break
+            self._flush(held)
         except BaseException:  # a failed pass, a failing stop check, cancellation: no pass may go on
+            try:  # the text of the tokens taken, as stepping would have it
+                self._flush(held)
+            except Exception:  # the instance is ending: the first error is the one to report
+                pass
             self._stream = (h, inputs, base, taken)
             try:
                 await self._close_stream()
