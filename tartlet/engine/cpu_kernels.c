@@ -161,57 +161,13 @@ int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_
  * block's maximum, the second scans only the block holding the answer. */
 #define ARGMAX_BLOCK 1024
 
-/* out[s] = index of the first maximum of row s of x [S, V] (row stride ld),
- * as torch.argmax gives it: a NaN counts as larger than any number (the
- * first NaN wins), -0.0 equals 0.0, a row of -inf gives 0. Greedy sampling
- * of a decode step's logits: PyTorch's reduction takes ~110 us for one
- * 49,152-value row and ~5.3 ms for 64 (docs/benchmarks.md). */
-void argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
-{
-#pragma omp parallel for if (S * V >= (1 << 20)) schedule(static)
-    for (int64_t s = 0; s < S; s++) {
-        const float *r = x + s * ld;
-        float best = -INFINITY;
-        int64_t blk = 0;
-        int nan = 0;
-        for (int64_t b0 = 0; b0 < V; b0 += ARGMAX_BLOCK) {
-            const int64_t n = V - b0 < ARGMAX_BLOCK ? V - b0 : ARGMAX_BLOCK;
-            float m = -INFINITY;
-            int bad = 0;
-#pragma omp simd reduction(max : m) reduction(| : bad)
-            for (int64_t i = 0; i < n; i++) {
-                const float v = r[b0 + i];
-                m = v > m ? v : m;
-                bad |= v != v;
-            }
-            if (bad) { /* the first NaN is the answer: it is in this block */
-                nan = 1;
-                blk = b0;
-                break;
-            }
-            if (m > best) { /* strictly: an equal maximum later does not move the answer */
-                best = m;
-                blk = b0;
-            }
-        }
-        const int64_t end = blk + ARGMAX_BLOCK < V ? blk + ARGMAX_BLOCK : V;
-        int64_t i = blk;
-        if (nan)
-            while (i < end && r[i] == r[i]) i++;
-        else
-            while (i < end && r[i] != best) i++;
-        out[s] = i < end ? i : blk;
-    }
-}
-
-/* The first maximum of x [V] over the allowed positions (mask [V], nonzero
- * = allowed): what torch.argmax gives for x.masked_fill(~mask, -inf) (a NaN
- * at an allowed position counts as larger than any number, the first one
- * wins), except that when every allowed value is -inf the first allowed
- * position is returned (torch would return 0, allowed or not); -1 when
- * nothing is allowed. Greedy sampling under a logit mask (a grammar's)
- * without the masked copy of the row: one pass over the row and its mask. */
-int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V)
+/* The first maximum of row r [V] over the positions mask [V] allows
+ * (nonzero; mask NULL: all), as torch.argmax gives it for the row with the
+ * others set to -inf: a NaN at an allowed position counts as larger than
+ * any number (the first one wins), -0.0 equals 0.0; when every allowed
+ * value is -inf, the first allowed position (torch: 0, allowed or not); -1
+ * when nothing is allowed. */
+static inline int64_t argmax_row(const float *r, const uint8_t *mask, int64_t V)
 {
     float best = -INFINITY;
     int64_t blk = -1, first = -1;
@@ -219,13 +175,23 @@ int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V)
     for (int64_t b0 = 0; b0 < V; b0 += ARGMAX_BLOCK) {
         const int64_t n = V - b0 < ARGMAX_BLOCK ? V - b0 : ARGMAX_BLOCK;
         float m = -INFINITY;
-        int bad = 0, any = 0;
+        int bad = 0, any = 1;
+        if (mask) {
+            any = 0;
 #pragma omp simd reduction(max : m) reduction(| : bad, any)
-        for (int64_t i = 0; i < n; i++) {
-            const float v = mask[b0 + i] ? x[b0 + i] : -INFINITY;
-            m = v > m ? v : m;
-            bad |= v != v;
-            any |= mask[b0 + i] != 0;
+            for (int64_t i = 0; i < n; i++) {
+                const float v = mask[b0 + i] ? r[b0 + i] : -INFINITY;
+                m = v > m ? v : m;
+                bad |= v != v;
+                any |= mask[b0 + i] != 0;
+            }
+        } else {
+#pragma omp simd reduction(max : m) reduction(| : bad)
+            for (int64_t i = 0; i < n; i++) {
+                const float v = r[b0 + i];
+                m = v > m ? v : m;
+                bad |= v != v;
+            }
         }
         if (any && first < 0)
             first = b0;
@@ -242,10 +208,25 @@ int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V)
     if (first < 0)
         return -1;
     if (blk < 0) /* every allowed value is -inf */
-        blk = first, best = -INFINITY;
+        blk = first;
     const int64_t end = blk + ARGMAX_BLOCK < V ? blk + ARGMAX_BLOCK : V;
     for (int64_t i = blk; i < end; i++)
-        if (mask[i] && (nan ? x[i] != x[i] : x[i] == best))
+        if ((!mask || mask[i]) && (nan ? r[i] != r[i] : r[i] == best))
             return i;
     return -1; /* not reached: the block holds an allowed position with that value */
 }
+
+/* out[s] = index of the first maximum of row s of x [S, V] (row stride ld),
+ * as torch.argmax gives it (argmax_row; a row of -inf gives 0). Greedy
+ * sampling of a decode step's logits: PyTorch's reduction takes ~110 us for
+ * one 49,152-value row and ~5.3 ms for 64 (docs/benchmarks.md). */
+void argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
+{
+#pragma omp parallel for if (S * V >= (1 << 20)) schedule(static)
+    for (int64_t s = 0; s < S; s++) out[s] = argmax_row(x + s * ld, NULL, V);
+}
+
+/* The first maximum of x [V] over the allowed positions (mask [V], nonzero
+ * = allowed; argmax_row): greedy sampling under a logit mask (a grammar's)
+ * without the masked copy of the row, one pass over the row and its mask. */
+int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V) { return argmax_row(x, mask, V); }
