@@ -41,6 +41,20 @@ async def main(args):
     session.send("waiting")
     return await session.receive()
 """
+#: Sends its first part at once and the rest when a client says "go": what
+#: a later connection gets does not depend on when the server notices the
+#: first one went away (a message sent to a connection in that window is
+#: lost with it: output is kept only while no client is attached).
+PARTS = """
+from tartlet import session
+async def main(args):
+    parts = [f"part {i}; " for i in range(1, 6)]
+    session.send(parts[0])
+    await session.receive()
+    for p in parts[1:]:
+        session.send(p)
+    return {"text": "".join(parts)}
+"""
 CONSUMER = """
 from tartlet import messaging
 async def main(args):
@@ -138,7 +152,7 @@ def setup(tmp_path_factory):
     )
     keys = add_users(cfg, "alice", "bob")
     progs = d / "progs"
-    for name, code in [("echo", ECHO), ("waiter", WAITER), ("consumer", CONSUMER), ("producer", PRODUCER),
+    for name, code in [("echo", ECHO), ("waiter", WAITER), ("parts", PARTS), ("consumer", CONSUMER), ("producer", PRODUCER),
                        ("subscriber", SUBSCRIBER), ("broadcaster", BROADCASTER), ("parent", PARENT),
                        ("fetcher", FETCHER), ("hog", HOG)]:
         write_inferlet(progs, name, code)
@@ -288,14 +302,15 @@ async def test_limits_end_only_the_offender(setup, server):
 async def test_disconnect_policy(setup, server):
     # default: the instance keeps running; a new connection attaches and gets the rest
     c1 = await connect(setup)
-    inst = await c1.launch("text-completion", {"prompt": "Count from one to ten.", "max_tokens": 24})
+    inst = await c1.launch(setup["progs"] / "parts.py")
     first = await inst.recv()
     await c1.close()
     async with await connect(setup) as c2:
         again = await c2.attach(inst.id)
+        await again.send("go")
         rest = [m async for m in again.output()]
         assert again.exit.ok
-        assert first + "".join(rest) == again.exit.result["text"]
+        assert first == "part 1; " and first + "".join(rest) == again.exit.result["text"]
     # abort_on_disconnect: the instance dies with its connection
     c3 = await connect(setup)
     w = await c3.launch("waiter", abort_on_disconnect=True)
