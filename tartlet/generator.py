@@ -152,6 +152,8 @@ class Generator:
             conds.append(stop)
         self._stop = AnyOf(conds)
         self._strings = self._stop.find(StopStrings)
+        #: no stop condition reads the text (only ``max_tokens`` and EOS)
+        self._text_unread = all(isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions)
         self._eos = self._stop.find(EosTokens)
         self.drafter = drafter
         self.constraint = constraint
@@ -314,7 +316,7 @@ class Generator:
 
     def _consume(self, tok: int, held: list[int] | None = None) -> bool:
         """Account one generated token; True when generation must end.
-        ``held``: no stop condition reads the text (:meth:`_text_unread`),
+        ``held``: no stop condition reads the text (``_text_unread``),
         so the token's text is decoded later, with the others of its step
         (:meth:`_flush`: one host call a step instead of one a token)."""
         is_eos = any(tok in e.ids for e in self._eos)
@@ -350,10 +352,6 @@ class Generator:
             assert self._decoder is not None  # open from start() until _finish()
             self._raw += _binding.host().decoder_push(self._decoder, held)
             held.clear()
-
-    def _text_unread(self) -> bool:
-        """No stop condition reads the text (only ``max_tokens`` and EOS)."""
-        return all(isinstance(c, (MaxTokens, EosTokens)) for c in self._stop.conditions)
 
     def _visible(self) -> str:
         raw = self._raw
@@ -402,7 +400,7 @@ class Generator:
         if self.drafter is not None or not self._constraint_on_host() or not self._engine_sampler():
             return False
         limits = self._stop.find(MaxTokens)
-        return (not limits or min(c.n for c in limits) >= 1) and self._text_unread()
+        return (not limits or min(c.n for c in limits) >= 1) and self._text_unread
 
     async def _decode_on_host(self, max_steps: int | None) -> None:
         """Up to ``max_steps`` tokens (None: to ``max_tokens``) in one host
@@ -483,7 +481,7 @@ class Generator:
         if self.chunk is not None:  # the next 1, 2, 4, ... up to `chunk` tokens
             count = self._next_chunk
             self._next_chunk = min(2 * count, self.chunk)
-        held: list[int] | None = [] if self._text_unread() else None  # the step's text decoded at once
+        held: list[int] | None = [] if self._text_unread else None  # the step's text decoded at once
         try:
             toks = await _binding.wait(_binding.host().stream_next(h, count))
             self.stats.steps += len(toks)

@@ -34,7 +34,7 @@ from ..engine.kv_accounting import PageAccount
 from ..engine.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
 from ..engine.scheduler import ForwardRequest
 from ..engine.sequence import Sequence
-from ..errors import GrammarError, InvalidHandleError, KvCacheFullError, LimitError, SamplingError
+from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
 from ..forward import OutputSlot
 from ..sampler import step_seed
 from .grammar import GrammarOutputSlot, Matcher
@@ -665,22 +665,17 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         # tokens it keeps, so nothing is rolled back when it stops early)
         if sampler.grammar is not None:
             raise ValueError("a generate sampler slot carries no grammar: pass the matcher handle as `grammar`")
-        grammar = None
-        if grammar_h is not None:
-            g = self._matcher(grammar_h)
-            if g.engine is not self._ctx(handle).engine:
-                raise GrammarError(f"grammar matcher {grammar_h} was compiled for another model than this context's")
-            grammar = g.fork()
+        grammar = None if grammar_h is None else self._matcher_for(grammar_h, self._ctx(handle).engine).fork()
 
         def slot(n_inputs: int) -> OutputSlot:
             step = None if seed is None else step_seed(seed, first_step + count[0])
             return replace(sampler, index=n_inputs - 1, seed=step, grammar=grammar_h)
 
         def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
-            e = ctx.engine
-            # the engine slot of a one-token pass, built and validated once (a
-            # grammar's slot is built per pass: its mask is the matcher's now)
-            base = None if grammar is not None else self._slot(e, replace(sampler, index=0, seed=None), 1)
+            # the engine slot of a one-token pass, built and validated once; a
+            # grammar's slot is a new one each pass around the same spec and
+            # logit mask (its mask is the matcher's state then)
+            base = self._slot(ctx.engine, replace(sampler, index=0, seed=None), 1)
 
             def then(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:  # on the scheduler thread
                 tok = int(cast(int, results[0]))  # a `sample` slot yields its token id
@@ -692,12 +687,11 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                         return None
                 if count[0] >= max_steps or tok in stop or stopped():
                     return None
-                if base is None:
-                    return [tok], [self._slot(e, slot(1), 1, grammar)]
-                if seed is None:
-                    return [tok], [base]
-                spec = replace(cast(SamplerSpec, base.spec), seed=step_seed(seed, first_step + count[0]))
-                return [tok], [replace(base, spec=spec)]
+                spec = base.spec if seed is None else replace(cast(SamplerSpec, base.spec),
+                                                               seed=step_seed(seed, first_step + count[0]))
+                if grammar is not None:
+                    return [tok], [GrammarOutputSlot(0, spec, grammar, base.allowed)]
+                return [tok], [base if seed is None else replace(base, spec=spec)]
 
             return then
 

@@ -152,10 +152,19 @@ class GrammarHostMixin:
             InvalidHandleError: unknown handle.
             GrammarError: the matcher belongs to another model, or failed.
         """
+        return GrammarOutputSlot(index, spec, self._matcher_for(handle, engine), allowed)
+
+    def _matcher_for(self, handle: Any, engine: Any) -> Matcher:
+        """Matcher ``handle``, checked to be compiled for ``engine``'s model.
+
+        Raises:
+            InvalidHandleError: unknown handle.
+            GrammarError: the matcher belongs to another model.
+        """
         m = self._matcher(handle)
         if m.engine is not engine:
             raise GrammarError(f"grammar matcher {handle} was compiled for another model than this context's")
-        return GrammarOutputSlot(index, spec, m, allowed)
+        return m
 
     def _grammar_close(self) -> None:
         """Drop every matcher of this instance (the instance ended)."""
