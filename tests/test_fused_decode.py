@@ -275,10 +275,12 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
     step (prompts prefilled by the fused step; 0.26 and 0.025 prefilled
     op by op: which keys sit near a boundary changes with the cache's
     contents), against 1.8 and 0.2 for an int8 pool against a float32
-    one; greedy tokens must agree exactly."""
+    one; greedy tokens must agree exactly. Twelve rows: the step's tails
+    (the int8 RoPE + KV write among them) run split across the threads
+    from ``ROW_TAIL_MIN`` (8) rows."""
     f = q8_engine.model.fused
     assert q8_engine.pool.k.dtype == torch.int8
-    pairs = [prefill(q8_engine, p) for p in PROMPTS]
+    pairs = [prefill(q8_engine, f"{p} ({i})") for i in range(3) for p in PROMPTS]
     seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
     try:
         for _ in range(6):

@@ -15,10 +15,11 @@
  *
  * Work split: projections by weight rows (chunks of the stacked output rows,
  * crossing part boundaries), attention by (sequence, KV head), SiLU by
- * 256-column runs of a row (both quantizing what they wrote for the next
- * projection); the small sequential pieces (RMSNorm + activation quantization,
- * RoPE + KV write) run as the tail of the phase before them, on whichever
- * thread finished it. Results equal the op-by-op
+ * 256-column runs of a row, or whole rows from 16 rows (both quantizing
+ * what they wrote for the next projection); the small sequential pieces
+ * (RMSNorm + activation quantization, RoPE + KV write) run as the tail of
+ * the phase before them, on whichever thread finished it, or split by rows
+ * across the threads from ROW_TAIL_MIN rows. Results equal the op-by-op
  * path (same kernels, same order of summation per output) except SiLU (see
  * silu_mul), whatever the thread count.
  *
@@ -176,13 +177,32 @@ static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t
         tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
 }
 
-/* RMSNorm of T rows of x [T, H] with weight w into xn, then their
- * quantization for L (one thread). */
-static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, int64_t H, float eps,
-                          const tq_linear_desc *L, void *qa, float *fa) {
-    for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, w, xn + t * H, H, eps);
-    quantize_for(L, xn, T, qa, fa);
+/* quantize_for of rows [t0, t1) of the M rows x [M, K] (the route, panel
+ * or integer, is the one M rows take): rows are quantized independently, so
+ * any split of [0, M) gives quantize_for's result. */
+static inline void quantize_rows(const tq_linear_desc *L, const float *x, int64_t M, int64_t t0, int64_t t1, void *qa,
+                                 float *fa) {
+    const int64_t K = L->k;
+    if (panel_bf16(L, M))
+        panel_x(x + t0 * K, K, t1 - t0, K, (uint16_t *)qa + t0 * K);
+    else if (desc_needs_quantized(L, M))
+        tq_quantize((int)L->bits, x + t0 * K, K, t1 - t0, K, (char *)qa + t0 * K * (L->bits / 8),
+                    fa + t0 * FA * (K / QK));
 }
+
+/* RMSNorm of rows [t0, t1) of x [T, H] with weight w into xn, then their
+ * quantization for L (as T rows take it). */
+static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, int64_t t0, int64_t t1, int64_t H,
+                          float eps, const tq_linear_desc *L, void *qa, float *fa) {
+    for (int64_t t = t0; t < t1; t++) rms_norm_row(x + t * H, w, xn + t * H, H, eps);
+    quantize_rows(L, xn, T, t0, t1, qa, fa);
+}
+
+/* Rows from which a phase's tail is split across the threads (a sub-phase
+ * of row chunks) instead of run by the thread that finished the phase: at
+ * 64 rows the serial tails (RoPE + KV write, the RMSNorms and their
+ * quantization) held the other thread idle for ~4 ms of a ~95 ms step. */
+#define ROW_TAIL_MIN 16
 
 /* Chunks of a projection with N outputs: 4 per thread (so that a thread
  * the OS preempts holds back little), each at least 16 rows and a multiple
@@ -194,6 +214,69 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
     r = (r + align - 1) / align * align;
     *rows = r;
     return (N + r - 1) / r;
+}
+
+/* What a phase's tail reads and writes (tq_decode_layers' buffers). */
+typedef struct {
+    const tq_decoder_desc *D;
+    float *x, *xn, *qkv, *q, *attn, *fa;
+    void *qa;
+    const float *cos_, *sin_;
+    const int64_t *write_slots, *out_rows;
+    int64_t T, S;
+    int head;
+} step_ctx;
+
+/* Rows of the tail of phase ph (of kind `kind`, layer ly, li; last: the
+ * head's phase) and, with r1 > r0, that tail over rows [r0, r1) (tmp: hd
+ * floats of the calling thread). The tails: after the first phase and
+ * each down projection, the next layer's RMSNorm + quantizing (or the
+ * final norm of the S output rows + quantizing for the head); after QKV,
+ * RoPE + KV write; after the output projection, RMSNorm + quantizing for
+ * gate/up; after attention and SiLU, the quantizing their chunks did not do
+ * (o_blocks, down_blocks). Every tail is row by row, so any split of its
+ * rows gives the same result. */
+static int64_t phase_tail(const step_ctx *C, int64_t ph, int last, int64_t kind, int64_t li, int o_blocks,
+                          int down_blocks, int64_t r0, int64_t r1, float *tmp) {
+    const tq_decoder_desc *D = C->D;
+    const tq_layer_desc *ly = li >= 0 && li < D->n_layers ? &D->layers[li] : 0;
+    const int64_t T = C->T, H = D->hidden, nh = D->nh, nkv = D->nkv, hd = D->hd, half = hd / 2;
+    if (last) return 0; /* nothing after the head */
+    if (ph == 0 || kind == 5) { /* norm for the next layer's QKV, or for the head */
+        const tq_layer_desc *nx = li + 1 < D->n_layers ? &D->layers[li + 1] : 0;
+        if (nx) {
+            if (r1 > r0) norm_quantize(C->x, nx->ln1, C->xn, T, r0, r1, H, D->eps, nx->qkv, C->qa, C->fa);
+            return T;
+        }
+        if (!C->head) return 0;
+        for (int64_t i = r0; i < r1; i++) rms_norm_row(C->x + C->out_rows[i] * H, D->final_norm, C->xn + i * H, H, D->eps);
+        if (r1 > r0) quantize_rows(D->head, C->xn, C->S, r0, r1, C->qa, C->fa);
+        return C->S;
+    }
+    if (kind == 0) {
+        const int64_t qkv_w = (nh + 2 * nkv) * hd;
+        for (int64_t t = r0; t < r1; t++)
+            if (D->kv_int8)
+                rope_store_row_q8(C->qkv + t * qkv_w, C->cos_ + t * half, C->sin_ + t * half, C->q + t * nh * hd,
+                                  (int8_t *)ly->k_pool, (int8_t *)ly->v_pool, C->write_slots[t], nh, nkv, hd, tmp);
+            else
+                rope_store_row(C->qkv + t * qkv_w, C->cos_ + t * half, C->sin_ + t * half, C->q + t * nh * hd,
+                               ly->k_pool, ly->v_pool, C->write_slots[t], nh, nkv, hd);
+        return T;
+    }
+    if (kind == 1 && !o_blocks) {
+        if (r1 > r0) quantize_rows(ly->o, C->attn, T, r0, r1, C->qa, C->fa);
+        return T;
+    }
+    if (kind == 2) {
+        if (r1 > r0) norm_quantize(C->x, ly->ln2, C->xn, T, r0, r1, H, D->eps, ly->gate_up, C->qa, C->fa);
+        return T;
+    }
+    if (kind == 4 && !down_blocks) {
+        if (r1 > r0) quantize_rows(ly->down, C->xn, T, r0, r1, C->qa, C->fa);
+        return T;
+    }
+    return 0;
 }
 
 /* Run every layer of D over x [T, H] (float32, contiguous; the residual
@@ -217,7 +300,9 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * thread may claim (claim_chunk: a thread runs its own range in order, so
  * its weight reads stay one stream, then helps with the others'). The
  * thread that finishes a phase's last chunk runs its tail (the small serial
- * piece) and opens the next phase. No thread waits for another thread, only
+ * piece, phase_tail) and opens the next phase; a tail of ROW_TAIL_MIN rows
+ * or more is instead split into row chunks that every thread claims, and
+ * the thread that finishes the last of them opens the next phase. No thread waits for another thread, only
  * for unfinished chunks: when the OS preempts a thread (more runnable threads
  * than cores: the server's event loop, a client, other processes), the
  * others take the chunks it would have run. With barriers between operations
@@ -227,7 +312,7 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
 int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float *cos_, const float *sin_,
                      const int64_t *write_slots, const tq_attn_group *groups, int64_t n_groups, int nthreads,
                      const int64_t *out_rows, int64_t S, float *logits) {
-    const int64_t H = D->hidden, nh = D->nh, nkv = D->nkv, hd = D->hd, F = D->ffn, g = nh / nkv, half = hd / 2;
+    const int64_t H = D->hidden, nh = D->nh, nkv = D->nkv, hd = D->hd, F = D->ffn, g = nh / nkv;
     const int64_t qkv_w = (nh + 2 * nkv) * hd, kmax = H > nh * hd ? (H > F ? H : F) : (nh * hd > F ? nh * hd : F);
     const int head = logits && D->head && S > 0; /* S <= T rows: the scratch fits */
     if (T <= 0) return 0;
@@ -237,12 +322,17 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
         tasks += groups[i].B * nkv;
     }
     const int nt_max = nthreads > 0 ? nthreads : omp_get_max_threads();
-    const int64_t n_phases = 1 + 6 * D->n_layers + head, silu_w = 256, silu_per_row = (F + silu_w - 1) / silu_w;
+    /* SiLU chunks: 256 columns, or whole rows from 16 rows (at 64 rows 256-column chunks, ~12k a step,
+     * took 4.5 ms a step of a ~95 ms step in claiming and finishing chunks; whole rows 1.9 ms) */
+    const int64_t silu_w = T >= 16 ? (F + QK - 1) / QK * QK : 256, silu_per_row = (F + silu_w - 1) / silu_w;
+    const int64_t n_phases = 1 + 6 * D->n_layers + head;
     /* float scratch: xn [T, kmax], qkv [T, qkv_w], q [T, nh hd], attn [T, nh hd], gu [T, 2F], scores per
-     * thread, hd for the int8 key row being written */
-    const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * g * Lmax + hd);
+     * thread, hd per thread for the int8 key row being written */
+    const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * (g * Lmax + hd));
     const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
-    const size_t cbytes = (size_t)n_phases * (nt_max + 1) * sizeof(ctr_line);
+    /* per phase: nt_max claim counters, finished chunks, then the row tail's open flag, claims, finished rows */
+    const int64_t n_ctr = nt_max + 4;
+    const size_t cbytes = (size_t)n_phases * n_ctr * sizeof(ctr_line);
     /* a panel buffer per thread when a projection may take the panel GEMM (no projection has more than T rows) */
     const size_t pbytes = panel_route(16, 0, T) ? (size_t)nt_max * kmax * PANEL_N * sizeof(float) : 0;
     char *buf = aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64 + qbytes + fbytes + cbytes + pbytes);
@@ -251,18 +341,22 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F, *ktmp = scores + (int64_t)nt_max * g * Lmax;
     void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
-    ctr_line *ctr = (ctr_line *)((char *)fa + fbytes); /* phase ph: ctr + ph (nt_max + 1) */
+    ctr_line *ctr = (ctr_line *)((char *)fa + fbytes); /* phase ph: ctr + ph n_ctr */
     float *pbuf = (float *)((char *)ctr + cbytes);
     memset(ctr, 0, cbytes);
     int64_t completed = 0; /* phases finished (their tails included) */
+    const step_ctx C = {D, x, xn, qkv, q, attn, fa, qa, cos_, sin_, write_slots, out_rows, T, S, head};
+    static uint64_t steps_run; /* makes each step's planes_tag values its own */
+    const uint64_t step_id = __atomic_add_fetch(&steps_run, 1, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(nt_max)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *sc = scores + (int64_t)tid * g * Lmax;
+        float *sc = scores + (int64_t)tid * g * Lmax, *tmp = ktmp + (int64_t)tid * hd;
         const int clock = prof_on && tid == 0;
         double t_last = clock ? omp_get_wtime() : 0.0;
         for (int64_t ph = 0; ph < n_phases; ph++) {
             wait_phase(&completed, ph);
+            planes_tag = step_id << 20 | (uint64_t)(ph + 1); /* qa is fixed until this phase ends */
             const int64_t li = ph == 0 ? -1 : (ph - 1) / 6, kind = ph == 0 ? 5 : (ph - 1) % 6;
             if (clock && ph > 0) { /* the phase before this one ended */
                 const double now = omp_get_wtime();
@@ -296,7 +390,10 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             const int64_t M = ph == n_phases - 1 && head ? S : T;
             if (lin) n_chunks = linear_chunks(lin->n_total, nt, panel_route(lin->bits, 0, M) ? PANEL_N : 16, &rows);
             if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
-            ctr_line *claims = ctr + ph * (nt_max + 1), *done = claims + nt_max;
+            ctr_line *claims = ctr + ph * n_ctr, *done = claims + nt_max, *tail_open = done + 1;
+            const int last = ph == n_phases - 1 && head;
+            const int64_t tail_n = phase_tail(&C, ph, last, kind, li, o_blocks, down_blocks, 0, 0, tmp);
+            const int row_tail = tail_n >= ROW_TAIL_MIN;
             for (;;) {
                 const int64_t c = claim_chunk(claims, n_chunks, tid, nt);
                 if (c < 0) break;
@@ -329,35 +426,28 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                                         (char *)qa + t * F * (ly->down->bits / 8), fa + t * FA * (F / QK));
                 }
                 if (__atomic_add_fetch(&done->v, 1, __ATOMIC_ACQ_REL) != n_chunks) continue;
-                /* the last chunk of the phase: its tail, then open the next phase */
-                if (ph == n_phases - 1 && head) {
-                    /* nothing after the head */
-                } else if (ph == 0 || kind == 5) { /* norm for the next layer's QKV, or for the head */
-                    const tq_layer_desc *nx = li + 1 < D->n_layers ? &D->layers[li + 1] : 0;
-                    if (nx) {
-                        norm_quantize(x, nx->ln1, xn, T, H, D->eps, nx->qkv, qa, fa);
-                    } else if (head) {
-                        for (int64_t i = 0; i < S; i++) rms_norm_row(x + out_rows[i] * H, D->final_norm, xn + i * H, H, D->eps);
-                        quantize_for(D->head, xn, S, qa, fa);
-                    }
-                } else if (kind == 0) {
-                    for (int64_t t = 0; t < T; t++)
-                        if (D->kv_int8)
-                            rope_store_row_q8(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd,
-                                              (int8_t *)ly->k_pool, (int8_t *)ly->v_pool, write_slots[t], nh, nkv, hd, ktmp);
-                        else
-                            rope_store_row(qkv + t * qkv_w, cos_ + t * half, sin_ + t * half, q + t * nh * hd, ly->k_pool,
-                                           ly->v_pool, write_slots[t], nh, nkv, hd);
-                } else if (kind == 1 && !o_blocks) {
-                    quantize_for(ly->o, attn, T, qa, fa);
-                } else if (kind == 2) {
-                    norm_quantize(x, ly->ln2, xn, T, H, D->eps, ly->gate_up, qa, fa);
-                } else if (kind == 4 && !down_blocks) {
-                    quantize_for(ly->down, xn, T, qa, fa);
+                /* the last chunk of the phase: open its row tail, or run its tail and open the next phase */
+                if (row_tail) {
+                    __atomic_store_n(&tail_open->v, 1, __ATOMIC_RELEASE);
+                    break;
                 }
+                phase_tail(&C, ph, last, kind, li, o_blocks, down_blocks, 0, tail_n, tmp);
                 __atomic_store_n(&completed, ph + 1, __ATOMIC_RELEASE);
             }
+            if (row_tail) { /* row chunks of about a quarter of a thread's share */
+                const int64_t rows_c = (tail_n + 4 * nt - 1) / (4 * nt), n_tc = (tail_n + rows_c - 1) / rows_c;
+                wait_phase(&tail_open->v, 1);
+                for (;;) {
+                    const int64_t c = __atomic_fetch_add(&tail_open[1].v, 1, __ATOMIC_ACQ_REL);
+                    if (c >= n_tc) break;
+                    const int64_t r0 = c * rows_c, r1 = r0 + rows_c < tail_n ? r0 + rows_c : tail_n;
+                    phase_tail(&C, ph, last, kind, li, o_blocks, down_blocks, r0, r1, tmp);
+                    if (__atomic_add_fetch(&tail_open[2].v, 1, __ATOMIC_ACQ_REL) == n_tc)
+                        __atomic_store_n(&completed, ph + 1, __ATOMIC_RELEASE);
+                }
+            }
         }
+        planes_tag = 0;
         if (clock) {
             wait_phase(&completed, n_phases);
             prof_acc[head ? 6 : 5] += omp_get_wtime() - t_last;

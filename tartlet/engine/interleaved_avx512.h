@@ -160,12 +160,19 @@ INLINE int il_matmul_kind(const int kind, const uint8_t *wq, const uint16_t *wd,
                           int64_t K, const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK, ps = (K + 63) & ~(int64_t)63, fs = FA * nb;
-    uint8_t *const lo = activation_planes((size_t)(2 * M * ps));
+    const int q8 = kind == K_Q8I;
+    /* the planes this thread split earlier in the same phase of the fused step (planes_tag) */
+    const int reuse = planes_tag && planes_have.tag == planes_tag && planes_have.qa == qa && planes_have.M == M &&
+                      planes_have.K == K && planes_have.q8 == q8;
+    uint8_t *const lo = reuse ? planes_buf : activation_planes((size_t)(2 * M * ps));
     if (!lo) return -1;
     uint8_t *const hi = lo + M * ps;
     /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
-    const __m256i flip = _mm256_set1_epi8(kind == K_Q8I ? (char)0x80 : 0);
-    for (int64_t r = 0; r < M; r++)
+    const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
+    if (!reuse) {
+        planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
+    }
+    for (int64_t r = 0; r < M && !reuse; r++)
         for (int64_t k = 0; k < K; k += 32) {
             const __m512i a = _mm512_loadu_si512((const void *)(qa + r * K + k));
             _mm256_store_si256((__m256i *)(lo + r * ps + k), _mm512_cvtepi16_epi8(a));

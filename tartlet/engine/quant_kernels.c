@@ -218,6 +218,14 @@ static void matmul_il_c(int kind, int bits, const uint8_t *wq, const uint16_t *w
         }
 }
 
+/* Split 16-bit activations may be reused within one phase of the fused
+ * decode step (decode_step.h): it sets planes_tag to a value unique to the
+ * (step, phase) on each of its threads, during which the activations qa a
+ * projection reads do not change, so a thread splits them into byte planes
+ * once a phase instead of once a chunk (il_matmul_kind). 0 (every other
+ * caller): split on every call. */
+static _Thread_local uint64_t planes_tag;
+
 /* --------------------------------------------------------------- x86 SIMD */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -249,11 +249,21 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
 #define ONE16_PF 4
 static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
+/* What planes_buf holds when il_matmul_kind may reuse it (see planes_tag):
+ * the split of qa [M, K] with Q8I's flip (q8) made under tag; tag 0: nothing
+ * reusable. */
+static _Thread_local struct {
+    uint64_t tag;
+    const void *qa;
+    int64_t M, K;
+    int q8;
+} planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
  * (one16_kind, il_matmul_kind), at least `bytes` long, 64-byte aligned;
  * NULL when it cannot be allocated. */
 static uint8_t *activation_planes(size_t bytes) {
+    planes_have.tag = 0; /* the caller overwrites it */
     if (bytes > planes_cap) {
         free(planes_buf);
         planes_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
