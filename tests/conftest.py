@@ -164,6 +164,18 @@ def q8_engine(gguf_path, quant_loaded):
 
 
 @pytest.fixture(scope="module")
+def f16_engine(gguf_path, quant_loaded):
+    """The default model, quantized weights, a float16 KV pool of 32 MiB
+    (tests/test_fused_decode.py)."""
+    from tartlet.engine.engine import Engine, EngineConfig
+
+    lm = quant_loaded
+    eng = Engine(EngineConfig(model=str(gguf_path), kv_cache_mb=32, kv_dtype="float16"), lm.config, dict(lm.weights), lm.tokenizer)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
 def bf16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, the panel GEMM in bfloat16
     (``matmul_dtype="bfloat16"``); skips on CPUs without AVX-512 and

@@ -62,6 +62,23 @@ def test_rope_qkv_store(kern, rows):
     assert not kp[untouched].any() and not vp[untouched].any(), "wrote outside the write slots"
 
 
+@pytest.mark.parametrize("rows", [1, 7, 80])
+def test_rope_qkv_store_float16_pool(kern, rows):
+    """A float16 pool gets the float32 kernel's keys and values rounded as
+    ``Tensor.half()`` rounds them (bit for bit), and the same queries."""
+    g = gen(100 + rows)
+    qkv = torch.randn(rows, (NH + 2 * NKV) * HD, generator=g) * 300  # some values past float16's precision
+    freqs = torch.randint(0, 500, (rows, 1), generator=g).float() * (1e4 ** (-torch.arange(0, HD, 2) / HD))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(SLOTS, generator=g)[:rows]
+    kp, vp = torch.zeros(SLOTS, NKV, HD), torch.zeros(SLOTS, NKV, HD)
+    kh, vh = torch.zeros(SLOTS, NKV, HD, dtype=torch.float16), torch.zeros(SLOTS, NKV, HD, dtype=torch.float16)
+    q = kern.rope_qkv_store(qkv, cos, sin, kp, vp, slots, NH, NKV, HD)
+    qh = kern.rope_qkv_store(qkv, cos, sin, kh, vh, slots, NH, NKV, HD)
+    assert torch.equal(qh, q)
+    assert torch.equal(kh, kp.half()) and torch.equal(vh, vp.half())
+
+
 def sdpa_reference(q, kp, vp, slots, bias):
     B, L = slots.shape
     k = kp[slots].transpose(1, 2)  # [B, nkv, L, hd]
@@ -99,6 +116,12 @@ def test_paged_decode_attention(kern, batch, length, masked):
     out2 = torch.zeros(batch + 3, NH * HD)
     kern.paged_decode_attention(q_all, kp, vp, slots, bias, None, 2, out2, HD**-0.5)
     torch.testing.assert_close(out2[2 : 2 + batch], sdpa_reference(q_all[2 : 2 + batch], kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
+
+    # float16 pools: the float32 arithmetic on the widened values, bit for bit
+    out16, want16 = torch.full((batch + 3, NH * HD), 7.0), torch.full((batch + 3, NH * HD), 7.0)
+    kern.paged_decode_attention(q_all, kp.half(), vp.half(), slots, bias, rows, 0, out16, HD**-0.5)
+    kern.paged_decode_attention(q_all, kp.half().float(), vp.half().float(), slots, bias, rows, 0, want16, HD**-0.5)
+    assert torch.equal(out16, want16)
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 1), (5, 1023), (4, 1024), (7, 1025), (64, 3000)])
@@ -217,6 +240,27 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     torch.testing.assert_close(out, sdpa_reference(q, kp, vp, slots, bias), rtol=1e-5, atol=1e-5)
     x, w = torch.randn(4, 576, generator=g), torch.randn(576, generator=g)
     torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    # float16 pools: the plain C conversions round as Tensor.half() does, edge values included
+    # (ties, subnormals, overflow to inf, inf, NaN), and read back exactly (the sums may run in
+    # another order than over float32 pools)
+    out16 = torch.zeros(3, NH * HD)
+    k.paged_decode_attention(q, kp.half(), vp.half(), slots, bias, None, 0, out16, HD**-0.5)
+    torch.testing.assert_close(out16, sdpa_reference(q, kp.half().float(), vp.half().float(), slots, bias), rtol=1e-5, atol=1e-5)
+    n = (NH + 2 * NKV) * HD
+    edge = torch.tensor([0.0, -0.0, 1e-8, 2.9802322e-08, 5.9604645e-08, 8.940697e-08, 6.0975552e-05, 6.1035156e-05,
+                         1.0009765625, 1.00048828125, 1.00146484375, 65504.0, 65519.99, 65520.0, 1e6, -3e5,
+                         float("inf"), float("-inf"), float("nan"), 1 / 3])
+    qkv = torch.randn(2, n, generator=g) * torch.logspace(-9, 6, n)
+    qkv[0, n - NKV * HD : n - NKV * HD + edge.numel()] = edge  # the values, stored as they are
+    cos, sin = torch.ones(2, HD // 2), torch.zeros(2, HD // 2)
+    ws = torch.tensor([5, 9])
+    kp, vp = torch.zeros(16, NKV, HD), torch.zeros(16, NKV, HD)
+    kh, vh = torch.zeros(16, NKV, HD, dtype=torch.float16), torch.zeros(16, NKV, HD, dtype=torch.float16)
+    assert torch.equal(k.rope_qkv_store(qkv, cos, sin, kh, vh, ws, NH, NKV, HD), k.rope_qkv_store(qkv, cos, sin, kp, vp, ws, NH, NKV, HD))
+    want_k, want_v = kp.half(), vp.half()
+    assert torch.equal(kh.view(torch.int16), want_k.view(torch.int16))
+    nan = want_v.isnan()
+    assert torch.equal(vh.isnan(), nan) and torch.equal(vh[~nan], want_v[~nan])
 
 
 def test_greedy_sampler_uses_the_argmax_kernel(kern, monkeypatch):

@@ -292,3 +292,32 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
     finally:
         for s in seqs:
             q8_engine.scheduler.command(s.free).result(30)
+
+
+def test_float16_kv_pool_matches_op_by_op(f16_engine):
+    """With a float16 pool both paths write keys and values rounded as
+    ``Tensor.half()`` rounds them and widen them in the attention loops
+    (``float_kernels.h``): twelve rows (so the tails split across threads)
+    agree with the op-by-op path within ``ATOL`` over six steps, greedy
+    tokens exactly, and the greedy answer still says Paris."""
+    f = f16_engine.model.fused
+    assert f16_engine.pool.k.dtype == torch.float16
+    pairs = [prefill(f16_engine, f"{p} ({i})") for i in range(3) for p in PROMPTS]
+    seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
+    try:
+        for _ in range(6):
+            fused_logits, ref = decode_both(f16_engine, f, seqs, toks)
+            assert float((fused_logits - ref).abs().max()) < ATOL
+            assert fused_logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
+            toks = fused_logits.argmax(-1).tolist()
+    finally:
+        for s in seqs:
+            f16_engine.scheduler.command(s.free).result(30)
+    seq, tok = prefill(f16_engine, PROMPTS[0])
+    out = [tok]
+    try:
+        for _ in range(6):
+            out.append(f16_engine.scheduler.submit(ForwardRequest(seq, [out[-1]], outputs=[OutputSlot(0, SamplerSpec())])).result(60)[0])
+    finally:
+        f16_engine.scheduler.command(seq.free).result(30)
+    assert "Paris" in f16_engine.tokenizer.decode(out)

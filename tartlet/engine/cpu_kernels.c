@@ -27,16 +27,19 @@
  *
  * int8 pools (kv_int8.h): rope_qkv_store_q8 and paged_decode_attention_q8 are
  * the same two kernels over pool layers int8 [slots, nkv, hd + 4] (each row's
- * quants, then its float32 scale).
+ * quants, then its float32 scale); float16 pools: rope_qkv_store_f16 and
+ * paged_decode_attention_f16 over layers of IEEE binary16 [slots, nkv, hd]
+ * (keys and values rounded to nearest even as they are written).
  *
- * The kernels that need per-thread scratch (the two attentions and
- * rope_qkv_store_q8) return 0, or -1 when it cannot be allocated: then every
- * thread skips the work (the threads agree at a barrier) and the outputs are
- * left untouched.
+ * The kernels that need per-thread scratch (the attentions and the int8 and
+ * float16 RoPE + KV writes) return 0, or -1 when it cannot be allocated:
+ * then every thread skips the work (the threads agree at a barrier) and the
+ * outputs are left untouched.
  *
- * No -ffast-math: masked positions are -inf and must stay so. With AVX2 and
- * FMA (compiled with -mavx2 -mfma) the dot products and the weighted sum of
- * values use intrinsics; otherwise plain loops give the same results.
+ * No -ffast-math: masked positions are -inf and must stay so. With AVX2, FMA
+ * and F16C (compiled with -mavx2 -mfma -mf16c) the dot products and the
+ * weighted sum of values use intrinsics; otherwise plain loops give the same
+ * results up to float32 summation order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,21 +55,6 @@ void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int6
         rms_norm_row(x + t * x_stride, w, out + t * H, H, eps);
 }
 
-/* qkv [T, (nh + 2 nkv) hd]; cos, sin [T, hd/2]; q_out [T, nh, hd];
- * k_pool, v_pool [slots, nkv, hd]; write_slots int64 [T]. */
-void rope_qkv_store(const float *qkv, const float *cos_, const float *sin_, float *q_out, float *k_pool, float *v_pool,
-                    const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
-{
-    const int64_t half = hd / 2, row = (nh + 2 * nkv) * hd;
-#pragma omp parallel for if (T >= 64) schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        rope_store_row(qkv + t * row, cos_ + t * half, sin_ + t * half, q_out + t * nh * hd, k_pool, v_pool,
-                       write_slots[t], nh, nkv, hd);
-}
-
-/* q: query b at q + (row_start + b or rows[b]) * q_stride, heads [nh, hd];
- * out: the same row of out, [nh * hd]. Work is split over (sequence, KV
- * head); each task keeps its g = nh / nkv heads' scores in scratch. */
 /* Inside a parallel region: whether any thread's scratch allocation (p of
  * bytes) failed; each reports its own, all threads get the same answer after a
  * barrier, so all of them skip or all enter the worksharing loop that follows. */
@@ -83,9 +71,68 @@ static int team_alloc_failed(const void *p, size_t bytes, int *failed)
     return f;
 }
 
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
-                           const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                           float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+/* Pool element kinds. */
+enum { POOL_F32 = 0, POOL_Q8 = 1, POOL_F16 = 2 };
+
+/* The RoPE + KV write of T rows into pools of `kind`; -1 when the scratch
+ * row cannot be allocated (nothing written then). */
+static int rope_store(int kind, const float *qkv, const float *cos_, const float *sin_, float *q_out, void *k_pool,
+                      void *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+{
+    const int64_t half = hd / 2, row = (nh + 2 * nkv) * hd;
+    int failed = 0;
+#pragma omp parallel if (T >= 64)
+    {
+        const size_t bytes = kind == POOL_F32 ? 0 : sizeof(float) * (size_t)hd;
+        float *tmp = bytes ? malloc(bytes) : NULL;
+        if (!team_alloc_failed(tmp, bytes, &failed)) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                const float *src = qkv + t * row, *c = cos_ + t * half, *s = sin_ + t * half;
+                float *q = q_out + t * nh * hd;
+                if (kind == POOL_Q8)
+                    rope_store_row_q8(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd, tmp);
+                else if (kind == POOL_F16)
+                    rope_store_row_f16(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd, tmp);
+                else
+                    rope_store_row(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd);
+            }
+        }
+        free(tmp);
+    }
+    return failed ? -1 : 0;
+}
+
+/* qkv [T, (nh + 2 nkv) hd]; cos, sin [T, hd/2]; q_out [T, nh, hd];
+ * k_pool, v_pool [slots, nkv, hd]; write_slots int64 [T]. */
+void rope_qkv_store(const float *qkv, const float *cos_, const float *sin_, float *q_out, float *k_pool, float *v_pool,
+                    const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+{
+    rope_store(POOL_F32, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+}
+
+/* rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
+ * (kv_int8.h); the other arguments as rope_qkv_store. */
+int rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
+                      int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+{
+    return rope_store(POOL_Q8, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+}
+
+/* rope_qkv_store writing float16 rows: k_pool, v_pool binary16 [slots, nkv,
+ * hd]; the other arguments as rope_qkv_store. */
+int rope_qkv_store_f16(const float *qkv, const float *cos_, const float *sin_, float *q_out, uint16_t *k_pool,
+                       uint16_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+{
+    return rope_store(POOL_F16, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+}
+
+/* Decode attention over pools of `kind` (see paged_decode_attention). Work
+ * is split over (sequence, KV head); each task keeps its g = nh / nkv heads'
+ * scores in scratch. */
+static int paged_attention(int kind, const float *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                           const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start, float *out,
+                           int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
     const int64_t g = nh / nkv, row = nkv * hd;
     int failed = 0;
@@ -99,8 +146,14 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool
             for (int64_t b = 0; b < B; b++)
                 for (int64_t kh = 0; kh < nkv; kh++) {
                     const int64_t r = rows ? rows[b] : row_start + b;
-                    attend_kv_head(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L,
-                                   bias ? bias + b * L : NULL, L, g, hd, row, kh, scale, p, out + r * nh * hd + kh * g * hd);
+                    const float *qh = q + r * q_stride + kh * g * hd, *bb = bias ? bias + b * L : NULL;
+                    float *oh = out + r * nh * hd + kh * g * hd;
+                    if (kind == POOL_Q8)
+                        attend_kv_head_q8(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, nkv, kh, scale, p, oh);
+                    else if (kind == POOL_F16)
+                        attend_kv_head_f16(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
+                    else
+                        attend_kv_head(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
                 }
         }
         free(p);
@@ -108,26 +161,14 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool
     return failed ? -1 : 0;
 }
 
-/* rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
- * (kv_int8.h); the other arguments as rope_qkv_store. */
-int rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
-                      int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
+/* q: query b at q + (row_start + b or rows[b]) * q_stride, heads [nh, hd];
+ * out: the same row of out, [nh * hd]; pools float32 [slots, nkv, hd]. */
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
+                           const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
+                           float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
-    const int64_t half = hd / 2, row = (nh + 2 * nkv) * hd;
-    int failed = 0;
-#pragma omp parallel if (T >= 64)
-    {
-        const size_t bytes = sizeof(float) * (size_t)hd;
-        float *tmp = malloc(bytes);
-        if (!team_alloc_failed(tmp, bytes, &failed)) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                rope_store_row_q8(qkv + t * row, cos_ + t * half, sin_ + t * half, q_out + t * nh * hd, k_pool, v_pool,
-                                  write_slots[t], nh, nkv, hd, tmp);
-        }
-        free(tmp);
-    }
-    return failed ? -1 : 0;
+    return paged_attention(POOL_F32, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+                           scale);
 }
 
 /* paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
@@ -136,25 +177,18 @@ int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_
                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
-    const int64_t g = nh / nkv;
-    int failed = 0;
-#pragma omp parallel if (B * L * nh * hd >= (1 << 20))
-    {
-        const size_t bytes = sizeof(float) * (size_t)(L * g);
-        float *p = malloc(bytes);
-        if (!team_alloc_failed(p, bytes, &failed)) {
-#pragma omp for collapse(2) schedule(static)
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t kh = 0; kh < nkv; kh++) {
-                    const int64_t r = rows ? rows[b] : row_start + b;
-                    attend_kv_head_q8(q + r * q_stride + kh * g * hd, k_pool, v_pool, slots + b * L,
-                                      bias ? bias + b * L : NULL, L, g, hd, nkv, kh, scale, p,
-                                      out + r * nh * hd + kh * g * hd);
-                }
-        }
-        free(p);
-    }
-    return failed ? -1 : 0;
+    return paged_attention(POOL_Q8, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+                           scale);
+}
+
+/* paged_decode_attention over float16 pools k_pool, v_pool [slots, nkv, hd];
+ * the other arguments as paged_decode_attention. */
+int paged_decode_attention_f16(const float *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
+                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+{
+    return paged_attention(POOL_F16, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+                           scale);
 }
 
 /* Rows scanned in blocks of this many values: the first pass keeps each

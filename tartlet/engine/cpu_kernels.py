@@ -8,8 +8,10 @@ decode attention read straight from the page pool (no gathered copy of the
 keys and values). Results equal the PyTorch path up to float32 summation
 order (checked by ``tests/test_cpu_kernels.py``). The RoPE + KV write and
 the attention also serve int8 pools (``kv_int8.h``; rows as
-:mod:`tartlet.engine.kv_quant` lays them out): keys and values are quantized
-as they are written and dequantized inside the attention loops.
+:mod:`tartlet.engine.kv_quant` lays them out: keys and values are quantized
+as they are written and dequantized inside the attention loops) and float16
+pools (rounded to nearest even as they are written, as ``Tensor.half()``
+does, and widened inside the attention loops).
 
 The C file is compiled on first use (:mod:`tartlet.engine.c_build`: once per
 machine, cached under ``$TARTLET_CACHE_DIR/kernels``), then loaded with
@@ -50,8 +52,8 @@ def _build(rebuild: bool = False) -> Path:
         RuntimeError: no C compiler, or it failed (its stderr is included).
     """
     flags = [*BASE_FLAGS, "-std=c11"]
-    if {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c"]
     headers = tuple(_SOURCE.parent / h for h in ("float_kernels.h", "kv_int8.h"))
     return compile_library("cpu_kernels", _SOURCE, flags, headers, rebuild=rebuild)
 
@@ -75,15 +77,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 #: extra bytes per pool row after ``head_dim`` values, per pool dtype (int8: the row's scale)
-_POOL_EXTRA = {torch.float32: 0, torch.int8: SCALE_BYTES}
+_POOL_EXTRA = {torch.float32: 0, torch.float16: 0, torch.int8: SCALE_BYTES}
+
+#: the pool dtypes the kernels read and write
+POOL_DTYPES = tuple(_POOL_EXTRA)
 
 
 def _check_pools(kernel: str, k_pool: torch.Tensor, v_pool: torch.Tensor, nkv: int, hd: int) -> None:
     ks, extra = k_pool.shape, _POOL_EXTRA.get(k_pool.dtype)
     if not (extra is not None and len(ks) == 3 and ks[1] == nkv and ks[2] == hd + extra and k_pool.is_cpu
             and k_pool.is_contiguous()):
-        bad_tensor(kernel, "k_pool", k_pool, ["slots", nkv, f"{hd} (float32) or {hd + SCALE_BYTES} (int8)"],
-                   "float32 or int8")
+        bad_tensor(kernel, "k_pool", k_pool, ["slots", nkv, f"{hd} (float32, float16) or {hd + SCALE_BYTES} (int8)"],
+                   "float32, float16 or int8")
     if not (v_pool.dtype is k_pool.dtype and v_pool.shape == ks and v_pool.is_cpu and v_pool.is_contiguous()):
         bad_tensor(kernel, "v_pool", v_pool, list(ks), str(k_pool.dtype).replace("torch.", ""))
 
@@ -106,6 +111,10 @@ class CpuKernels:
         self._rope_q8.argtypes = self._rope.argtypes
         self._attn_q8 = lib.paged_decode_attention_q8
         self._attn_q8.argtypes = self._attn.argtypes
+        self._rope_f16 = lib.rope_qkv_store_f16
+        self._rope_f16.argtypes = self._rope.argtypes
+        self._attn_f16 = lib.paged_decode_attention_f16
+        self._attn_f16.argtypes = self._attn.argtypes
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [_P, _I, _I, _I, _P]
         self._argmax_masked = lib.argmax_masked
@@ -113,7 +122,7 @@ class CpuKernels:
         self._argmax_masked.restype = ctypes.c_int64
         for f in (self._rms, self._rope, self._argmax):
             f.restype = None
-        for f in (self._attn, self._rope_q8, self._attn_q8):
+        for f in (self._attn, self._rope_q8, self._attn_q8, self._rope_f16, self._attn_f16):
             f.restype = ctypes.c_int  # -1: scratch memory could not be allocated
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
@@ -174,14 +183,15 @@ class CpuKernels:
         """RoPE the query and key heads of ``qkv`` ``[T, (nh + 2 nkv) hd]``
         (contiguous) with ``cos``/``sin`` ``[T, hd/2]``; keys and values are
         written to rows ``write_slots`` ``[T]`` of ``k_pool``/``v_pool``
-        ``[slots, nkv, hd]`` float32, or int8 ``[slots, nkv, hd + 4]``
-        (quantized, :mod:`tartlet.engine.kv_quant`). Returns the queries
-        ``[T, nh, hd]``.
+        ``[slots, nkv, hd]`` float32 or float16 (rounded to nearest even), or
+        int8 ``[slots, nkv, hd + 4]`` (quantized,
+        :mod:`tartlet.engine.kv_quant`). Returns the queries ``[T, nh, hd]``.
 
         Raises:
             ValueError: a tensor of the wrong shape, dtype, layout or device,
                 or an odd ``hd``.
-            MemoryError: the int8 kernel's scratch row could not be allocated.
+            MemoryError: the int8 or float16 kernel's scratch row could not
+                be allocated.
         """
         kernel = "rope_qkv_store"
         if hd % 2:
@@ -200,13 +210,12 @@ class CpuKernels:
                 and write_slots.is_contiguous()):
             bad_tensor(kernel, "write_slots", write_slots, [T], "int64")
         q = torch.empty(T, nh, hd, dtype=torch.float32)
-        if k_pool.dtype == torch.int8:
-            if self._rope_q8(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
-                             v_pool.data_ptr(), write_slots.data_ptr(), T, nh, nkv, hd):
-                raise MemoryError(f"{kernel}: cannot allocate a {hd}-float scratch row")
-        else:
-            self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
-                       v_pool.data_ptr(), write_slots.data_ptr(), T, nh, nkv, hd)
+        args = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                write_slots.data_ptr(), T, nh, nkv, hd)
+        if k_pool.dtype == torch.float32:
+            self._rope(*args)
+        elif (self._rope_q8 if k_pool.dtype == torch.int8 else self._rope_f16)(*args):
+            raise MemoryError(f"{kernel}: cannot allocate a {hd}-float scratch row")
         return q
 
     def paged_decode_attention(
@@ -218,8 +227,9 @@ class CpuKernels:
         ``slots[b]`` (``[B, L]``) with additive mask ``bias`` ``[B, L]`` (0 or
         -inf; ``None``: all visible); the result goes to the same row of
         ``out`` ``[T, nh * hd]``. Grouped-query heads: head ``h`` reads KV
-        head ``h // (nh / nkv)``. The pools are float32 ``[slots, nkv, hd]``
-        or int8 ``[slots, nkv, hd + 4]`` (dequantized on the fly,
+        head ``h // (nh / nkv)``. The pools are float32 or float16
+        ``[slots, nkv, hd]`` (widened on the fly), or int8
+        ``[slots, nkv, hd + 4]`` (dequantized on the fly,
         :mod:`tartlet.engine.kv_quant`).
 
         Raises:
@@ -234,7 +244,7 @@ class CpuKernels:
         T, nh, hd = qs
         ks = k_pool.shape
         if not (len(ks) == 3 and ks[1] > 0 and nh % ks[1] == 0):
-            bad_tensor(kernel, "k_pool", k_pool, ["slots", f"a divisor of nh = {nh}", hd], "float32 or int8")
+            bad_tensor(kernel, "k_pool", k_pool, ["slots", f"a divisor of nh = {nh}", hd], "float32, float16 or int8")
         nkv = ks[1]
         _check_pools(kernel, k_pool, v_pool, nkv, hd)
         ss = slots.shape
@@ -251,7 +261,7 @@ class CpuKernels:
         os_ = (T, nh * hd)
         if not (out.shape == os_ and out.dtype is F32 and out.is_cpu and out.is_contiguous()):
             bad_tensor(kernel, "out", out, os_)
-        attn = self._attn_q8 if k_pool.dtype == torch.int8 else self._attn
+        attn = {torch.int8: self._attn_q8, torch.float16: self._attn_f16}.get(k_pool.dtype, self._attn)
         if attn(q.data_ptr(), qst[0], k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
                 _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale):
             raise MemoryError(f"{kernel}: cannot allocate the attention scores of {L} positions")

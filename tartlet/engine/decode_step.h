@@ -28,12 +28,16 @@
 #include <omp.h>
 #include <sched.h>
 
+/* KV pool row kinds (tq_decoder_desc.kv_kind). */
+enum { TQ_KV_F32 = 0, TQ_KV_Q8 = 1, TQ_KV_F16 = 2 };
+
 /* One decoder layer: norm weights [H] and the four projections (descriptors
- * as tq_linear takes them); this layer's KV pool [slots, nkv, hd]. */
+ * as tq_linear takes them); this layer's KV pool rows [slots, nkv, ...] of
+ * the decoder's kv_kind. */
 typedef struct {
     const float *ln1, *ln2;
     const tq_linear_desc *qkv, *o, *gate_up, *down;
-    float *k_pool, *v_pool;
+    void *k_pool, *v_pool;
 } tq_layer_desc;
 
 /* Decode queries attending to their own KV slots (AttentionGroup with one
@@ -54,8 +58,9 @@ typedef struct {
     /* the final RMSNorm weight [H] and the LM head, or NULL: no head here */
     const float *final_norm;
     const tq_linear_desc *head;
-    /* 1: the KV pools are int8 rows [slots, nkv, hd + 4] (kv_int8.h), not float32 */
-    int64_t kv_int8;
+    /* the KV pools' rows: TQ_KV_F32 float32 [slots, nkv, hd], TQ_KV_Q8 int8 [slots, nkv, hd + 4]
+     * (kv_int8.h), TQ_KV_F16 binary16 [slots, nkv, hd] */
+    int64_t kv_kind;
 } tq_decoder_desc;
 
 /* Seconds spent per phase kind by thread 0 (tq_decode_profile), while
@@ -255,13 +260,16 @@ static int64_t phase_tail(const step_ctx *C, int64_t ph, int last, int64_t kind,
     }
     if (kind == 0) {
         const int64_t qkv_w = (nh + 2 * nkv) * hd;
-        for (int64_t t = r0; t < r1; t++)
-            if (D->kv_int8)
-                rope_store_row_q8(C->qkv + t * qkv_w, C->cos_ + t * half, C->sin_ + t * half, C->q + t * nh * hd,
-                                  (int8_t *)ly->k_pool, (int8_t *)ly->v_pool, C->write_slots[t], nh, nkv, hd, tmp);
+        for (int64_t t = r0; t < r1; t++) {
+            const float *src = C->qkv + t * qkv_w, *c = C->cos_ + t * half, *s = C->sin_ + t * half;
+            float *qo = C->q + t * nh * hd;
+            if (D->kv_kind == TQ_KV_Q8)
+                rope_store_row_q8(src, c, s, qo, ly->k_pool, ly->v_pool, C->write_slots[t], nh, nkv, hd, tmp);
+            else if (D->kv_kind == TQ_KV_F16)
+                rope_store_row_f16(src, c, s, qo, ly->k_pool, ly->v_pool, C->write_slots[t], nh, nkv, hd, tmp);
             else
-                rope_store_row(C->qkv + t * qkv_w, C->cos_ + t * half, C->sin_ + t * half, C->q + t * nh * hd,
-                               ly->k_pool, ly->v_pool, C->write_slots[t], nh, nkv, hd);
+                rope_store_row(src, c, s, qo, ly->k_pool, ly->v_pool, C->write_slots[t], nh, nkv, hd);
+        }
         return T;
     }
     if (kind == 1 && !o_blocks) {
@@ -407,9 +415,12 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
                     const float *qh = q + r * nh * hd + kh * g * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
                     float *oh = attn + r * nh * hd + kh * g * hd;
-                    if (D->kv_int8)
-                        attend_kv_head_q8(qh, (const int8_t *)ly->k_pool, (const int8_t *)ly->v_pool, G->kv_slots + b * G->L,
-                                          bb, G->L, g, hd, nkv, kh, D->scale, sc, oh);
+                    if (D->kv_kind == TQ_KV_Q8)
+                        attend_kv_head_q8(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv, kh,
+                                          D->scale, sc, oh);
+                    else if (D->kv_kind == TQ_KV_F16)
+                        attend_kv_head_f16(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd,
+                                           kh, D->scale, sc, oh);
                     else
                         attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd, kh,
                                        D->scale, sc, oh);

@@ -1,14 +1,55 @@
 /* Float32 building blocks shared by cpu_kernels.c (the per-op decode kernels
  * PyTorch's path calls) and quant_kernels.c (the fused decode step): the
- * softmax exponential, dot products, the weighted sum of values and one
- * attention task. Static, so each library gets its own copy; vectorised with
- * AVX2 + FMA intrinsics when the including file is compiled with them
- * (-mavx2 -mfma), plain loops otherwise. No -ffast-math: masked positions
- * are -inf and must stay so. Layouts as in cpu_kernels.c. */
+ * softmax exponential, the weighted sum of values, one attention task and
+ * the RoPE + KV write, over float32 or float16 pools (f16: IEEE binary16
+ * values, converted as torch's .half() does). Static, so each library gets
+ * its own copy; vectorised with AVX2 + FMA + F16C intrinsics when the
+ * including file is compiled with them (-mavx2 -mfma -mf16c), plain loops
+ * otherwise. No -ffast-math: masked positions are -inf and must stay so.
+ * Layouts as in cpu_kernels.c. */
 #ifndef TARTLET_FLOAT_KERNELS_H
 #define TARTLET_FLOAT_KERNELS_H
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* IEEE binary16 -> float32 (exact). */
+static inline float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float f;
+    if (e == 0) { /* zero or subnormal: m 2^-24 */
+        f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | m << 13 : (e + 112) << 23 | m << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> IEEE binary16, rounded to nearest even (overflow to inf, NaN
+ * kept quiet), as vcvtps2ph with rounding mode 0 and torch's .half(). */
+static inline uint16_t float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf, NaN */
+        return sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 | (ax >> 13 & 0x3ff) : 0);
+    if (ax >= 0x477ff000u) /* 65520 and up round to inf */
+        return sign | 0x7c00;
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal (or zero), round(|f| 2^24) of 2^-24 */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return sign | (uint16_t)nearbyintf(a * 16777216.0f);
+    }
+    uint32_t r = ax - 0x38000000u; /* exponent bias 127 -> 15 */
+    r += 0x0fffu + (r >> 13 & 1); /* to nearest, ties to even: a carry moves into the exponent */
+    return sign | (uint16_t)(r >> 13);
+}
 
 /* exp(x) for x <= 0, -inf giving 0: Cephes' expf (range reduction by
  * ln 2 split in two, degree-6 polynomial), relative error ~1e-7; written
@@ -29,37 +70,30 @@ static inline float exp_nonpositive(float x)
     return x == -INFINITY ? 0.0f : p * scale.f;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TARTLET_AVX2 1
 #endif
 
-static inline float dot(const float *a, const float *b, int64_t n)
+/* Value i of a pool row at p: float32 (f16 0) or float16 (f16 1). */
+ALWAYS_INLINE float kv_at(const void *p, int64_t i, const int f16)
 {
-#ifdef TARTLET_AVX2
-    if (n % 16 == 0) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        }
-        s0 = _mm256_add_ps(s0, s1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        return _mm_cvtss_f32(h);
-    }
-#endif
-    float d = 0.f;
-#pragma omp simd reduction(+ : d)
-    for (int64_t i = 0; i < n; i++)
-        d += a[i] * b[i];
-    return d;
+    return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* o[0:hd] = sum_j p[j] * v_pool[slot[j]] (row offset kv_off), skipping p[j] == 0. */
-static void weighted_values(const float *p, const int64_t *sl, int64_t L, const float *v_pool, int64_t row, int64_t kv_off,
-                            int64_t hd, float *o)
+#ifdef TARTLET_AVX2
+/* Values i .. i + 7 of a pool row at p, as kv_at. */
+ALWAYS_INLINE __m256 kv_load8(const void *p, int64_t i, const int f16)
+{
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* o[0:hd] = sum_j p[j] * v_pool[slot[j]] (row offset kv_off, in values),
+ * skipping p[j] == 0. */
+ALWAYS_INLINE void weighted_values(const float *p, const int64_t *sl, int64_t L, const void *v_pool, int64_t row,
+                                   int64_t kv_off, int64_t hd, float *o, const int f16)
 {
 #ifdef TARTLET_AVX2
     if (hd % 64 == 0) { /* 64 columns at a time, accumulators in registers */
@@ -71,9 +105,9 @@ static void weighted_values(const float *p, const int64_t *sl, int64_t L, const 
                 if (p[j] == 0.f)
                     continue;
                 const __m256 pj = _mm256_set1_ps(p[j]);
-                const float *v = v_pool + sl[j] * row + kv_off + c;
+                const int64_t v = sl[j] * row + kv_off + c;
                 for (int k = 0; k < 8; k++)
-                    a[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * k), a[k]);
+                    a[k] = _mm256_fmadd_ps(pj, kv_load8(v_pool, v + 8 * k, f16), a[k]);
             }
             for (int k = 0; k < 8; k++)
                 _mm256_storeu_ps(o + c + 8 * k, a[k]);
@@ -86,10 +120,10 @@ static void weighted_values(const float *p, const int64_t *sl, int64_t L, const 
     for (int64_t j = 0; j < L; j++) {
         if (p[j] == 0.f)
             continue;
-        const float *v = v_pool + sl[j] * row + kv_off;
+        const int64_t v = sl[j] * row + kv_off;
 #pragma omp simd
         for (int64_t i = 0; i < hd; i++)
-            o[i] += p[j] * v[i];
+            o[i] += p[j] * kv_at(v_pool, v + i, f16);
     }
 }
 
@@ -123,14 +157,14 @@ static inline __m256 hsum8x8(const __m256 a[8])
 /* p[h * L + j] = q_h . k_j for the g heads, 8 keys at a time (hd a multiple
  * of 8): one accumulator per key, so each key's products need no horizontal
  * sum of their own; the 8 sums come out of one hadd tree. */
-static void scores_8keys(const float *qh, const float *k_pool, const int64_t *sl, int64_t L, int64_t g, int64_t hd,
-                         int64_t row, int64_t kh, float *p)
+ALWAYS_INLINE void scores_8keys(const float *qh, const void *k_pool, const int64_t *sl, int64_t L, int64_t g, int64_t hd,
+                                int64_t row, int64_t kh, float *p, const int f16)
 {
     for (int64_t j0 = 0; j0 < L; j0 += 8) {
         const int64_t nb = L - j0 < 8 ? L - j0 : 8;
-        const float *k[8];
+        int64_t k[8];
         for (int64_t jj = 0; jj < 8; jj++)
-            k[jj] = k_pool + sl[j0 + (jj < nb ? jj : 0)] * row + kh * hd;
+            k[jj] = sl[j0 + (jj < nb ? jj : 0)] * row + kh * hd;
         for (int64_t h = 0; h < g; h++) {
             const float *q = qh + h * hd;
             __m256 acc[8];
@@ -139,7 +173,7 @@ static void scores_8keys(const float *qh, const float *k_pool, const int64_t *sl
             for (int64_t d = 0; d < hd; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
                 for (int jj = 0; jj < 8; jj++)
-                    acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[jj] + d), acc[jj]);
+                    acc[jj] = _mm256_fmadd_ps(qv, kv_load8(k_pool, k[jj] + d, f16), acc[jj]);
             }
             float sums[8];
             _mm256_storeu_ps(sums, hsum8x8(acc));
@@ -152,20 +186,22 @@ static void scores_8keys(const float *qh, const float *k_pool, const int64_t *sl
 
 /* One attention task: the g query heads sharing KV head kh of one decode
  * query (qh: those heads, [g, hd]) over L pool slots sl (additive mask bb, or
- * NULL), written to out [g, hd]; p: scratch of g * L floats. Softmax with
- * the running maximum subtracted (exact, not online). */
-static void attend_kv_head(const float *qh, const float *k_pool, const float *v_pool, const int64_t *sl, const float *bb,
-                           int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale, float *p, float *out)
+ * NULL), written to out [g, hd]; p: scratch of g * L floats; pools of rows
+ * of `row` values, float32 or (f16) float16. Softmax with the running
+ * maximum subtracted (exact, not online). */
+ALWAYS_INLINE void attend_kv_head_any(const float *qh, const void *k_pool, const void *v_pool, const int64_t *sl,
+                                      const float *bb, int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh,
+                                      float scale, float *p, float *out, const int f16)
 {
 #ifdef TARTLET_AVX2
     if (hd % 8 == 0) {
-        scores_8keys(qh, k_pool, sl, L, g, hd, row, kh, p);
+        scores_8keys(qh, k_pool, sl, L, g, hd, row, kh, p, f16);
         for (int64_t h = 0; h < g; h++) {
             float *ph = p + h * L;
             for (int64_t j = 0; j < L; j++) /* a masked key's product is overwritten, whatever its slot holds */
                 ph[j] = bb ? (bb[j] == -INFINITY ? -INFINITY : ph[j] * scale + bb[j]) : ph[j] * scale;
             softmax_row(ph, L);
-            weighted_values(ph, sl, L, v_pool, row, kh * hd, hd, out + h * hd);
+            weighted_values(ph, sl, L, v_pool, row, kh * hd, hd, out + h * hd, f16);
         }
         return;
     }
@@ -176,14 +212,35 @@ static void attend_kv_head(const float *qh, const float *k_pool, const float *v_
                 p[h * L + j] = -INFINITY;
             continue;
         }
-        const float *k = k_pool + sl[j] * row + kh * hd;
-        for (int64_t h = 0; h < g; h++)
-            p[h * L + j] = dot(qh + h * hd, k, hd) * scale + (bb ? bb[j] : 0.f);
+        const int64_t k = sl[j] * row + kh * hd;
+        for (int64_t h = 0; h < g; h++) {
+            const float *q = qh + h * hd;
+            float d = 0.f;
+#pragma omp simd reduction(+ : d)
+            for (int64_t i = 0; i < hd; i++)
+                d += q[i] * kv_at(k_pool, k + i, f16);
+            p[h * L + j] = d * scale + (bb ? bb[j] : 0.f);
+        }
     }
     for (int64_t h = 0; h < g; h++) {
         softmax_row(p + h * L, L);
-        weighted_values(p + h * L, sl, L, v_pool, row, kh * hd, hd, out + h * hd);
+        weighted_values(p + h * L, sl, L, v_pool, row, kh * hd, hd, out + h * hd, f16);
     }
+}
+
+/* attend_kv_head_any over float32 pools [slots, row] (row = nkv hd). */
+static void attend_kv_head(const float *qh, const float *k_pool, const float *v_pool, const int64_t *sl, const float *bb,
+                           int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale, float *p, float *out)
+{
+    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, 0);
+}
+
+/* attend_kv_head_any over float16 pools [slots, row]. */
+static void attend_kv_head_f16(const float *qh, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *sl,
+                               const float *bb, int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale,
+                               float *p, float *out)
+{
+    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, 1);
 }
 
 /* RMSNorm of one row: o = w * (x * rsqrt(mean(x^2) + eps)). */
@@ -199,28 +256,52 @@ static inline void rms_norm_row(const float *x, const float *w, float *o, int64_
         o[i] = w[i] * (x[i] * r);
 }
 
+/* o = RoPE (rotate_half layout) of one head x [2 half] with c, s [half]. */
+static inline void rope_rotate(const float *x, const float *c, const float *s, float *o, int64_t half)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        o[i] = a * c[i] - b * s[i];
+        o[i + half] = b * c[i] + a * s[i];
+    }
+}
+
 /* RoPE (rotate_half layout) of the query and key heads of one fused QKV row
  * src [(nh + 2 nkv) hd] with c, s [hd / 2]: queries to q_out [nh, hd], keys
  * and values to pool row `slot` of k_pool, v_pool [slots, nkv, hd]. */
 static inline void rope_store_row(const float *src, const float *c, const float *s, float *q_out, float *k_pool,
                                   float *v_pool, int64_t slot, int64_t nh, int64_t nkv, int64_t hd)
 {
-    const int64_t half = hd / 2;
-    for (int64_t h = 0; h < nh + nkv; h++) {
-        const float *x = src + h * hd;
-        float *o = h < nh ? q_out + h * hd : k_pool + (slot * nkv + (h - nh)) * hd;
-#pragma omp simd
-        for (int64_t i = 0; i < half; i++) {
-            const float a = x[i], b = x[i + half];
-            o[i] = a * c[i] - b * s[i];
-            o[i + half] = b * c[i] + a * s[i];
-        }
+    for (int64_t h = 0; h < nh + nkv; h++)
+        rope_rotate(src + h * hd, c, s, h < nh ? q_out + h * hd : k_pool + (slot * nkv + (h - nh)) * hd, hd / 2);
+    memcpy(v_pool + slot * nkv * hd, src + (nh + nkv) * hd, sizeof(float) * (size_t)(nkv * hd));
+}
+
+/* dst [n] = float16 of x [n] (float_to_half's rounding). */
+static inline void store_half_row(const float *x, uint16_t *dst, int64_t n)
+{
+    int64_t i = 0;
+#ifdef TARTLET_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++)
+        dst[i] = float_to_half(x[i]);
+}
+
+/* rope_store_row writing float16 pool rows k_pool, v_pool [slots, nkv, hd]
+ * (keys rounded after RoPE). tmp: hd floats. */
+static inline void rope_store_row_f16(const float *src, const float *c, const float *s, float *q_out, uint16_t *k_pool,
+                                      uint16_t *v_pool, int64_t slot, int64_t nh, int64_t nkv, int64_t hd, float *tmp)
+{
+    for (int64_t h = 0; h < nh; h++)
+        rope_rotate(src + h * hd, c, s, q_out + h * hd, hd / 2);
+    for (int64_t kh = 0; kh < nkv; kh++) {
+        rope_rotate(src + (nh + kh) * hd, c, s, tmp, hd / 2);
+        store_half_row(tmp, k_pool + (slot * nkv + kh) * hd, hd);
     }
-    const float *v = src + (nh + nkv) * hd;
-    float *vo = v_pool + slot * nkv * hd;
-#pragma omp simd
-    for (int64_t i = 0; i < nkv * hd; i++)
-        vo[i] = v[i];
+    store_half_row(src + (nh + nkv) * hd, v_pool + slot * nkv * hd, nkv * hd);
 }
 
 #endif

@@ -24,7 +24,7 @@ rows (from
 ``tq_set_panel_rows`` rows its projections take the panel GEMM,
 ``panel_gemm_avx512.h``), below AVX-512 fewer than
 :data:`~tartlet.engine.quant_linear.DEQUANT_ROWS`, and the KV pool is
-float32 or int8 (``kv_int8.h`` rows).
+float32, float16 or int8 (``kv_int8.h`` rows).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .quant_kernels import DecoderDesc, LayerDesc, decoder_desc
+from .quant_kernels import KV_KINDS, DecoderDesc, LayerDesc, decoder_desc
 from .quant_linear import DEQUANT_ROWS, QuantLinear
 
 if TYPE_CHECKING:
@@ -86,13 +86,13 @@ class FusedDecoder:
         """Whether ``batch`` can run fused: every group's attention by the
         C kernel (decode rows, and prefill groups query by query:
         :func:`~tartlet.engine.llama.row_attention`), every row in a group,
-        below AVX-512 fewer than ``DEQUANT_ROWS`` rows, a float32 or int8
-        pool."""
+        below AVX-512 fewer than ``DEQUANT_ROWS`` rows, a float32, float16
+        or int8 pool."""
         from .llama import row_attention  # llama imports this module
 
         T = batch.input_ids.shape[0]
         # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
-        if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in (torch.float32, torch.int8):
+        if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in KV_KINDS:
             return False
         groups = batch.groups
         return sum(g.kv_slots.shape[0] * g.num_queries for g in groups) == T and all(row_attention(g) for g in groups)
@@ -106,8 +106,7 @@ class FusedDecoder:
                 layers.append(LayerDesc(layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *descs, kc.data_ptr(), vc.data_ptr()))
             m = self.model
             head = cast(QuantLinear, m.lm_head)._desc if self.has_head else None
-            self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head,
-                                           kv_int8=k_cache.dtype == torch.int8)
+            self._desc, arr = decoder_desc(layers, *self._dims, final_norm=m.norm, head=head, kv_dtype=k_cache.dtype)
             self._keep = [arr]
             self._pool = key
         assert self._desc is not None  # built above for this pool
@@ -124,7 +123,7 @@ class FusedDecoder:
         Args:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
             k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32
-                or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
+                or float16, or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
             groups: the model's per-group plans (:class:`~tartlet.engine.llama.GroupPlan`),
                 each run by the attention kernel.
 

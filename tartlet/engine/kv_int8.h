@@ -145,16 +145,9 @@ static void attend_kv_head_q8(const float *qh, const int8_t *k_pool, const int8_
 static inline void rope_store_row_q8(const float *src, const float *c, const float *s, float *q_out, int8_t *k_pool,
                                      int8_t *v_pool, int64_t slot, int64_t nh, int64_t nkv, int64_t hd, float *tmp)
 {
-    const int64_t half = hd / 2, rb = hd + KV_Q8_SCALE_BYTES;
+    const int64_t rb = hd + KV_Q8_SCALE_BYTES;
     for (int64_t h = 0; h < nh + nkv; h++) {
-        const float *x = src + h * hd;
-        float *o = h < nh ? q_out + h * hd : tmp;
-#pragma omp simd
-        for (int64_t i = 0; i < half; i++) {
-            const float a = x[i], b = x[i + half];
-            o[i] = a * c[i] - b * s[i];
-            o[i + half] = b * c[i] + a * s[i];
-        }
+        rope_rotate(src + h * hd, c, s, h < nh ? q_out + h * hd : tmp, hd / 2);
         if (h >= nh)
             quantize_row_q8(tmp, k_pool + (slot * nkv + (h - nh)) * rb, hd);
     }

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from . import cuda_attention, cuda_rms_norm, cuda_rope
 from .batch import AttentionGroup, BatchInputs
 from .config import ModelConfig
+from .cpu_kernels import POOL_DTYPES
 from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecoder
 from .kv_quant import from_pool, to_pool
@@ -505,8 +506,8 @@ class LlamaModel:
         """
         c = self.config
         nh, nkv, hd = self.nh, self.nkv, self.hd
-        # the C kernels read and write float32 and int8 pages (kv_quant.py); a 16-bit pool takes the PyTorch path
-        kern = self.kernels if k_cache.dtype in (torch.float32, torch.int8) else None
+        # the C kernels read and write float32, float16 and int8 pages (kv_quant.py); a bfloat16 pool takes the PyTorch path
+        kern = self.kernels if k_cache.dtype in POOL_DTYPES else None
         if isinstance(self.embed, QuantWeight):
             assert self.quant is not None  # loaded with the quantized weights
             x = embedding_rows(self.quant, self.embed, batch.input_ids)

@@ -76,7 +76,11 @@ class DecoderDesc(ctypes.Structure):
 
     _fields_ = [("n_layers", _I), ("hidden", _I), ("nh", _I), ("nkv", _I), ("hd", _I), ("ffn", _I),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)),
-                ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_int8", _I)]
+                ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_kind", _I)]
+
+
+#: ``DecoderDesc.kv_kind`` per pool dtype (``decode_step.h``'s TQ_KV_*)
+KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
 
 
 def load() -> "QuantKernels | None":
@@ -86,8 +90,8 @@ def load() -> "QuantKernels | None":
     with _lock:
         if _loaded is False:
             flags = [*BASE_FLAGS, "-std=gnu11"]
-            if {"avx2", "fma"} <= cpu_flags():  # float_kernels.h's intrinsics (the quantized ones pick at run time)
-                flags += ["-mavx2", "-mfma"]
+            if {"avx2", "fma", "f16c"} <= cpu_flags():  # float_kernels.h's intrinsics (the quantized ones pick at run time)
+                flags += ["-mavx2", "-mfma", "-mf16c"]
             lib = open_library(
                 lambda rebuild=False: compile_library("quant_kernels", _SOURCE, flags, _HEADERS, rebuild=rebuild),
                 "TARTLET_QUANT_KERNELS",
@@ -386,14 +390,21 @@ class QuantKernels:
 
 def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
                  scale: float, final_norm: torch.Tensor | None = None,
-                 head: LinearDesc | None = None, kv_int8: bool = False) -> tuple[DecoderDesc, ctypes.Array[LayerDesc]]:
+                 head: LinearDesc | None = None, kv_dtype: torch.dtype = torch.float32,
+                 ) -> tuple[DecoderDesc, ctypes.Array[LayerDesc]]:
     """A :class:`DecoderDesc` over ``layers`` and the array holding them
     (keep both alive, and ``final_norm`` float32 ``[hidden]`` and ``head``,
     the LM head's descriptor, when given: then the step computes logits too).
-    ``kv_int8``: the layers' pools hold int8 rows (``kv_int8.h``), not float32."""
+    ``kv_dtype``: what the layers' pools hold, a key of :data:`KV_KINDS`
+    (float32 or float16 values, or int8 rows: ``kv_int8.h``).
+
+    Raises:
+        ValueError: another ``kv_dtype``."""
+    if kv_dtype not in KV_KINDS:
+        raise ValueError(f"the fused step reads float32, float16 or int8 KV pools, not {kv_dtype}")
     arr = (LayerDesc * len(layers))(*layers)
     desc = DecoderDesc(len(layers), hidden, nh, nkv, hd, ffn, eps, scale, arr)
-    desc.kv_int8 = int(kv_int8)
+    desc.kv_kind = KV_KINDS[kv_dtype]
     if head is not None and final_norm is not None:
         desc.final_norm, desc.head = final_norm.data_ptr(), ctypes.pointer(head)
     return desc, arr
