@@ -81,6 +81,25 @@ def decode_both(engine, fused: FusedDecoder, seqs, tokens, threads=(None,), want
     return engine.scheduler.command(step).result(120)
 
 
+def greedy_steps_agree(engine, fused: FusedDecoder, seqs, tokens, check, steps: int = 6) -> None:
+    """``steps`` decode steps of ``seqs`` run by both paths (:func:`decode_both`,
+    then each sequence's fused greedy token): ``check(fused, op_by_op)`` on
+    each step's logits, greedy tokens equal; frees the sequences."""
+    try:
+        for _ in range(steps):
+            f, ref = decode_both(engine, fused, seqs, tokens)
+            check(f, ref)
+            assert f.argmax(-1).tolist() == ref.argmax(-1).tolist()
+            tokens = f.argmax(-1).tolist()
+    finally:
+        for s in seqs:
+            engine.scheduler.command(s.free).result(30)
+
+
+def within_atol(f: torch.Tensor, ref: torch.Tensor) -> None:
+    assert float((f - ref).abs().max()) < ATOL
+
+
 def test_batch_of_one_matches_op_by_op(quant_engine, fused):
     seq, tok = prefill(quant_engine, PROMPTS[0])
     try:
@@ -102,15 +121,7 @@ def test_ragged_batch_with_masked_tokens_matches(quant_engine, fused):
     pairs = [prefill(quant_engine, p) for p in PROMPTS]
     seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
     quant_engine.scheduler.command(lambda: seqs[3].mask_range(2, 9, True)).result(30)
-    try:
-        for _ in range(6):
-            f, ref = decode_both(quant_engine, fused, seqs, toks)
-            assert float((f - ref).abs().max()) < ATOL
-            assert f.argmax(-1).tolist() == ref.argmax(-1).tolist()
-            toks = f.argmax(-1).tolist()
-    finally:
-        for s in seqs:
-            quant_engine.scheduler.command(s.free).result(30)
+    greedy_steps_agree(quant_engine, fused, seqs, toks, within_atol)
 
 
 def test_logits_of_some_rows_only(quant_engine, fused):
@@ -275,44 +286,28 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
     step (prompts prefilled by the fused step; 0.26 and 0.025 prefilled
     op by op: which keys sit near a boundary changes with the cache's
     contents), against 1.8 and 0.2 for an int8 pool against a float32
-    one; greedy tokens must agree exactly. Twelve rows: the step's tails
+    one; greedy tokens must agree exactly. Sixteen rows: the step's tails
     (the int8 RoPE + KV write among them) run split across the threads
-    from ``ROW_TAIL_MIN`` (8) rows."""
-    f = q8_engine.model.fused
+    from ``ROW_TAIL_MIN`` (16) rows."""
     assert q8_engine.pool.k.dtype == torch.int8
-    pairs = [prefill(q8_engine, f"{p} ({i})") for i in range(3) for p in PROMPTS]
-    seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
-    try:
-        for _ in range(6):
-            fused_logits, ref = decode_both(q8_engine, f, seqs, toks)
-            diff = (fused_logits - ref).abs()
-            assert float(diff.max()) < 0.6 and float(diff.mean()) < 0.08
-            assert fused_logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
-            toks = fused_logits.argmax(-1).tolist()
-    finally:
-        for s in seqs:
-            q8_engine.scheduler.command(s.free).result(30)
+    pairs = [prefill(q8_engine, f"{p} ({i})") for i in range(4) for p in PROMPTS]
+
+    def close(f: torch.Tensor, ref: torch.Tensor) -> None:
+        diff = (f - ref).abs()
+        assert float(diff.max()) < 0.6 and float(diff.mean()) < 0.08
+
+    greedy_steps_agree(q8_engine, q8_engine.model.fused, [s for s, _ in pairs], [t for _, t in pairs], close)
 
 
 def test_float16_kv_pool_matches_op_by_op(f16_engine):
     """With a float16 pool both paths write keys and values rounded as
     ``Tensor.half()`` rounds them and widen them in the attention loops
-    (``float_kernels.h``): twelve rows (so the tails split across threads)
-    agree with the op-by-op path within ``ATOL`` over six steps, greedy
-    tokens exactly, and the greedy answer still says Paris."""
-    f = f16_engine.model.fused
+    (``float_kernels.h``): sixteen rows (so the tails split across the
+    threads) agree with the op-by-op path within ``ATOL`` over six steps,
+    greedy tokens exactly, and the greedy answer still says Paris."""
     assert f16_engine.pool.k.dtype == torch.float16
-    pairs = [prefill(f16_engine, f"{p} ({i})") for i in range(3) for p in PROMPTS]
-    seqs, toks = [s for s, _ in pairs], [t for _, t in pairs]
-    try:
-        for _ in range(6):
-            fused_logits, ref = decode_both(f16_engine, f, seqs, toks)
-            assert float((fused_logits - ref).abs().max()) < ATOL
-            assert fused_logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
-            toks = fused_logits.argmax(-1).tolist()
-    finally:
-        for s in seqs:
-            f16_engine.scheduler.command(s.free).result(30)
+    pairs = [prefill(f16_engine, f"{p} ({i})") for i in range(4) for p in PROMPTS]
+    greedy_steps_agree(f16_engine, f16_engine.model.fused, [s for s, _ in pairs], [t for _, t in pairs], within_atol)
     seq, tok = prefill(f16_engine, PROMPTS[0])
     out = [tok]
     try:
