@@ -344,13 +344,13 @@ static int64_t phase_tail(const step_ctx *C, int64_t ph, int last, int64_t kind,
  * thread that finishes a phase's last chunk runs its tail (the small serial
  * piece, phase_tail) and opens the next phase; a tail of ROW_TAIL_MIN rows
  * or more is instead split into row chunks that every thread claims, and
- * the thread that finishes the last of them opens the next phase. No thread waits for another thread, only
- * for unfinished chunks: when the OS preempts a thread (more runnable threads
- * than cores: the server's event loop, a client, other processes), the
- * others take the chunks it would have run. With barriers between operations
- * (OpenMP's or a spin barrier) every operation waited for the preempted
- * thread: measured on 2 cores at load ~9, 350-520 ms a step instead of
- * 60-80 ms op by op. */
+ * the thread that finishes the last of them opens the next phase. No
+ * thread waits for another thread, only for unfinished chunks: when the OS
+ * preempts a thread (more runnable threads than cores: the server's event
+ * loop, a client, other processes), the others take the chunks it would
+ * have run. With barriers between operations (OpenMP's or a spin barrier)
+ * every operation waited for the preempted thread: measured on 2 cores at
+ * load ~9, 350-520 ms a step instead of 60-80 ms op by op. */
 int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float *cos_, const float *sin_,
                      const int64_t *write_slots, const tq_attn_group *groups, int64_t n_groups, int nthreads,
                      const int64_t *out_rows, int64_t S, float *logits) {
@@ -369,7 +369,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     const int64_t silu_w = T >= 16 ? (F + QK - 1) / QK * QK : 256, silu_per_row = (F + silu_w - 1) / silu_w;
     const int64_t n_phases = 1 + 6 * D->n_layers + head;
     /* float scratch: xn [T, kmax], qkv [T, qkv_w], q [T, nh hd], attn [T, nh hd], gu [T, 2F], scores per
-     * thread, hd per thread for the int8 key row being written */
+     * thread, hd per thread for the int8 or float16 key row being written */
     const size_t nf = (size_t)(T * kmax + T * qkv_w + 2 * T * nh * hd + T * 2 * F + (int64_t)nt_max * (g * Lmax + hd));
     const size_t qbytes = ((size_t)T * kmax * 2 + 63) / 64 * 64, fbytes = ((size_t)T * FA * (kmax / QK) * sizeof(float) + 63) / 64 * 64;
     /* per phase: nt_max claim counters, finished chunks, then the row tail's open flag, claims, finished rows */
