@@ -183,26 +183,28 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow  # two engines loaded, prefill + decode on each
-def test_bfloat16_kv_cache(gguf_path, engine):
-    """A bfloat16 page pool holds twice the tokens in the same budget and
-    changes the logits by rounding only (prefill, then decode through pages;
-    0.32 measured on logits of ~38, bound 0.75)."""
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_16bit_kv_cache(gguf_path, engine, kv_dtype):
+    """A bfloat16 or float16 page pool holds twice the tokens in the same
+    budget and changes the logits by rounding only (prefill, then decode
+    through pages; measured on logits of ~38: bfloat16 0.24-0.32, float16,
+    whose pages the C kernels and the fused step read, 0.04; bound 0.75)."""
     from tartlet.engine.engine import EngineConfig
 
     from test_loader import engine_logits
 
     c = engine.config
-    f32, bf16 = EngineConfig(kv_cache_mb=8), EngineConfig(kv_cache_mb=8, kv_dtype="bfloat16")
-    assert bf16.torch_kv_dtype() == torch.bfloat16 and f32.torch_kv_dtype() == torch.float32
+    f32, half = EngineConfig(kv_cache_mb=8), EngineConfig(kv_cache_mb=8, kv_dtype=kv_dtype)
+    assert half.torch_kv_dtype() == getattr(torch, kv_dtype) and f32.torch_kv_dtype() == torch.float32
     from tartlet.engine.kv_cache import PagePool
 
-    per = [PagePool.bytes_per_page(16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cfg.torch_kv_dtype()) for cfg in (f32, bf16)]
+    per = [PagePool.bytes_per_page(16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cfg.torch_kv_dtype()) for cfg in (f32, half)]
     assert per[0] == 2 * per[1]
     ids = chat_ids(engine, "What is the capital of France? Answer in one sentence.")
     want = engine_logits(gguf_path, "auto", ids, split=20)
-    got = engine_logits(gguf_path, "auto", ids, split=20, kv_dtype="bfloat16")
+    got = engine_logits(gguf_path, "auto", ids, split=20, kv_dtype=kv_dtype)
     diff = float((got - want).abs().max())
-    print(f"bfloat16 vs float32 KV pages: max abs logit diff {diff:.3f}")
+    print(f"{kv_dtype} vs float32 KV pages: max abs logit diff {diff:.3f}")
     assert diff <= 0.75
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     with pytest.raises(ValueError, match="unknown kv_dtype 'int3'"):
