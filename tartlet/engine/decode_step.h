@@ -227,8 +227,8 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
 
 /* Prefetch into L2 the key and value rows that thread tid of nt will read
  * in the attention phase of layer ly (its own range of the phase's `tasks`
- * (query, KV head) tasks, as claim_chunk hands them out; up to
- * KV_PREFETCH_BYTES), so that they arrive while the QKV projection streams
+ * tasks, hsplit of them for each (query, KV head), as claim_chunk hands
+ * them out; up to KV_PREFETCH_BYTES), so that they arrive while the QKV projection streams
  * its weights. From memory a task's rows (a KV head's part of each pool
  * row, strided by the other heads) came at ~5-9 GB/s: at batch 1 and
  * context 48 the attention phase took 0.4-0.5 ms of a ~5 ms step, 0.3 with
@@ -236,12 +236,13 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * step took 0.951x the time (0.954x at 8 rows, 0.99x at 1 x 300, 1.00x at
  * 64 rows, where the rows are past the budget). */
 static void prefetch_attention_kv(const tq_decoder_desc *D, const tq_layer_desc *ly, const tq_attn_group *groups,
-                                  int64_t tasks, int tid, int nt) {
+                                  int64_t tasks, int64_t hsplit, int tid, int nt) {
     const int64_t nkv = D->nkv, hd = D->hd;
     const int64_t part = D->kv_kind == TQ_KV_Q8 ? hd + KV_Q8_SCALE_BYTES : hd * (D->kv_kind == TQ_KV_F16 ? 2 : 4);
     int64_t budget = KV_PREFETCH_BYTES;
     for (int64_t c = tasks * tid / nt; c < tasks * (tid + 1) / nt && budget > 0; c++) {
-        int64_t j = c, gi = 0;
+        if (c > tasks * tid / nt && c / hsplit == (c - 1) / hsplit) continue; /* the same rows as the task before */
+        int64_t j = c / hsplit, gi = 0;
         while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
         const tq_attn_group *G = &groups[gi];
         const int64_t b = j / nkv, kh = j % nkv;
@@ -364,6 +365,10 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
         tasks += groups[i].B * nkv;
     }
     const int nt_max = nthreads > 0 ? nthreads : omp_get_max_threads();
+    /* attention tasks: one per (query, KV head), or, when those are too few to share among the threads
+     * (batch 1: 3 tasks on 2 threads), one per query head (the same results: each head's scores, softmax
+     * and values are computed alone either way); ag query heads a task */
+    const int64_t hsplit = tasks < 4 * nt_max ? g : 1, att_tasks = tasks * hsplit, ag = g / hsplit;
     /* SiLU chunks: 256 columns, or whole rows from 16 rows (at 64 rows 256-column chunks, ~12k a step,
      * took 4.5 ms a step of a ~95 ms step in claiming and finishing chunks; whole rows 1.9 ms) */
     const int64_t silu_w = T >= 16 ? (F + QK - 1) / QK * QK : 256, silu_per_row = (F + silu_w - 1) / silu_w;
@@ -411,7 +416,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             const int down_blocks = ly && kind == 4 && !panel_bf16(ly->down, T) && desc_needs_quantized(ly->down, T);
             /* attention phase: likewise each (sequence, KV head) chunk quantizes its g hd output columns for
              * the output projection, when they are whole blocks */
-            const int o_blocks = ly && kind == 1 && (g * hd) % QK == 0 && !panel_bf16(ly->o, T) &&
+            const int o_blocks = ly && kind == 1 && (ag * hd) % QK == 0 && !panel_bf16(ly->o, T) &&
                                  desc_needs_quantized(ly->o, T);
             const tq_linear_desc *lin = 0;
             float *y = 0;
@@ -422,7 +427,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             } else if (ph > 0) {
                 switch (kind) {
                 case 0: lin = ly->qkv, y = qkv; break;
-                case 1: n_chunks = tasks; break;
+                case 1: n_chunks = att_tasks; break;
                 case 2: lin = ly->o, xin = attn, y = x, res = x; break;
                 case 3: lin = ly->gate_up, y = gu; break;
                 case 4: n_chunks = T * silu_per_row; break;
@@ -431,7 +436,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             }
             const int64_t M = ph == n_phases - 1 && head ? S : T;
             if (ly && kind == 0) /* the attention phase after this one reads them */
-                prefetch_attention_kv(D, ly, groups, tasks, tid, nt);
+                prefetch_attention_kv(D, ly, groups, att_tasks, hsplit, tid, nt);
             if (lin) n_chunks = linear_chunks(lin->n_total, nt, panel_route(lin->bits, 0, M) ? PANEL_N : 16, &rows);
             if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
             ctr_line *claims = ctr + ph * n_ctr, *done = claims + nt_max, *tail_open = done + 1;
@@ -444,25 +449,26 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                 if (lin) {
                     const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
                     linear_cols(lin, xin, qa, fa, M, y, res, lo, hi, pbuf + (int64_t)tid * kmax * PANEL_N);
-                } else if (ph > 0 && kind == 1 && c < tasks) { /* attention of one (sequence, KV head) */
-                    int64_t j = c, gi = 0;
+                } else if (ph > 0 && kind == 1 && c < att_tasks) { /* attention of one query's ag heads */
+                    int64_t j = c / hsplit, gi = 0;
                     while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
                     const tq_attn_group *G = &groups[gi];
                     const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
-                    const float *qh = q + r * nh * hd + kh * g * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
-                    float *oh = attn + r * nh * hd + kh * g * hd;
+                    const int64_t h0 = kh * g + c % hsplit * ag; /* the task's first query head */
+                    const float *qh = q + r * nh * hd + h0 * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
+                    float *oh = attn + r * nh * hd + h0 * hd;
                     if (D->kv_kind == TQ_KV_Q8)
-                        attend_kv_head_q8(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv, kh,
+                        attend_kv_head_q8(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv, kh,
                                           D->scale, sc, oh);
                     else if (D->kv_kind == TQ_KV_F16)
-                        attend_kv_head_f16(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd,
+                        attend_kv_head_f16(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv * hd,
                                            kh, D->scale, sc, oh);
                     else
-                        attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, g, hd, nkv * hd, kh,
+                        attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv * hd, kh,
                                        D->scale, sc, oh);
                     if (o_blocks) {
-                        const int64_t nbo = nh * hd / QK, b0 = kh * g * hd / QK;
-                        quantize_blocks((int)ly->o->bits, attn + r * nh * hd, nbo, b0, b0 + g * hd / QK,
+                        const int64_t nbo = nh * hd / QK, b0 = h0 * hd / QK;
+                        quantize_blocks((int)ly->o->bits, attn + r * nh * hd, nbo, b0, b0 + ag * hd / QK,
                                         (char *)qa + r * nh * hd * (ly->o->bits / 8), fa + r * FA * nbo);
                     }
                 } else if (ph > 0 && kind == 4) { /* SiLU(gate) * up into xn [T, F], silu_w columns a chunk */
