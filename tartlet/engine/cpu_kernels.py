@@ -124,6 +124,9 @@ class CpuKernels:
             f.restype = None
         for f in (self._attn, self._rope_q8, self._attn_q8, self._rope_f16, self._attn_f16):
             f.restype = ctypes.c_int  # -1: scratch memory could not be allocated
+        # per pool dtype: the RoPE + KV write and the attention over it
+        self._rope_by = {torch.float32: self._rope, torch.int8: self._rope_q8, torch.float16: self._rope_f16}
+        self._attn_by = {torch.float32: self._attn, torch.int8: self._attn_q8, torch.float16: self._attn_f16}
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
         """Index of the first maximum of each row of ``x`` float32 ``[S, V]``
@@ -212,9 +215,7 @@ class CpuKernels:
         q = torch.empty(T, nh, hd, dtype=torch.float32)
         args = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                 write_slots.data_ptr(), T, nh, nkv, hd)
-        if k_pool.dtype == torch.float32:
-            self._rope(*args)
-        elif (self._rope_q8 if k_pool.dtype == torch.int8 else self._rope_f16)(*args):
+        if self._rope_by[k_pool.dtype](*args) and k_pool.dtype != torch.float32:  # float32's returns nothing
             raise MemoryError(f"{kernel}: cannot allocate a {hd}-float scratch row")
         return q
 
@@ -261,7 +262,7 @@ class CpuKernels:
         os_ = (T, nh * hd)
         if not (out.shape == os_ and out.dtype is F32 and out.is_cpu and out.is_contiguous()):
             bad_tensor(kernel, "out", out, os_)
-        attn = {torch.int8: self._attn_q8, torch.float16: self._attn_f16}.get(k_pool.dtype, self._attn)
+        attn = self._attn_by[k_pool.dtype]  # _check_pools: one of the three
         if attn(q.data_ptr(), qst[0], k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
                 _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale):
             raise MemoryError(f"{kernel}: cannot allocate the attention scores of {L} positions")

@@ -143,7 +143,7 @@ static inline int desc_needs_quantized(const tq_linear_desc *L, int64_t M) {
  * range of W's stacked output rows, crossing part boundaries). x: float rows
  * (for float16 parts and the panel GEMM), qa/fa: the same rows quantized
  * (for the integer kernels), or qa the same rows in bfloat16 (for the
- * bfloat16 panel GEMM, L->bf16; see quantize_for); pbuf: this thread's panel buffer [K, PANEL_N]. y
+ * bfloat16 panel GEMM, L->bf16; see quantize_rows); pbuf: this thread's panel buffer [K, PANEL_N]. y
  * and res have row stride n_total; res may alias y (each element is read,
  * then written, by the one chunk that owns its column). */
 static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa, const float *fa, int64_t M, float *y,
@@ -172,19 +172,11 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
     }
 }
 
-/* Quantize M rows of x [M, K] for L's activation precision (if it has
- * block parts for the integer kernels), or round them to bfloat16 into qa
- * for the bfloat16 panel GEMM: called by one thread. */
-static inline void quantize_for(const tq_linear_desc *L, const float *x, int64_t M, void *qa, float *fa) {
-    if (panel_bf16(L, M))
-        panel_x(x, L->k, M, L->k, (uint16_t *)qa);
-    else if (desc_needs_quantized(L, M))
-        tq_quantize((int)L->bits, x, L->k, M, L->k, qa, fa);
-}
-
-/* quantize_for of rows [t0, t1) of the M rows x [M, K] (the route, panel
- * or integer, is the one M rows take): rows are quantized independently, so
- * any split of [0, M) gives quantize_for's result. */
+/* Rows [t0, t1) of the M rows x [M, K] quantized for L's activation
+ * precision (if it has block parts for the integer kernels), or rounded to
+ * bfloat16 into qa for the bfloat16 panel GEMM; the route, panel or
+ * integer, is the one M rows take. Rows are quantized independently, so
+ * any split of [0, M) gives the same result. */
 static inline void quantize_rows(const tq_linear_desc *L, const float *x, int64_t M, int64_t t0, int64_t t1, void *qa,
                                  float *fa) {
     const int64_t K = L->k;
@@ -235,6 +227,16 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * the prefetch, and in one process alternating with and without it the
  * step took 0.951x the time (0.954x at 8 rows, 0.99x at 1 x 300, 1.00x at
  * 64 rows, where the rows are past the budget). */
+/* Attention task c of tasks split hsplit to a (query, KV head): its group
+ * *G, query b of the group and KV head kh. */
+static inline const tq_attn_group *attn_task(const tq_attn_group *groups, int64_t nkv, int64_t hsplit, int64_t c,
+                                             int64_t *b, int64_t *kh) {
+    int64_t j = c / hsplit, gi = 0;
+    while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
+    *b = j / nkv, *kh = j % nkv;
+    return &groups[gi];
+}
+
 static void prefetch_attention_kv(const tq_decoder_desc *D, const tq_layer_desc *ly, const tq_attn_group *groups,
                                   int64_t tasks, int64_t hsplit, int tid, int nt) {
     const int64_t nkv = D->nkv, hd = D->hd;
@@ -242,10 +244,8 @@ static void prefetch_attention_kv(const tq_decoder_desc *D, const tq_layer_desc 
     int64_t budget = KV_PREFETCH_BYTES;
     for (int64_t c = tasks * tid / nt; c < tasks * (tid + 1) / nt && budget > 0; c++) {
         if (c > tasks * tid / nt && c / hsplit == (c - 1) / hsplit) continue; /* the same rows as the task before */
-        int64_t j = c / hsplit, gi = 0;
-        while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
-        const tq_attn_group *G = &groups[gi];
-        const int64_t b = j / nkv, kh = j % nkv;
+        int64_t b, kh;
+        const tq_attn_group *G = attn_task(groups, nkv, hsplit, c, &b, &kh);
         for (int64_t i = 0; i < G->L && budget > 0; i++, budget -= 2 * part) {
             const int64_t off = (G->kv_slots[b * G->L + i] * nkv + kh) * part;
             for (int64_t o = 0; o < part; o += 64) {
@@ -412,7 +412,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             }
             const tq_layer_desc *ly = li >= 0 && li < D->n_layers ? &D->layers[li] : 0;
             /* SiLU phase: its chunks quantize the down projection's input block by block (silu_w and F
-             * are multiples of QK) when integer kernels take it; else its tail rounds it (quantize_for) */
+             * are multiples of QK) when integer kernels take it; else its tail rounds it (quantize_rows) */
             const int down_blocks = ly && kind == 4 && !panel_bf16(ly->down, T) && desc_needs_quantized(ly->down, T);
             /* attention phase: likewise each (sequence, KV head) chunk quantizes its g hd output columns for
              * the output projection, when they are whole blocks */
@@ -450,10 +450,9 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
                     linear_cols(lin, xin, qa, fa, M, y, res, lo, hi, pbuf + (int64_t)tid * kmax * PANEL_N);
                 } else if (ph > 0 && kind == 1 && c < att_tasks) { /* attention of one query's ag heads */
-                    int64_t j = c / hsplit, gi = 0;
-                    while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
-                    const tq_attn_group *G = &groups[gi];
-                    const int64_t b = j / nkv, kh = j % nkv, r = G->rows ? G->rows[b] : G->row_start + b;
+                    int64_t b, kh;
+                    const tq_attn_group *G = attn_task(groups, nkv, hsplit, c, &b, &kh);
+                    const int64_t r = G->rows ? G->rows[b] : G->row_start + b;
                     const int64_t h0 = kh * g + c % hsplit * ag; /* the task's first query head */
                     const float *qh = q + r * nh * hd + h0 * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
                     float *oh = attn + r * nh * hd + h0 * hd;
