@@ -42,6 +42,7 @@
  * OpenMP threads.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +79,31 @@ int64_t tq_set_par_min(int64_t n) {
     par_min = n;
     return old;
 }
+
+/* Run the statement after `split` for a range [n0, n1) of [0, N) (it names
+ * n0 and n1): all of it on this thread when `split` is false or the caller
+ * runs inside an OpenMP region already (a chunk of the fused step: a nested
+ * region would cost a team set-up for nothing), else one contiguous share
+ * per thread of a new region. Kernels put their dispatch on the weight
+ * kind inside the statement, so each instance sees its kind as a constant:
+ * GCC outlines an OpenMP region before it inlines, so a region inside an
+ * inline function that takes the kind as an argument runs one generic loop
+ * (the kind tested per block, accumulators kept in memory). */
+#define PAR_RANGE(N, split, ...)                                                          \
+    do {                                                                                  \
+        const int64_t n_all_ = (N);                                                       \
+        if (!(split) || omp_get_level() > 0) {                                            \
+            const int64_t n0 = 0, n1 = n_all_;                                            \
+            __VA_ARGS__;                                                                  \
+        } else {                                                                          \
+            _Pragma("omp parallel")                                                       \
+            {                                                                             \
+                const int64_t t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();    \
+                const int64_t n0 = n_all_ * t_ / nt_, n1 = n_all_ * (t_ + 1) / nt_;       \
+                __VA_ARGS__;                                                              \
+            }                                                                             \
+        }                                                                                 \
+    } while (0)
 
 static inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
@@ -222,7 +248,7 @@ static void matmul_il_c(int kind, int bits, const uint8_t *wq, const uint16_t *w
  * decode step (decode_step.h): it sets planes_tag to a value unique to the
  * (step, phase) on each of its threads, during which the activations qa a
  * projection reads do not change, so a thread splits them into byte planes
- * once a phase instead of once a chunk (il_matmul_kind). 0 (every other
+ * once a phase instead of once a chunk (il_matmul_avx512). 0 (every other
  * caller): split on every call. */
 static _Thread_local uint64_t planes_tag;
 

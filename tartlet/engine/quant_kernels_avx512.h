@@ -1,7 +1,7 @@
 /* 512-bit AVX-512 VNNI kernels of quant_kernels.c: 8-bit activations take two
  * weight blocks per vpdpbusd, up to four activation rows sharing each
  * unpacked weight block (tile_avx512); 16-bit activations go through
- * one16_kind (each 16-bit value split into two bytes, two blocks per
+ * one16 (each 16-bit value split into two bytes, two blocks per
  * vpdpbusd; see there). From tq_set_panel_rows activation rows, 16-bit
  * products take the float panel GEMM instead (panel_gemm_avx512.h, chosen
  * in tq_linear and the fused step). Included after
@@ -86,9 +86,9 @@ INLINE void tile_avx512(const int kind, const int A16, const int R, const uint8_
         out[r] = _mm512_reduce_add_ps(acc[r]) + hsum_vnni(tail[r]) + min_term_vnni(kind, 0, d, m, fa + r * FA * nb, nb);
 }
 
-INLINE void matmul_kind_avx512(const int kind, const int A16, const uint8_t *wq, const uint16_t *wd,
-                               const uint16_t *wm, int64_t N, int64_t K, const void *qa, const float *fa, int64_t M,
-                               float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+INLINE void matmul_kind_avx512(const int kind, const int A16, int64_t n0, int64_t n1, const uint8_t *wq,
+                               const uint16_t *wd, const uint16_t *wm, int64_t K, const void *qa, const float *fa,
+                               int64_t M, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     MATMUL_ROWS(tile_avx512)
 }
 
@@ -249,7 +249,7 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
 #define ONE16_PF 4
 static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
-/* What planes_buf holds when il_matmul_kind may reuse it (see planes_tag):
+/* What planes_buf holds when il_matmul_avx512 may reuse it (see planes_tag):
  * the split of qa [M, K] with Q8I's flip (q8) made under tag; tag 0: nothing
  * reusable. */
 static _Thread_local struct {
@@ -260,7 +260,7 @@ static _Thread_local struct {
 } planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
- * (one16_kind, il_matmul_kind), at least `bytes` long, 64-byte aligned;
+ * (one16, il_matmul_avx512), at least `bytes` long, 64-byte aligned;
  * NULL when it cannot be allocated. */
 static uint8_t *activation_planes(size_t bytes) {
     planes_have.tag = 0; /* the caller overwrites it */
@@ -272,19 +272,14 @@ static uint8_t *activation_planes(size_t bytes) {
     return planes_buf;
 }
 
-/* y = x @ W^T for M activation rows (the engine sends it fewer than
- * tq_set_panel_rows); returns 0, or -1 (nothing done) when the activation
- * planes cannot be allocated. */
-INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                      const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                      const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, ps = ((nb + 3) & ~(int64_t)3) * QK, qb = KIND_QBYTES(kind);
-    uint8_t *const lo = activation_planes((size_t)(2 * M * ps));
-    if (!lo) return -1;
-    uint8_t *const hi = lo + M * ps;
-    for (int64_t r = 0; r < M; r++) one16_split(kind, qa + r * K, nb, lo + r * ps, hi + r * ps);
-#pragma omp parallel for if (N * M * nb >= par_min) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+/* Weight rows n0 .. n1 - 1 of y = x @ W^T for M activation rows split into
+ * the byte planes lo, hi (row stride ps) by one16_split. */
+INLINE void one16_rows(const int kind, int64_t n0, int64_t n1, const uint8_t *wq, const uint16_t *wd,
+                       const uint16_t *wm, int64_t N, int64_t K, const uint8_t *lo, const uint8_t *hi, int64_t ps,
+                       const float *fa, int64_t M, float *y, int64_t ldy, const float *bias, const float *res,
+                       int64_t ldr) {
+    const int64_t nb = K / QK, qb = KIND_QBYTES(kind);
+    for (int64_t n = n0; n < n1; n++) {
         float s[ONE16_MAXM];
         const uint8_t *w = wq + n * nb * qb;
         if (n + ONE16_PF < N) {
@@ -307,6 +302,27 @@ INLINE int one16_kind(const int kind, const uint8_t *wq, const uint16_t *wd, con
             for (int64_t r = 0; r < R; r++) y[(r0 + r) * ldy + n] = finish(s[r], r0 + r, n, bias, res, ldr);
         }
     }
+}
+
+/* y = x @ W^T for M activation rows (the engine sends it fewer than
+ * tq_set_panel_rows) and W of a row-layout block kind; returns 0, or -1
+ * (nothing done) when the activation planes cannot be allocated. */
+static int one16(const int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
+                 const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
+                 const float *res, int64_t ldr) {
+    const int64_t nb = K / QK, ps = ((nb + 3) & ~(int64_t)3) * QK;
+    uint8_t *const lo = activation_planes((size_t)(2 * M * ps));
+    if (!lo) return -1;
+    uint8_t *const hi = lo + M * ps;
+    for (int64_t r = 0; r < M; r++) one16_split(kind, qa + r * K, nb, lo + r * ps, hi + r * ps);
+#define ONE16_ROWS(KIND) one16_rows(KIND, n0, n1, wq, wd, wm, N, K, lo, hi, ps, fa, M, y, ldy, bias, res, ldr)
+    PAR_RANGE(N, N * M * nb >= par_min, switch (kind) {
+        case K_Q8: ONE16_ROWS(K_Q8); break;
+        case K_Q4: ONE16_ROWS(K_Q4); break;
+        case K_Q5: ONE16_ROWS(K_Q5); break;
+        default: ONE16_ROWS(K_Q6); break;
+    });
+#undef ONE16_ROWS
     return 0;
 }
 
@@ -315,14 +331,8 @@ static void matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t 
                           const float *bias, const float *res, int64_t ldr) {
     if (bits == 16) {
         const int16_t *a = (const int16_t *)qa;
-        int rc;
-        switch (kind) {
-        case K_Q8: rc = one16_kind(K_Q8, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
-        case K_Q4: rc = one16_kind(K_Q4, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
-        case K_Q5: rc = one16_kind(K_Q5, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
-        default: rc = one16_kind(K_Q6, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr); break;
-        }
-        if (rc == 0) return;
+        if (one16(kind, wq, wd, wm, N, K, a, fa, M, y, ldy, bias, res, ldr) == 0) return;
     }
-    DISPATCH_KINDS(matmul_kind_avx512, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr)
+    PAR_RANGE(N, N * M * (K / QK) >= par_min,
+              DISPATCH_KINDS(matmul_kind_avx512, n0, n1, wq, wd, wm, K, qa, fa, M, y, ldy, bias, res, ldr));
 }

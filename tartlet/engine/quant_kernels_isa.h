@@ -122,14 +122,13 @@ INLINE void FN(tile)(const int kind, const int A16, const int R, const uint8_t *
     for (int r = 0; r < R; r++) out[r] = FN(hsum)(acc[r]) + FN(min_term)(kind, signed_q8, d, m, fa + r * FA * nb, nb);
 }
 
-/* The row loop shared by every instruction set: weight rows split across
- * threads, activation rows in tiles of 4 through TILE. Expands inside a
- * function with the matmul_kind parameters. */
+/* The row loop shared by every instruction set: weight rows n0 .. n1 - 1
+ * (a thread's share, PAR_RANGE), activation rows in tiles of 4 through
+ * TILE. Expands inside a function with the matmul_kind parameters. */
 #ifndef MATMUL_ROWS
 #define MATMUL_ROWS(TILE)                                                                                  \
     const int64_t nb = K / QK, qb = KIND_QBYTES(kind), asz = A16 ? 2 : 1;                                 \
-    _Pragma("omp parallel for if (N * M * nb >= par_min) schedule(static)")                             \
-    for (int64_t n = 0; n < N; n++) {                                                                      \
+    for (int64_t n = n0; n < n1; n++) {                                                                    \
         const uint8_t *w = wq + n * nb * qb;                                                               \
         const uint16_t *d = wd + n * nb * (kind == K_Q6 ? 2 : 1), *m = wm ? wm + n * nb : 0;               \
         float s[4];                                                                                        \
@@ -145,9 +144,9 @@ INLINE void FN(tile)(const int kind, const int A16, const int R, const uint8_t *
     }
 #endif
 
-INLINE void FN(matmul_kind)(const int kind, const int A16, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                            int64_t N, int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
-                            const float *bias, const float *res, int64_t ldr) {
+INLINE void FN(matmul_kind)(const int kind, const int A16, int64_t n0, int64_t n1, const uint8_t *wq,
+                            const uint16_t *wd, const uint16_t *wm, int64_t K, const void *qa, const float *fa,
+                            int64_t M, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     MATMUL_ROWS(FN(tile))
 }
 
@@ -166,7 +165,8 @@ INLINE void FN(matmul_kind)(const int kind, const int A16, const uint8_t *wq, co
 static void FN(matmul)(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
                        int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
                        const float *res, int64_t ldr) {
-    DISPATCH_KINDS(FN(matmul_kind), wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr)
+    PAR_RANGE(N, N * M * (K / QK) >= par_min,
+              DISPATCH_KINDS(FN(matmul_kind), n0, n1, wq, wd, wm, K, qa, fa, M, y, ldy, bias, res, ldr));
 }
 
 #if !VNNI
@@ -254,11 +254,11 @@ INLINE __m256 FN(load_half)(const int bf16, const uint16_t *p) {
     return _mm256_cvtph_ps(h);
 }
 
-INLINE void FN(matmul_half_kind)(const int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
-                                 int64_t M, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+INLINE void FN(matmul_half_kind)(const int bf16, int64_t n0, int64_t n1, const uint16_t *w, int64_t K, const float *x,
+                                 int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias, const float *res,
+                                 int64_t ldr) {
     const int64_t K8 = K & ~(int64_t)7;
-#pragma omp parallel for if (N * M * K >= (1 << 16)) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wr = w + n * K;
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
             const int R = M - r0 < 4 ? (int)(M - r0) : 4;
@@ -287,8 +287,11 @@ INLINE void FN(matmul_half_kind)(const int bf16, const uint16_t *w, int64_t N, i
 
 static void FN(matmul_half)(int bf16, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
                             float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
-    if (bf16) FN(matmul_half_kind)(1, w, N, K, x, ldx, M, y, ldy, bias, res, ldr);
-    else FN(matmul_half_kind)(0, w, N, K, x, ldx, M, y, ldy, bias, res, ldr);
+    PAR_RANGE(N, N * M * K >= (1 << 16), if (bf16) {
+        FN(matmul_half_kind)(1, n0, n1, w, K, x, ldx, M, y, ldy, bias, res, ldr);
+    } else {
+        FN(matmul_half_kind)(0, n0, n1, w, K, x, ldx, M, y, ldy, bias, res, ldr);
+    });
 }
 #endif
 
