@@ -10,7 +10,7 @@ the core's L2 cache (~0.5 MiB), on ``--threads`` OpenMP threads (default
 between repeats beyond one ctypes call, ~1 us). Shapes are the default
 model's projections (hidden 576, FFN 1536): 1536 x 576 (half of gate/up),
 576 x 1536 (down), and a long row, 128 x 4096, where per-row overhead
-vanishes. Each Q4 and Q8 format runs in both layouts: ``rows`` (a row's
+vanishes. Each Q4, Q5 and Q8 format runs in both layouts: ``rows`` (a row's
 blocks in a row: the row-at-a-time integer kernel; the engine sends calls
 of 8+ rows in this layout to the float panel GEMM instead, not timed here)
 and ``x16`` (interleaved by 16 rows, as the engine holds them on AVX-512

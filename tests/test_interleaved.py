@@ -1,12 +1,12 @@
-"""Q4 and Q8 weights interleaved by 16 rows (kinds ``Q4I``, ``Q8I``, ``interleaved_avx512.h``).
+"""Q4, Q5 and Q8 weights interleaved by 16 rows (kinds ``Q4I``, ``Q5I``, ``Q8I``, ``interleaved_avx512.h``).
 
 The layout holds the same values as the row layout (dequantized bit for bit
 equal). The AVX-512 VNNI kernel and its portable C twin compute the same
 bits, for any number of activation rows, so a row's result is the same in
 a batch of any size; against the quantized activations times the
 dequantized weight they agree to float32 summation order (1e-5 of the
-largest output; 1e-3 for Q4_K, whose sub-block scales are rounded to
-float16 at repack).
+largest output; 1e-3 for Q4_K and Q5_K, whose sub-block scales are rounded
+to float16 at repack).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import INTERLEAVED, Q4, Q4I, Q8I, QuantWeight, from_gguf, interleave
+from tartlet.engine.quant_formats import INTERLEAVED, Q4, Q4I, Q5I, Q8I, QuantWeight, from_gguf, interleave
 from tartlet.engine.quant_linear import QuantLinear
 
 from test_quant_kernels import isa_levels, random_gguf, rel_err
 
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"]
 
 
 def q4(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
@@ -41,13 +41,13 @@ def test_interleave_keeps_every_value(kern, type_name):
 
 
 def test_interleave_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="only q4 and q8 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
+    with pytest.raises(ValueError, match="only q4, q5 and q8 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
         interleave(q4("Q4_0", 40, 64))
-    with pytest.raises(ValueError, match="got q5 with 16 rows"):
-        interleave(q4("Q5_0", 16, 64))
+    with pytest.raises(ValueError, match="got q6 with 16 rows"):
+        interleave(q4("Q6_K", 16, 256))
     wi = interleave(q4("Q4_1", 32, 64))
-    for wi in (wi, interleave(q4("Q8_0", 16, 64))):
-        with pytest.raises(ValueError, match=r"interleaved \(q[48]x16\) matrices cannot be stacked"):
+    for wi in (wi, interleave(q4("Q5_1", 16, 64)), interleave(q4("Q8_0", 16, 64))):
+        with pytest.raises(ValueError, match=r"interleaved \(q[458]x16\) matrices cannot be stacked"):
             QuantWeight.cat([wi, wi])
         with pytest.raises(ValueError, match="cannot be selected"):
             wi.select_rows(torch.tensor([0]))
@@ -59,7 +59,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name):
     bias and a residual: each row's result is the same bits alone, in any
     slice and on every instruction set (the portable C twin below AVX-512
     VNNI); against the exact product of the quantized activations."""
-    k = 256 if type_name == "Q4_K" else 288
+    k = 256 if type_name.endswith("_K") else 288
     w = q4(type_name, 64, k, seed=1)
     wi = interleave(w)
     held = kern.dequantize(w)
@@ -70,7 +70,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name):
     full = torch.empty(70, 64)
     kern.matmul(wi, qa, fa, full, bias=bias, residual=res)
     xq = (qa.view(70, -1, 32).float() * fa[:, 0, :, None]).view(70, k)
-    assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name == "Q4_K" else 1e-5)
+    assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name.endswith("_K") else 1e-5)
     for isa in isa_levels():
         kern.set_isa(isa)
         for lo, hi in [(r, r + 1) for r in range(0, 70, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (1, 70)]:
@@ -93,7 +93,7 @@ def test_eight_bit_activations_on_the_portable_path(kern):
 
 
 def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
-    """``QuantLinear`` interleaves a Q4 (or Q8) run of a multiple of 16 rows that
+    """``QuantLinear`` interleaves a Q4 (or Q5, Q8) run of a multiple of 16 rows that
     starts at a multiple of 16 outputs, with 16-bit activations, no
     bfloat16 panel and the AVX-512 VNNI kernels in use; the result equals
     the row layout's within rounding (1e-5 below 8 rows: summation order;
@@ -101,14 +101,15 @@ def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
     so there the 16-bit rounding too: 1e-4)."""
     if kern.best_isa < 3:
         pytest.skip("interleaving serves the AVX-512 VNNI kernel; this CPU has none")
-    a, b, c = q4("Q4_1", 32, 128, 5), q4("Q5_0", 16, 128, 6), q4("Q4_0", 48, 128, 7)
-    b24, odd = q4("Q5_0", 24, 128, 8), q4("Q4_0", 40, 128, 9)
+    a, b, c = q4("Q4_1", 32, 256, 5), q4("Q6_K", 16, 256, 6), q4("Q4_0", 48, 256, 7)
+    b24, odd = q4("Q6_K", 24, 256, 8), q4("Q4_0", 40, 256, 9)
     kinds = lambda lin: [p.kind for p in lin.parts]  # noqa: E731
     lin = QuantLinear([a, b, c], None, kern)
     assert kinds(lin) == [Q4I, b.kind, Q4I]
     assert kinds(QuantLinear([b24, c], None, kern)) == [b.kind, Q4], "starts at output 24"
     assert kinds(QuantLinear([odd], None, kern)) == [Q4], "40 rows"
-    assert kinds(QuantLinear([q4("Q8_0", 16, 128, 10), b], None, kern)) == [Q8I, b.kind]
+    assert kinds(QuantLinear([q4("Q8_0", 16, 256, 10), b], None, kern)) == [Q8I, b.kind]
+    assert kinds(QuantLinear([q4("Q5_1", 16, 256, 11), b], None, kern)) == [Q5I, b.kind]
     assert kinds(QuantLinear([a], None, kern, act_bits=8)) == [Q4]
     if kern.has_bf16:
         assert kinds(QuantLinear([a], None, kern, bf16=True)) == [Q4]
@@ -120,7 +121,7 @@ def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
     monkeypatch.setattr(quant_linear, "INTERLEAVE", False)
     rows = QuantLinear([a, b, c], None, kern)
     assert kinds(rows) == [Q4, b.kind, Q4]
-    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(9))
     for m in (1, 5, 11):  # the row layout's integer kernel below 8 rows, its float panel from 8
         assert rel_err(lin(x[:m]), rows(x[:m])) < (1e-5 if m < 8 else 1e-4), m
 

@@ -1,18 +1,22 @@
-/* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I and K_Q8I,
- * made at load by quant_formats.interleave from kinds Q4 and Q8):
+/* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I, K_Q5I and
+ * K_Q8I, made at load by quant_formats.interleave from kinds Q4, Q5, Q8):
  * y = x @ W^T (+ bias) (+ res) with x quantized to 16-bit blocks
  * (tq_quantize, bits 16), for any number of activation rows. Included after
  * quant_kernels_avx512.h, inside the same "#pragma GCC target" region.
  *
  * Layout. Rows come in groups of 16; a group's blocks follow each other
- * (block b of group g at byte (g nb + b) QB of q, QB = 256 for Q4I and 512
- * for Q8I; its 16 scales, and for Q4I 16 minimums, at float16 index
- * (g nb + b) 16 of d and m). A block is 64-byte vectors holding, in lane L
- * (row 16 g + L), 4 consecutive values of that row's block as vpdpbusd
- * wants them: Q4I, four vectors, vector c's lane holds values 8 c + e in its
- * low nibbles and 8 c + 4 + e in its high ones (e = 0..3; one AND and a
- * shift unpack them); Q8I, eight vectors, vector t's lane holds values
- * 4 t + e as signed bytes (the value q - 128 of the Q8 kind).
+ * (block b of group g at byte (g nb + b) QB of q, QB = 256 for Q4I, 320 for
+ * Q5I and 512 for Q8I; its 16 scales, and for Q4I and Q5I 16 minimums, at
+ * float16 index (g nb + b) 16 of d and m). A block is 64-byte vectors
+ * holding, in lane L (row 16 g + L), 4 consecutive values of that row's
+ * block as vpdpbusd wants them: Q4I, four vectors, vector c's lane holds
+ * values 8 c + e in its low nibbles and 8 c + 4 + e in its high ones
+ * (e = 0..3; one AND and a shift unpack them); Q5I, the same four vectors
+ * of the values' low 4 bits, then one whose lane holds the row's 4 bytes
+ * of high bits as the Q5 kind stores them (bit t of byte e: bit 4 of value
+ * 4 t + e; one shift and one vpternlogd move them into the nibbles' bit
+ * 4); Q8I, eight vectors, vector t's lane holds values 4 t + e as signed
+ * bytes (the value q - 128 of the Q8 kind).
  *
  * Method. The 16 rows of a group are the 16 lanes of one accumulator, so no
  * row needs a horizontal sum and the unpacked weights of a block serve every
@@ -20,18 +24,20 @@
  * here with 16 rows and 16-bit activations). A 16-bit activation
  * a = 256 hi + lo (lo unsigned, hi signed bytes, split once per call) meets
  * the weights in two vpdpbusd per 4 values (the byte split of
- * quant_kernels_avx512.h): Q4I's q (0..15) as the unsigned operand against
- * a broadcast of 4 hi bytes and as the signed one against 4 lo bytes; Q8I's
+ * quant_kernels_avx512.h): Q4I's q (0..15, Q5I's 0..31) as the unsigned
+ * operand against a broadcast of 4 hi bytes and as the signed one against
+ * 4 lo bytes; Q8I's
  * signed s against broadcasts of lo and of hi + 128 (unsigned), then
  * s . hi = s . (hi + 128) - 128 sum(s), sum(s) from one more vpdpbusd per 4
  * values shared by every row. A block's int32 dot product is exact; per
  * output then
  *
- *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I: acc = fma(m_w[b], s_x[b], acc))
+ *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I, Q5I: acc = fma(m_w[b], s_x[b], acc))
  *
  * for b = 0 .. nb - 1 in order (d_x, s_x: the activation block's scale and
  * scale times sum, FA planes; the float conversion of dot_b is exact for
- * Q4I, |dot| < 2^24, and rounds to nearest for Q8I), then acc + bias, + res.
+ * Q4I, |dot| < 2^24, and rounds to nearest for Q5I and Q8I), then acc +
+ * bias, + res.
  * This is the same arithmetic for every output whatever else shares the
  * call, so a row's result does not depend on M, on the row tile it falls in
  * or on the thread split; matmul_il_c (quant_kernels.c) computes the same
@@ -65,7 +71,7 @@
     } while (0)
 
 /* Bytes of a block of 16 rows. */
-#define IL_QB(kind) ((kind) == K_Q4I ? 256 : 512)
+#define IL_QB(kind) ((kind) == K_Q4I ? 256 : (kind) == K_Q5I ? 320 : 512)
 
 /* Block b's 16 x 32 values of a group as 8 vectors, w[t] = values 4t..4t+3 of each row. */
 INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
@@ -85,6 +91,14 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
         w[2 * c] = _mm512_and_si512(v, m4);
         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     }
+    if (kind == K_Q5I) { /* bit t of each lane byte e -> bit 4 of w[t]'s byte e (value 4 t + e) */
+        const __m512i hb = _mm512_loadu_si512((const void *)(q + 256)), b4 = _mm512_set1_epi8(0x10);
+        for (int t = 0; t < 8; t++) {
+            /* 16-bit shifts: what crosses from the neighbouring byte lands outside bit 4 */
+            const __m512i s = t < 4 ? _mm512_slli_epi16(hb, 4 - t) : t > 4 ? _mm512_srli_epi16(hb, t - 4) : hb;
+            w[t] = _mm512_ternarylogic_epi32(s, b4, w[t], 0xEA); /* (s & b4) | w[t] */
+        }
+    }
 }
 
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I), nb
@@ -101,13 +115,13 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
         const uint8_t *q = wq + b * qb;
         for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once);
         IL_PREFETCH(wd + (b + IL_PF / qb) * 16, once);
-        if (kind == K_Q4I) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
+        if (kind != K_Q8I) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
         __m512i w[8];
         il_unpack(kind, q, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16)));
         __m512 mw = _mm512_setzero_ps();
         __m512i corr = _mm512_setzero_si512();
-        if (kind == K_Q4I) {
+        if (kind != K_Q8I) {
             mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
         } else { /* 32768 sum(s): 256 times the 128 sum(s) that hi + 128 adds */
             const __m512i ones = _mm512_set1_epi8(1);
@@ -122,10 +136,10 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * ps + b * QK);
-            /* four independent chains. Q4I: hi against q unsigned, lo unsigned against q signed;
+            /* four independent chains. Q4I, Q5I: hi against q unsigned, lo unsigned against q signed;
              * Q8I: lo and hi + 128 unsigned against s signed */
             __m512i h0, h1, l0, l1;
-            if (kind == K_Q4I) {
+            if (kind != K_Q8I) {
                 h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
                 h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(h[1]));
             } else {
@@ -135,7 +149,7 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
             l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[0]), w[0]);
             l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[1]), w[1]);
             for (int t = 2; t < 8; t += 2) {
-                if (kind == K_Q4I) {
+                if (kind != K_Q8I) {
                     h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
                     h1 = _mm512_dpbusd_epi32(h1, w[t + 1], _mm512_set1_epi32(h[t + 1]));
                 } else {
@@ -148,7 +162,7 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
             __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
             if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(fa[r * fs + b])), acc[r]);
-            if (kind == K_Q4I) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+            if (kind != K_Q8I) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -159,8 +173,8 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
     }
 }
 
-/* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of kind K_Q4I or
- * K_Q8I times M activation rows (byte planes lo, hi of row stride ps, FA
+/* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of kind K_Q4I,
+ * K_Q5I or K_Q8I times M activation rows (byte planes lo, hi of row stride ps, FA
  * planes fa) into y (row stride ldy), bias and res (row stride ldr) added
  * when not NULL. */
 INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
@@ -190,7 +204,7 @@ INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq,
     }
 }
 
-/* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I or K_Q8I ([N, K], N a
+/* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I, K_Q5I or K_Q8I ([N, K], N a
  * multiple of 16) and M rows of 16-bit activations qa [M, K] with their FA
  * planes fa; returns 0, or -1 (nothing done) when the byte planes cannot be
  * allocated. */
@@ -217,10 +231,12 @@ static int il_matmul_avx512(int kind, const uint8_t *wq, const uint16_t *wd, con
             _mm256_store_si256((__m256i *)(hi + r * ps + k),
                                _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
         }
-    PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, if (q8) {
-        il_groups(K_Q8I, n0, n1, wq, wd, wm, nb, lo, hi, ps, fa, M, y, ldy, bias, res, ldr);
-    } else {
-        il_groups(K_Q4I, n0, n1, wq, wd, wm, nb, lo, hi, ps, fa, M, y, ldy, bias, res, ldr);
+#define IL_GROUPS(KIND) il_groups(KIND, n0, n1, wq, wd, wm, nb, lo, hi, ps, fa, M, y, ldy, bias, res, ldr)
+    PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind) {
+        case K_Q8I: IL_GROUPS(K_Q8I); break;
+        case K_Q5I: IL_GROUPS(K_Q5I); break;
+        default: IL_GROUPS(K_Q4I); break;
     });
+#undef IL_GROUPS
     return 0;
 }

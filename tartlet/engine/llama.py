@@ -61,7 +61,7 @@ from .fused_decode import FusedDecoder
 from .kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
-from .quant_formats import F16, KIND_NAMES, Q4I, Q8I, QuantWeight
+from .quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 
@@ -256,7 +256,7 @@ class LlamaModel:
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.lm_head = linear(head, copy=False)
         if c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear) and len(self.lm_head.parts) == 1 \
-                and self.lm_head.parts[0].kind in (Q4I, Q8I):
+                and self.lm_head.parts[0].kind in INTERLEAVED_KINDS:
             self.embed = self.lm_head.parts[0]  # the head's interleaved copy serves the lookups too: one copy kept
         self.norm = norm("model.norm.weight")
         self.layers: list[Layer] = []
@@ -373,7 +373,7 @@ class LlamaModel:
         if self.matmul_dtype is None:
             return ""
         runs = [p.kind for lin in self._quant_linears() for p in lin.parts]
-        interleaved = sum(k in (Q4I, Q8I) for k in runs)
+        interleaved = sum(k in INTERLEAVED_KINDS for k in runs)
         panel = f"{self.matmul_dtype} products from 8 rows"
         if interleaved == 0:
             return panel

@@ -23,7 +23,7 @@ import torch
 
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
-from .quant_formats import BF16, F16, INTERLEAVE_ROWS, Q4I, Q8I, QuantWeight
+from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED_KINDS, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class QuantKernels:
         Raises:
             ValueError: more than :data:`MAX_PARTS` parts, ``bits`` not 8 or
                 16, ``bf16`` where it cannot be had, or an interleaved
-                (``Q4I``, ``Q8I``) part that does not start at a multiple of 16 outputs.
+                (``Q4I``, ``Q5I``, ``Q8I``) part that does not start at a multiple of 16 outputs.
         """
         if len(parts) > MAX_PARTS:
             raise ValueError(f"a projection holds at most {MAX_PARTS} runs of one format, got {len(parts)}")
@@ -247,7 +247,7 @@ class QuantKernels:
                              f"16-bit activations (got {bits}) and an even width (got {K})")
         n0 = 0
         for p in parts:  # the kernels cut projections into runs of 16 outputs, aligned to the stack
-            if p.kind in (Q4I, Q8I) and n0 % INTERLEAVE_ROWS:
+            if p.kind in INTERLEAVED_KINDS and n0 % INTERLEAVE_ROWS:
                 raise ValueError(f"an interleaved part must start at a multiple of {INTERLEAVE_ROWS} outputs, not {n0}")
             n0 += p.shape[0]
         desc = LinearDesc(len(parts), bits, K, sum(p.shape[0] for p in parts), _ptr(bias))

@@ -13,8 +13,9 @@ France?": the inputs of the projections after an RMSNorm have outliers
 columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
-On AVX-512 VNNI, Q4 and Q8 parts (Q4_0, Q4_1, Q4_K, Q8_0) with a multiple
-of 16 rows and 16-bit activations are interleaved by 16 rows at load
+On AVX-512 VNNI, Q4, Q5 and Q8 parts (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+Q8_0) with a multiple of 16 rows and 16-bit activations are interleaved by
+16 rows at load
 (:func:`~tartlet.engine.quant_formats.interleave`) and multiplied by the
 integer kernel of ``interleaved_avx512.h`` for any number of rows: no
 per-row horizontal sums (2-3x the row-at-a-time kernel at one row), faster
@@ -37,7 +38,7 @@ import torch
 from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight, interleave
 from .quant_kernels import QuantKernels
 
-#: Interleave eligible Q4/Q8 parts at load (see the module docstring);
+#: Interleave eligible Q4/Q5/Q8 parts at load (see the module docstring);
 #: False keeps the row layout (for A/B measurements:
 #: ``benchmarks/bench_roofline.py --compare-row-layout``).
 INTERLEAVE = True
@@ -78,9 +79,9 @@ class QuantLinear:
             (:meth:`QuantKernels.linear_desc`); needs ``act_bits`` 16.
 
     With 16-bit activations, no ``bf16``, the AVX-512 VNNI kernels in use and
-    :data:`INTERLEAVE`, each Q4 or Q8 part of a multiple of 16 rows that
+    :data:`INTERLEAVE`, each Q4, Q5 or Q8 part of a multiple of 16 rows that
     starts at a multiple of 16 outputs is replaced by its interleaved copy
-    (``parts`` then holds kind ``Q4I`` or ``Q8I``).
+    (``parts`` then holds kind ``Q4I``, ``Q5I`` or ``Q8I``).
 
     Raises:
         ValueError: parts of different widths, or a bias of the wrong size.
