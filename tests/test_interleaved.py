@@ -1,11 +1,11 @@
-"""Q4, Q5 and Q8 weights interleaved by 16 rows (kinds ``Q4I``, ``Q5I``, ``Q8I``, ``interleaved_avx512.h``).
+"""Q4, Q5, Q6 and Q8 weights interleaved by 16 rows (kinds ``Q4I``, ``Q5I``, ``Q6I``, ``Q8I``, ``interleaved_avx512.h``).
 
 The layout holds the same values as the row layout (dequantized bit for bit
 equal). The AVX-512 VNNI kernel and its portable C twin compute the same
 bits, for any number of activation rows, so a row's result is the same in
 a batch of any size; against the quantized activations times the
 dequantized weight they agree to float32 summation order (1e-5 of the
-largest output; 1e-3 for Q4_K and Q5_K, whose sub-block scales are rounded
+largest output; 1e-3 for the K-quants, whose sub-block scales are rounded
 to float16 at repack).
 """
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import INTERLEAVED, Q4, Q4I, Q5I, Q8I, QuantWeight, from_gguf, interleave
+from tartlet.engine.quant_formats import F16, INTERLEAVED, Q4, Q4I, Q5I, Q6I, Q8I, QuantWeight, from_gguf, interleave
 from tartlet.engine.quant_linear import QuantLinear
 
 from test_quant_kernels import isa_levels, random_gguf, rel_err
 
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
 
 
 def q4(type_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
@@ -41,13 +41,13 @@ def test_interleave_keeps_every_value(kern, type_name):
 
 
 def test_interleave_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="only q4, q5 and q8 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
+    with pytest.raises(ValueError, match="only q4, q5, q6 and q8 matrices with a multiple of 16 rows interleave, got q4 with 40 rows"):
         interleave(q4("Q4_0", 40, 64))
-    with pytest.raises(ValueError, match="got q6 with 16 rows"):
-        interleave(q4("Q6_K", 16, 256))
+    with pytest.raises(ValueError, match="got f16 with 16 rows"):
+        interleave(q4("F16", 16, 64))
     wi = interleave(q4("Q4_1", 32, 64))
-    for wi in (wi, interleave(q4("Q5_1", 16, 64)), interleave(q4("Q8_0", 16, 64))):
-        with pytest.raises(ValueError, match=r"interleaved \(q[458]x16\) matrices cannot be stacked"):
+    for wi in (wi, interleave(q4("Q5_1", 16, 64)), interleave(q4("Q6_K", 16, 256)), interleave(q4("Q8_0", 16, 64))):
+        with pytest.raises(ValueError, match=r"interleaved \(q[4568]x16\) matrices cannot be stacked"):
             QuantWeight.cat([wi, wi])
         with pytest.raises(ValueError, match="cannot be selected"):
             wi.select_rows(torch.tensor([0]))
@@ -93,7 +93,7 @@ def test_eight_bit_activations_on_the_portable_path(kern):
 
 
 def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
-    """``QuantLinear`` interleaves a Q4 (or Q5, Q8) run of a multiple of 16 rows that
+    """``QuantLinear`` interleaves a Q4 (or Q5, Q6, Q8) run of a multiple of 16 rows that
     starts at a multiple of 16 outputs, with 16-bit activations, no
     bfloat16 panel and the AVX-512 VNNI kernels in use; the result equals
     the row layout's within rounding (1e-5 below 8 rows: summation order;
@@ -101,8 +101,9 @@ def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
     so there the 16-bit rounding too: 1e-4)."""
     if kern.best_isa < 3:
         pytest.skip("interleaving serves the AVX-512 VNNI kernel; this CPU has none")
-    a, b, c = q4("Q4_1", 32, 256, 5), q4("Q6_K", 16, 256, 6), q4("Q4_0", 48, 256, 7)
-    b24, odd = q4("Q6_K", 24, 256, 8), q4("Q4_0", 40, 256, 9)
+    a, b, c = q4("Q4_1", 32, 256, 5), q4("F16", 16, 256, 6), q4("Q4_0", 48, 256, 7)
+    b24, odd = q4("F16", 24, 256, 8), q4("Q4_0", 40, 256, 9)
+    assert b.kind == F16
     kinds = lambda lin: [p.kind for p in lin.parts]  # noqa: E731
     lin = QuantLinear([a, b, c], None, kern)
     assert kinds(lin) == [Q4I, b.kind, Q4I]
@@ -110,6 +111,7 @@ def test_quant_linear_interleaves_where_it_can(kern, monkeypatch):
     assert kinds(QuantLinear([odd], None, kern)) == [Q4], "40 rows"
     assert kinds(QuantLinear([q4("Q8_0", 16, 256, 10), b], None, kern)) == [Q8I, b.kind]
     assert kinds(QuantLinear([q4("Q5_1", 16, 256, 11), b], None, kern)) == [Q5I, b.kind]
+    assert kinds(QuantLinear([q4("Q6_K", 16, 256, 12), b], None, kern)) == [Q6I, b.kind]
     assert kinds(QuantLinear([a], None, kern, act_bits=8)) == [Q4]
     if kern.has_bf16:
         assert kinds(QuantLinear([a], None, kern, bf16=True)) == [Q4]

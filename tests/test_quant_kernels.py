@@ -25,7 +25,7 @@ import torch
 
 from tartlet.engine import quant_kernels
 from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, QuantWeight, from_gguf, quantize
+from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, Q6, Q6I, QuantWeight, from_gguf, quantize
 from tartlet.engine.quant_linear import QuantLinear
 
 BLOCK_TYPES = [t for t in GGUF_TYPES if t not in ("F16", "BF16")]
@@ -333,8 +333,8 @@ def test_quant_linear_parts_bias_residual(kern, act_bits):
         refs.append(dequant_reference(raw, t, n, k))
     bias = torch.randn(88)
     lin = QuantLinear(parts, bias, kern, act_bits=act_bits)
-    first = Q4I if act_bits == 16 and kern.isa == 3 else Q4  # 64 rows at output 0: interleaved where it can be
-    assert [p.kind for p in lin.parts] == [first, parts[2].kind, F16], "runs of one kind are merged"
+    il = act_bits == 16 and kern.isa == 3  # runs of 16k rows at outputs 16j: interleaved where they can be
+    assert [p.kind for p in lin.parts] == [Q4I if il else Q4, Q6I if il else Q6, F16], "runs of one kind are merged"
     assert (lin.in_features, lin.out_features) == (k, 88)
     x, res = torch.randn(5, k), torch.randn(5, 88)
     want = x @ torch.cat(refs).T + bias + res

@@ -157,14 +157,14 @@ static void linear_cols(const tq_linear_desc *L, const float *x, const void *qa,
             const int64_t c = n0 + a; /* first output column */
             const float *bias = L->bias ? L->bias + c : 0, *r = res ? res + c : 0;
             if (panel_route(L->bits, p->kind, M)) { /* the calling thread's panel buffer: cannot fail */
-                const int64_t eb = IS_HALF(p->kind) ? 2 * K : nb * QBYTES[p->kind], sc = p->kind == K_Q6 ? 2 : 1;
+                const int64_t eb = IS_HALF(p->kind) ? 2 * K : nb * QBYTES[p->kind], sc = NSCALES(p->kind);
                 panel_call((int)p->kind, p->q + a * eb, p->d ? p->d + a * nb * sc : 0, p->m ? p->m + a * nb : 0, b - a,
                            K, x, K, panel_bf16(L, M) ? (const uint16_t *)qa : 0, M, y + c, N, bias, r, N, pbuf);
             } else if (IS_HALF(p->kind)) {
                 tq_matmul_half(p->kind == 5, (const uint16_t *)p->q + a * K, b - a, K, x, K, M, y + c, N, bias, r, N);
             } else {
                 const int kind = (int)p->kind;
-                tq_matmul(kind, (int)L->bits, p->q + a * nb * QBYTES[kind], p->d + a * nb * (kind == K_Q6 ? 2 : 1),
+                tq_matmul(kind, (int)L->bits, p->q + a * nb * QBYTES[kind], p->d + a * nb * NSCALES(kind),
                           p->m ? p->m + a * nb : 0, b - a, K, qa, fa, M, y + c, N, bias, r, N);
             }
         }

@@ -1,13 +1,15 @@
-/* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I, K_Q5I and
- * K_Q8I, made at load by quant_formats.interleave from kinds Q4, Q5, Q8):
+/* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I, K_Q5I,
+ * K_Q6I and K_Q8I, made at load by quant_formats.interleave from kinds Q4,
+ * Q5, Q6, Q8):
  * y = x @ W^T (+ bias) (+ res) with x quantized to 16-bit blocks
  * (tq_quantize, bits 16), for any number of activation rows. Included after
  * quant_kernels_avx512.h, inside the same "#pragma GCC target" region.
  *
  * Layout. Rows come in groups of 16; a group's blocks follow each other
  * (block b of group g at byte (g nb + b) QB of q, QB = 256 for Q4I, 320 for
- * Q5I and 512 for Q8I; its 16 scales, and for Q4I and Q5I 16 minimums, at
- * float16 index (g nb + b) 16 of d and m). A block is 64-byte vectors
+ * Q5I, 384 for Q6I and 512 for Q8I; its 16 scales, and for Q4I and Q5I 16
+ * minimums, at float16 index (g nb + b) 16 of d and m; Q6I's 2 x 16, one
+ * per half block, at (g nb + b) 32). A block is 64-byte vectors
  * holding, in lane L (row 16 g + L), 4 consecutive values of that row's
  * block as vpdpbusd wants them: Q4I, four vectors, vector c's lane holds
  * values 8 c + e in its low nibbles and 8 c + 4 + e in its high ones
@@ -15,8 +17,11 @@
  * of the values' low 4 bits, then one whose lane holds the row's 4 bytes
  * of high bits as the Q5 kind stores them (bit t of byte e: bit 4 of value
  * 4 t + e; one shift and one vpternlogd move them into the nibbles' bit
- * 4); Q8I, eight vectors, vector t's lane holds values 4 t + e as signed
- * bytes (the value q - 128 of the Q8 kind).
+ * 4); Q6I, the same four vectors, then two whose lanes hold the row's 8
+ * bytes of high bit pairs as the Q6 kind stores them (bytes 0-3, then 4-7;
+ * bits 2k, 2k + 1 of byte j: bits 4, 5 of value 8 k + j; one shift and one
+ * vpternlogd per vector); Q8I, eight vectors, vector t's lane holds values
+ * 4 t + e as signed bytes (the value q - 128 of the Q8 kind).
  *
  * Method. The 16 rows of a group are the 16 lanes of one accumulator, so no
  * row needs a horizontal sum and the unpacked weights of a block serve every
@@ -24,7 +29,7 @@
  * here with 16 rows and 16-bit activations). A 16-bit activation
  * a = 256 hi + lo (lo unsigned, hi signed bytes, split once per call) meets
  * the weights in two vpdpbusd per 4 values (the byte split of
- * quant_kernels_avx512.h): Q4I's q (0..15, Q5I's 0..31) as the unsigned
+ * quant_kernels_avx512.h): Q4I's q (0..15, Q5I's 0..31, Q6I's 0..63) as the unsigned
  * operand against a broadcast of 4 hi bytes and as the signed one against
  * 4 lo bytes; Q8I's
  * signed s against broadcasts of lo and of hi + 128 (unsigned), then
@@ -34,9 +39,12 @@
  *
  *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I, Q5I: acc = fma(m_w[b], s_x[b], acc))
  *
+ * (Q6I, per half h of the block, its own dot and scale, m = -32 d:
+ * acc = fma(d_w[b, h], fma(dot_bh, d_x[b], -32 s_x[b, h]), acc), s_x[b, h]
+ * the half's scale times sum, FA's third plane)
  * for b = 0 .. nb - 1 in order (d_x, s_x: the activation block's scale and
  * scale times sum, FA planes; the float conversion of dot_b is exact for
- * Q4I, |dot| < 2^24, and rounds to nearest for Q5I and Q8I), then acc +
+ * Q4I, |dot| < 2^24, and rounds to nearest for Q5I, Q6I and Q8I), then acc +
  * bias, + res.
  * This is the same arithmetic for every output whatever else shares the
  * call, so a row's result does not depend on M, on the row tile it falls in
@@ -71,7 +79,9 @@
     } while (0)
 
 /* Bytes of a block of 16 rows. */
-#define IL_QB(kind) ((kind) == K_Q4I ? 256 : (kind) == K_Q5I ? 320 : 512)
+#define IL_QB(kind) ((kind) == K_Q4I ? 256 : (kind) == K_Q5I ? 320 : (kind) == K_Q6I ? 384 : 512)
+/* Whether the kind has stored minimums (Q6I's are -32 d, Q8I has none). */
+#define IL_HAS_MIN(kind) ((kind) == K_Q4I || (kind) == K_Q5I)
 
 /* Block b's 16 x 32 values of a group as 8 vectors, w[t] = values 4t..4t+3 of each row. */
 INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
@@ -98,32 +108,44 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
             const __m512i s = t < 4 ? _mm512_slli_epi16(hb, 4 - t) : t > 4 ? _mm512_srli_epi16(hb, t - 4) : hb;
             w[t] = _mm512_ternarylogic_epi32(s, b4, w[t], 0xEA); /* (s & b4) | w[t] */
         }
+    } else if (kind == K_Q6I) { /* bits 2k, 2k + 1 of byte e of vector t % 2 (k = t / 2) -> bits 4, 5 of w[t]'s byte e */
+        const __m512i hb[2] = {_mm512_loadu_si512((const void *)(q + 256)), _mm512_loadu_si512((const void *)(q + 320))};
+        const __m512i b45 = _mm512_set1_epi8(0x30);
+        for (int t = 0; t < 8; t++) {
+            const int k = t / 2;
+            const __m512i v = hb[t & 1];
+            const __m512i s = k < 2 ? _mm512_slli_epi16(v, 4 - 2 * k) : k > 2 ? _mm512_srli_epi16(v, 2) : v;
+            w[t] = _mm512_ternarylogic_epi32(s, b45, w[t], 0xEA); /* (s & b45) | w[t] */
+        }
     }
 }
 
-/* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I), nb
- * blocks; once: no later row tile reads them, see IL_PREFETCH) times R activation rows (row r: lo / hi bytes at lo + r ps,
- * hi + r ps, hi + 128 for Q8I; FA planes at fa + r fs) into y [R, 16] (row
- * stride ldy), bias [16] and res [R, 16] (row stride ldr) added when not NULL. */
+/* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
+ * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times R
+ * activation rows (row r: lo / hi bytes at lo + r ps, hi + r ps, hi + 128
+ * for Q8I; FA planes at fa + r fs) into y [R, 16] (row stride ldy), bias
+ * [16] and res [R, 16] (row stride ldr) added when not NULL. */
 INLINE void il_group(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa,
                      int64_t fs, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
-    const int qb = IL_QB(kind);
+    const int qb = IL_QB(kind), ns = kind == K_Q6I ? 2 : 1; /* scales per block and row */
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * qb;
         for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once);
-        IL_PREFETCH(wd + (b + IL_PF / qb) * 16, once);
-        if (kind != K_Q8I) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
+        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, once);
+        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
         __m512i w[8];
         il_unpack(kind, q, w);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16)));
-        __m512 mw = _mm512_setzero_ps();
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16 * ns)));
+        __m512 mw = _mm512_setzero_ps(), dw1 = _mm512_setzero_ps();
         __m512i corr = _mm512_setzero_si512();
-        if (kind != K_Q8I) {
+        if (IL_HAS_MIN(kind)) {
             mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
-        } else { /* 32768 sum(s): 256 times the 128 sum(s) that hi + 128 adds */
+        } else if (kind == K_Q6I) { /* the second half's scales */
+            dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 32 + 16)));
+        } else { /* Q8I: 32768 sum(s), 256 times the 128 sum(s) that hi + 128 adds */
             const __m512i ones = _mm512_set1_epi8(1);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[0]);
             __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[1]);
@@ -136,33 +158,35 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * ps + b * QK);
-            /* four independent chains. Q4I, Q5I: hi against q unsigned, lo unsigned against q signed;
-             * Q8I: lo and hi + 128 unsigned against s signed */
-            __m512i h0, h1, l0, l1;
-            if (kind != K_Q8I) {
-                h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
-                h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(h[1]));
-            } else {
-                h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[0]), w[0]);
-                h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[1]), w[1]);
-            }
-            l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[0]), w[0]);
-            l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(l[1]), w[1]);
-            for (int t = 2; t < 8; t += 2) {
+            /* four independent chains, values 0-15 (h0, l0) and 16-31 (h1, l1). Q4I, Q5I, Q6I: hi
+             * against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128 unsigned against s signed */
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            for (int t = 0; t < 4; t++) {
                 if (kind != K_Q8I) {
                     h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
-                    h1 = _mm512_dpbusd_epi32(h1, w[t + 1], _mm512_set1_epi32(h[t + 1]));
+                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
                 } else {
                     h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
-                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 1]), w[t + 1]);
+                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 4]), w[t + 4]);
                 }
                 l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
-                l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 1]), w[t + 1]);
+                l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
+            }
+            const float dx = fa[r * fs + b];
+            if (kind == K_Q6I) { /* per half: acc += d_w (d_x dot - 32 s_x), m = -32 d */
+                const __m512i dot0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
+                const __m512i dot1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
+                const float *s01 = fa + r * fs + 2 * nb + 2 * b;
+                acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx),
+                                                             _mm512_set1_ps(-32.0f * s01[0])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx),
+                                                              _mm512_set1_ps(-32.0f * s01[1])), acc[r]);
+                continue;
             }
             __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
             if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(fa[r * fs + b])), acc[r]);
-            if (kind != K_Q8I) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
+            if (IL_HAS_MIN(kind)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -173,8 +197,8 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
     }
 }
 
-/* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of kind K_Q4I,
- * K_Q5I or K_Q8I times M activation rows (byte planes lo, hi of row stride ps, FA
+/* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of an interleaved
+ * kind times M activation rows (byte planes lo, hi of row stride ps, FA
  * planes fa) into y (row stride ldy), bias and res (row stride ldr) added
  * when not NULL. */
 INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
@@ -185,7 +209,7 @@ INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq,
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
-        const uint16_t *d = wd + n * nb, *m = wm ? wm + n * nb : 0;
+        const uint16_t *d = wd + n * nb * (kind == K_Q6I ? 2 : 1), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
             const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
             const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
@@ -204,7 +228,7 @@ INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq,
     }
 }
 
-/* y = x @ W^T (+ bias) (+ res) for W of kind K_Q4I, K_Q5I or K_Q8I ([N, K], N a
+/* y = x @ W^T (+ bias) (+ res) for W of an interleaved kind ([N, K], N a
  * multiple of 16) and M rows of 16-bit activations qa [M, K] with their FA
  * planes fa; returns 0, or -1 (nothing done) when the byte planes cannot be
  * allocated. */
@@ -235,6 +259,7 @@ static int il_matmul_avx512(int kind, const uint8_t *wq, const uint16_t *wd, con
     PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind) {
         case K_Q8I: IL_GROUPS(K_Q8I); break;
         case K_Q5I: IL_GROUPS(K_Q5I); break;
+        case K_Q6I: IL_GROUPS(K_Q6I); break;
         default: IL_GROUPS(K_Q4I); break;
     });
 #undef IL_GROUPS

@@ -35,8 +35,8 @@ Q5_K), Q6 (Q6_K, with a ``d`` per 16 weights). Repacking is exact for the
 Memory: Q4 kinds take 5 bits per weight (Q4_K files 4.5), Q5 6 (Q5_K 5.5),
 Q6 7 (Q6_K 6.56), Q8 8.5 (Q8_0 8.5).
 
-On CPUs with AVX-512 VNNI a Q4, Q5 or Q8 matrix with a multiple of 16 rows
-is regrouped once at load into kind ``Q4I``, ``Q5I`` or ``Q8I``
+On CPUs with AVX-512 VNNI a Q4, Q5, Q6 or Q8 matrix with a multiple of 16
+rows is regrouped once at load into kind ``Q4I``, ``Q5I``, ``Q6I`` or ``Q8I``
 (:func:`interleave`: the same bytes, 16 rows interleaved block by block),
 which the kernel of ``interleaved_avx512.h`` multiplies for any number of
 activation rows.
@@ -51,15 +51,15 @@ import numpy.typing as npt
 import torch
 
 QK = 32
-Q8, Q4, Q5, Q6, F16, BF16, Q4I, Q8I, Q5I = 0, 1, 2, 3, 4, 5, 6, 7, 8
+Q8, Q4, Q5, Q6, F16, BF16, Q4I, Q8I, Q5I, Q6I = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
 KIND_NAMES = {Q8: "q8", Q4: "q4", Q5: "q5", Q6: "q6", F16: "f16", BF16: "bf16", Q4I: "q4x16", Q8I: "q8x16",
-              Q5I: "q5x16"}
-QBYTES = {Q8: 32, Q4: 16, Q5: 20, Q6: 24, Q4I: 16, Q8I: 32, Q5I: 20}
+              Q5I: "q5x16", Q6I: "q6x16"}
+QBYTES = {Q8: 32, Q4: 16, Q5: 20, Q6: 24, Q4I: 16, Q8I: 32, Q5I: 20, Q6I: 24}
 #: The interleaved kind of each kind that has one (see :func:`interleave`).
-INTERLEAVED = {Q4: Q4I, Q8: Q8I, Q5: Q5I}
+INTERLEAVED = {Q4: Q4I, Q8: Q8I, Q5: Q5I, Q6: Q6I}
 #: The interleaved kinds.
 INTERLEAVED_KINDS = frozenset(INTERLEAVED.values())
-#: Rows interleaved in one group of kinds ``Q4I``, ``Q5I``, ``Q8I``.
+#: Rows interleaved in one group of the interleaved kinds.
 INTERLEAVE_ROWS = 16
 #: GGUF tensor types stored quantized (the others are dequantized at load).
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
@@ -70,15 +70,15 @@ class QuantWeight:
     """A ``[N, K]`` weight matrix (PyTorch ``[out, in]`` orientation) in a kernel layout.
 
     Attributes:
-        kind: ``Q8``, ``Q4``, ``Q5``, ``Q6`` (blocks of 32), ``Q4I``/``Q5I``/``Q8I``
-            (Q4/Q5/Q8 with 16 rows interleaved, :func:`interleave`) or
+        kind: ``Q8``, ``Q4``, ``Q5``, ``Q6`` (blocks of 32), ``Q4I``/``Q5I``/``Q6I``/``Q8I``
+            (Q4/Q5/Q6/Q8 with 16 rows interleaved, :func:`interleave`) or
             ``F16``/``BF16``.
         shape: ``(N, K)``; ``K`` is a multiple of 32 for the block kinds.
         q: block kinds: uint8 ``[N, K / 32 * QBYTES[kind]]``; ``F16``/``BF16``:
             the ``[N, K]`` float16/bfloat16 matrix.
-        d: float16 ``[N, K / 32]`` block scales (``[N, K / 16]`` for Q6), or None.
+        d: float16 ``[N, K / 32]`` block scales (``[N, K / 16]`` for Q6, Q6I), or None.
         m: float16 ``[N, K / 32]`` block minimums (Q4, Q5, Q4I, Q5I), or None.
-        (``Q4I``, ``Q5I``, ``Q8I``: the same sizes, bytes in the interleaved order.)
+        (The interleaved kinds: the same sizes, bytes in the interleaved order.)
         source: the GGUF type it came from (``"Q4_K"`` ...), for reports.
     """
 
@@ -98,7 +98,7 @@ class QuantWeight:
         """The matrix made of rows ``index`` (int64 ``[n]``), in that order.
 
         Raises:
-            ValueError: an interleaved matrix (``Q4I``, ``Q5I``, ``Q8I``): its rows are not stored whole.
+            ValueError: an interleaved matrix (:data:`INTERLEAVED_KINDS`): its rows are not stored whole.
         """
         if self.kind in INTERLEAVED_KINDS:
             raise ValueError(f"rows of an interleaved ({KIND_NAMES[self.kind]}) matrix cannot be selected; "
@@ -114,7 +114,7 @@ class QuantWeight:
         """Stack matrices of one kind and width along rows.
 
         Raises:
-            ValueError: kinds or widths differ, or the kind is interleaved (``Q4I``, ``Q5I``, ``Q8I``).
+            ValueError: kinds or widths differ, or the kind is interleaved (:data:`INTERLEAVED_KINDS`).
         """
         first = parts[0]
         if first.kind in INTERLEAVED_KINDS:
@@ -130,29 +130,33 @@ class QuantWeight:
 
 
 def interleave(w: QuantWeight) -> QuantWeight:
-    """``w`` (kind ``Q4``, ``Q5`` or ``Q8``, ``N`` a multiple of
+    """``w`` (kind ``Q4``, ``Q5``, ``Q6`` or ``Q8``, ``N`` a multiple of
     :data:`INTERLEAVE_ROWS`) with its rows regrouped for the kernel of
-    ``interleaved_avx512.h`` (kind ``Q4I``, ``Q5I`` or ``Q8I``, same values
-    and byte count): rows in groups of 16, each group's blocks in order.
-    Block ``b`` of group ``g`` is ``QB`` bytes of values at ``(g nb + b) QB``
-    and 16 scales (and for Q4I, Q5I 16 minimums) at ``(g nb + b) 16`` of
-    ``d`` (and ``m``). Its 64-byte vectors hold 4 consecutive values of a
+    ``interleaved_avx512.h`` (kind ``Q4I``, ``Q5I``, ``Q6I`` or ``Q8I``, same
+    values and byte count): rows in groups of 16, each group's blocks in
+    order. Block ``b`` of group ``g`` is ``QB`` bytes of values at
+    ``(g nb + b) QB`` and 16 scales (and for Q4I, Q5I 16 minimums) at
+    ``(g nb + b) 16`` of ``d`` (and ``m``); Q6I's 16 scales of the first
+    half block, then 16 of the second, at ``(g nb + b) 32``. Its 64-byte
+    vectors hold 4 consecutive values of a
     row per 32-bit lane (lane ``L``: row ``16 g + L``): Q4I (``QB`` 256),
     vector ``c`` holds values ``8 c + e`` in its low nibbles and
     ``8 c + 4 + e`` in its high ones (``e = 0..3``); Q5I (``QB`` 320): the
     low 4 bits of its values so (256 bytes), then one vector whose lane
     holds the row's 4 bytes of high bits as the Q5 kind has them (bit ``t``
-    of byte ``e``: bit 4 of value ``4 t + e``); Q8I (``QB`` 512), vector
-    ``t`` holds values ``4 t + e`` as signed bytes ``q - 128``.
+    of byte ``e``: bit 4 of value ``4 t + e``); Q6I (``QB`` 384): the low 4
+    bits likewise, then two vectors whose lanes hold the row's 8 bytes of
+    high bit pairs as the Q6 kind has them, bytes 0-3 then 4-7; Q8I (``QB``
+    512), vector ``t`` holds values ``4 t + e`` as signed bytes ``q - 128``.
 
     Raises:
         ValueError: another kind, or ``N`` not a multiple of 16.
     """
     n, k = w.shape
     if w.kind not in INTERLEAVED or n % INTERLEAVE_ROWS:
-        raise ValueError(f"only q4, q5 and q8 matrices with a multiple of {INTERLEAVE_ROWS} rows interleave, got "
+        raise ValueError(f"only q4, q5, q6 and q8 matrices with a multiple of {INTERLEAVE_ROWS} rows interleave, got "
                          f"{KIND_NAMES[w.kind]} with {n} rows")
-    assert w.d is not None and (w.m is not None or w.kind == Q8)  # scales; Q4, Q5 have minimums too
+    assert w.d is not None and (w.m is not None or w.kind in (Q6, Q8))  # scales; Q4, Q5 have minimums too
     g, nb = n // INTERLEAVE_ROWS, k // QK
     q = w.q.numpy().reshape(n, nb, QBYTES[w.kind])
     if w.kind == Q8:
@@ -163,12 +167,16 @@ def interleave(w: QuantWeight) -> QuantWeight:
     if w.kind != Q8:
         v = v[:, :, 0::2] | (v[:, :, 1::2] << 4)  # vector c: quads 2c (low nibbles), 2c + 1 (high)
     v = v.reshape(g, nb, -1)
-    if w.kind == Q5:  # then each lane's 4 bytes of high bits, as they are
-        high = q[:, :, 16:20].reshape(g, INTERLEAVE_ROWS, nb, 4).transpose(0, 2, 1, 3).reshape(g, nb, 64)
+    if w.kind in (Q5, Q6):  # then the high bits, as they are: vectors of each lane's 4 bytes (Q6: bytes 0-3, 4-7)
+        nh = 1 if w.kind == Q5 else 2
+        high = q[:, :, 16:].reshape(g, INTERLEAVE_ROWS, nb, nh, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 64 * nh)
         v = np.concatenate([v, high], axis=2)
 
-    def rows(t: torch.Tensor | None) -> torch.Tensor | None:  # [n, nb] -> [g, nb, 16], stored as [n, nb]
-        return None if t is None else t.reshape(g, INTERLEAVE_ROWS, nb).transpose(1, 2).contiguous().reshape(n, nb)
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:  # [n, nb * s] -> [g, nb, s, 16], stored as [n, nb * s]
+        if t is None:
+            return None
+        s = t.shape[1] // nb  # scales per block: Q6's two
+        return t.reshape(g, INTERLEAVE_ROWS, nb, s).permute(0, 2, 3, 1).contiguous().reshape(n, nb * s)
 
     return QuantWeight(INTERLEAVED[w.kind], (n, k), torch.from_numpy(np.ascontiguousarray(v).reshape(n, -1)),
                        rows(w.d), rows(w.m), w.source)

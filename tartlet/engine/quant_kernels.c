@@ -32,6 +32,9 @@
  *               scales regrouped likewise; no minimums
  *   kind 8, Q5 interleaved by 16 rows: Q4I's layout of the low 4 bits, then
  *               per block one vector of the 16 rows' high-bit bytes
+ *   kind 9, Q6 interleaved by 16 rows: Q4I's layout of the low 4 bits, then
+ *               per block two vectors of the rows' high bit pairs; two
+ *               scales per block, no minimums
  * Kinds 4 and 5 are float16 and bfloat16 rows (tq_matmul_half).
  *
  * The high-bit orders are chosen so one broadcast and one variable shift
@@ -52,13 +55,15 @@
 #include "float_kernels.h"
 
 #define QK 32
-enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3, K_F16 = 4, K_BF16 = 5, K_Q4I = 6, K_Q8I = 7, K_Q5I = 8 };
+enum { K_Q8 = 0, K_Q4 = 1, K_Q5 = 2, K_Q6 = 3, K_F16 = 4, K_BF16 = 5, K_Q4I = 6, K_Q8I = 7, K_Q5I = 8, K_Q6I = 9 };
 /* bytes of values per block and row (kinds 4, 5 have no blocks) */
-static const int QBYTES[9] = {32, 16, 20, 24, 0, 0, 16, 32, 20};
+static const int QBYTES[10] = {32, 16, 20, 24, 0, 0, 16, 32, 20, 24};
+/* float16 scales per block and row */
+#define NSCALES(kind) ((kind) == K_Q6 || (kind) == K_Q6I ? 2 : 1)
 /* the same as a constant expression, and the inlining the SIMD headers rely on */
 #define KIND_QBYTES(kind) ((kind) == K_Q8 ? 32 : (kind) == K_Q4 ? 16 : (kind) == K_Q5 ? 20 : 24)
 #define IS_HALF(kind) ((kind) == K_F16 || (kind) == K_BF16)
-#define IS_IL(kind) ((kind) == K_Q4I || (kind) == K_Q8I || (kind) == K_Q5I)
+#define IS_IL(kind) ((kind) == K_Q4I || (kind) == K_Q8I || (kind) == K_Q5I || (kind) == K_Q6I)
 #define INLINE static inline __attribute__((always_inline))
 
 /* Per row of quantized activations, 4 * K/32 floats: d[b] (the block's
@@ -209,18 +214,23 @@ static void matmul_c(int kind, int bits, const uint8_t *wq, const uint16_t *wd, 
     }
 }
 
-/* Kinds K_Q4I, K_Q5I, K_Q8I (interleaved_avx512.h's layout): value j of
- * block b of row n (Q4I: q, 0..15; Q5I: q, 0..31; Q8I: the signed q - 128),
- * and the index of that block's scale (and minimum) in d (and m). */
+/* Kinds K_Q4I, K_Q5I, K_Q6I, K_Q8I (interleaved_avx512.h's layout): value
+ * j of block b of row n (Q4I: q, 0..15; Q5I: 0..31; Q6I: 0..63; Q8I: the
+ * signed q - 128), and the index of that block's scale (Q6I: of half h's)
+ * and minimum in d and m. */
 static inline int il_value(int kind, const uint8_t *wq, int64_t nb, int64_t n, int64_t b, int j) {
     const int t = j >> 2, lane = (int)(n % 16) * 4 + (j & 3);
     if (kind == K_Q8I) return ((const int8_t *)wq)[((n / 16) * nb + b) * 512 + t * 64 + lane];
-    const uint8_t *blk = wq + ((n / 16) * nb + b) * (kind == K_Q5I ? 320 : 256);
+    const uint8_t *blk = wq + ((n / 16) * nb + b) * (kind == K_Q4I ? 256 : kind == K_Q5I ? 320 : 384);
     const int low = (blk[(t >> 1) * 64 + lane] >> ((t & 1) * 4)) & 0x0f;
-    return kind == K_Q5I ? low | ((blk[256 + lane] >> t) & 1) << 4 : low;
+    if (kind == K_Q5I) return low | ((blk[256 + lane] >> t) & 1) << 4;
+    if (kind == K_Q6I) return low | ((blk[256 + (t & 1) * 64 + lane] >> (t >> 1) * 2) & 3) << 4;
+    return low;
 }
 
-static inline int64_t il_param(int64_t nb, int64_t n, int64_t b) { return ((n / 16) * nb + b) * 16 + n % 16; }
+static inline int64_t il_param(int kind, int64_t nb, int64_t n, int64_t b, int h) {
+    return kind == K_Q6I ? ((n / 16) * nb + b) * 32 + h * 16 + n % 16 : ((n / 16) * nb + b) * 16 + n % 16;
+}
 
 /* The products of interleaved_avx512.h in portable C, the same arithmetic
  * (bit for bit equal results), for 8-bit or 16-bit activations. */
@@ -234,13 +244,20 @@ static void matmul_il_c(int kind, int bits, const uint8_t *wq, const uint16_t *w
             const float *f = fa + r * FA * nb;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                int32_t dot = 0;
+                int32_t dot[2] = {0, 0}; /* Q6I: per half block */
                 for (int j = 0; j < QK; j++) {
                     const int64_t i = (r * nb + b) * QK + j;
-                    dot += il_value(kind, wq, nb, n, b, j) * (bits == 8 ? ((const int8_t *)qa)[i] : ((const int16_t *)qa)[i]);
+                    dot[kind == K_Q6I && j >= 16] +=
+                        il_value(kind, wq, nb, n, b, j) * (bits == 8 ? ((const int8_t *)qa)[i] : ((const int16_t *)qa)[i]);
                 }
-                const int64_t pi = il_param(nb, n, b);
-                acc = fmaf((float)dot, fp16_to_fp32(wd[pi]) * f[b], acc);
+                if (kind == K_Q6I) { /* d_w (d_x dot - 32 s_x) per half: m = -32 d */
+                    for (int h = 0; h < 2; h++)
+                        acc = fmaf(fp16_to_fp32(wd[il_param(kind, nb, n, b, h)]),
+                                   fmaf((float)dot[h], f[b], -32.0f * f[2 * nb + 2 * b + h]), acc);
+                    continue;
+                }
+                const int64_t pi = il_param(kind, nb, n, b, 0);
+                acc = fmaf((float)dot[0], fp16_to_fp32(wd[pi]) * f[b], acc);
                 if (kind != K_Q8I) acc = fmaf(fp16_to_fp32(wm[pi]), f[nb + b], acc);
             }
             y[r * ldy + n] = finish(acc, r, n, bias, res, ldr);
@@ -347,7 +364,7 @@ int64_t tq_set_panel_rows(int64_t n) {
  * the panel GEMM: 16-bit (or float-weight) parts only, whose float GEMM
  * matches the integer kernels' precision; 8-bit activations keep their
  * integer kernels at every M, so their rounding does not depend on M, and
- * so do interleaved parts (K_Q4I, K_Q5I, K_Q8I: one kernel for every M). */
+ * so do interleaved parts (K_Q4I, K_Q5I, K_Q6I, K_Q8I: one kernel for every M). */
 static inline int panel_route(int64_t bits, int64_t kind, int64_t M) {
 #ifdef TQ_X86
     return cur_isa() == 3 && M >= panel_rows && ((bits == 16 && kind < 4) || IS_HALF(kind));
@@ -522,11 +539,13 @@ void tq_dequantize(int kind, const uint8_t *wq, const uint16_t *wd, const uint16
 #pragma omp parallel for if (R * K >= (1 << 18)) schedule(static)
         for (int64_t i = 0; i < R; i++) {
             const int64_t n = rows ? rows[i] : i;
-            for (int64_t b = 0; b < nb; b++) {
-                const int64_t pi = il_param(nb, n, b);
-                const float d = fp16_to_fp32(wd[pi]), m = kind != K_Q8I ? fp16_to_fp32(wm[pi]) : 0.0f;
-                for (int j = 0; j < QK; j++) out[i * K + b * QK + j] = fmaf(d, (float)il_value(kind, wq, nb, n, b, j), m);
-            }
+            for (int64_t b = 0; b < nb; b++)
+                for (int j = 0; j < QK; j++) {
+                    const int64_t pi = il_param(kind, nb, n, b, j >= 16);
+                    const float d = fp16_to_fp32(wd[pi]);
+                    const float m = kind == K_Q8I ? 0.0f : kind == K_Q6I ? -32.0f * d : fp16_to_fp32(wm[pi]);
+                    out[i * K + b * QK + j] = fmaf(d, (float)il_value(kind, wq, nb, n, b, j), m);
+                }
         }
         return;
     }
