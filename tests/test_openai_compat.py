@@ -201,7 +201,7 @@ def test_kv_quota_is_429_and_full_cache_503(small_server):
 
 
 def test_kv_cache_full_is_503_with_retry_after(server, oa):
-    long = "hello " * 2000  # fits the context (8192), not the 64 MiB pool (91 pages of 16 tokens)
+    long = "hello " * 4000  # fits the context (8192), not the 64 MiB pool (182 float16 pages of 16 tokens)
     with pytest.raises(openai.InternalServerError) as e:
         oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2)
     assert e.value.status_code == 503 and e.value.code == "kv_cache_full", e.value

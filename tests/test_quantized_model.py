@@ -5,9 +5,13 @@ The quantized engine multiplies the Q4_1/Q8_0 blocks directly, with
 activations quantized to 16-bit blocks; the reference dequantizes every
 weight to float32 (checked against transformers in ``test_logits.py``).
 
-Tolerances: logits of magnitude ~38 differ by at most ``LOGIT_ATOL`` (0.013
-measured, ~4x room); greedy tokens agree on at least 95% of 256
-teacher-forced decode positions (the issue's bar).
+The quantized engine keeps keys and values in float16 pages (``kv_dtype``
+``auto`` with quantized weights), the reference in float32 ones.
+Tolerances: logits of magnitude ~38 differ by at most ``LOGIT_ATOL`` (0.044
+measured: 0.009-0.013 of it the kernels, measured with float32 pages, the
+rest the float16 pages; ~2x room); greedy tokens agree on at least 95% of
+256 teacher-forced decode positions (the issue's bar; 100% measured with
+either page dtype).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from harness import inline_program, run_ok
 from test_logits import PROBE, as_tensor
 from tiny_gguf import write_tiny_llama
 
-LOGIT_ATOL = 0.05
+LOGIT_ATOL = 0.1
 
 PROMPTS = [
     "What is the capital of France?",
@@ -194,14 +198,16 @@ def test_16bit_kv_cache(gguf_path, engine, kv_dtype):
     from test_loader import engine_logits
 
     c = engine.config
-    f32, half = EngineConfig(kv_cache_mb=8), EngineConfig(kv_cache_mb=8, kv_dtype=kv_dtype)
+    f32, half = EngineConfig(kv_cache_mb=8, kv_dtype="float32"), EngineConfig(kv_cache_mb=8, kv_dtype=kv_dtype)
     assert half.torch_kv_dtype() == getattr(torch, kv_dtype) and f32.torch_kv_dtype() == torch.float32
+    auto = EngineConfig()  # float16 pages for quantized weights, the compute dtype for float ones
+    assert auto.torch_kv_dtype(quantized=True) == torch.float16 and auto.torch_kv_dtype() == torch.float32
     from tartlet.engine.kv_cache import PagePool
 
     per = [PagePool.bytes_per_page(16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cfg.torch_kv_dtype()) for cfg in (f32, half)]
     assert per[0] == 2 * per[1]
     ids = chat_ids(engine, "What is the capital of France? Answer in one sentence.")
-    want = engine_logits(gguf_path, "auto", ids, split=20)
+    want = engine_logits(gguf_path, "auto", ids, split=20, kv_dtype="float32")
     got = engine_logits(gguf_path, "auto", ids, split=20, kv_dtype=kv_dtype)
     diff = float((got - want).abs().max())
     print(f"{kv_dtype} vs float32 KV pages: max abs logit diff {diff:.3f}")

@@ -38,7 +38,7 @@ def run(
     quantize: Optional[str] = typer.Option(None, help="Quantize float weights at load: q8_0, q4_0, q4_1, q5_0, q5_1 (CPU)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     kv_cache_mb: int = typer.Option(1024, help="KV page pool budget in MiB."),
-    kv_dtype: str = typer.Option("auto", help="KV page element type: auto (the compute dtype), float32, bfloat16, float16, or int8 (8-bit rows with a float32 scale each: 3.8x the tokens of float32 per MiB)."),
+    kv_dtype: str = typer.Option("auto", help="KV page element type: auto (float16 for quantized weights, else the compute dtype), float32, bfloat16, float16, or int8 (8-bit rows with a float32 scale each: 3.8x the tokens of float32 per MiB)."),
     matmul_dtype: str = typer.Option("float32", help="With quantized weights: precision of the float GEMM that calls of 8+ rows (prompts, decode batches) take: float32, or bfloat16 (AVX512_BF16 CPUs: ~1.8x faster products, but batching may change greedy outputs at near-ties)."),
     page_size: int = typer.Option(16, help="Tokens per KV page."),
     max_batch_tokens: int = typer.Option(512, help="Token budget of one model call."),
