@@ -93,12 +93,13 @@ class EngineConfig:
             memory traffic of float32 (at 64 concurrent requests ~1.1x the
             default model's throughput; its logits move by at most 0.044
             against 0.009-0.013 with float32 pages, greedy tokens on 256
-            teacher-forced positions unchanged), a bfloat16 one by PyTorch. An ``int8`` pool stores each (token, KV
-            head) row as int8 quants plus a float32 scale (llama.cpp's Q8_0
-            scheme per row, :mod:`tartlet.engine.kv_quant`): ``head_dim + 4``
-            bytes instead of ``4 * head_dim``, 3.8x the tokens of float32 at
-            ``head_dim`` 64; the C kernels quantize on write and dequantize
-            inside decode attention, prefill dequantizes the gathered rows.
+            teacher-forced positions unchanged), a bfloat16 one by PyTorch.
+            An ``int8`` pool stores each (token, KV head) row as int8
+            quants plus a float32 scale (llama.cpp's Q8_0 scheme per row,
+            :mod:`tartlet.engine.kv_quant`): ``head_dim + 4`` bytes instead
+            of ``4 * head_dim``, 3.8x the tokens of float32 at ``head_dim``
+            64; the C kernels quantize on write and dequantize inside decode
+            attention, prefill dequantizes the gathered rows.
         huge_pages: on CPU under Linux, back the weights with 2 MiB
             transparent huge pages (:mod:`tartlet.engine.huge_pages`: fewer
             TLB misses and prefetcher restarts while a decode step streams
