@@ -215,7 +215,7 @@ class CpuKernels:
         q = torch.empty(T, nh, hd, dtype=torch.float32)
         args = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                 write_slots.data_ptr(), T, nh, nkv, hd)
-        if self._rope_by[k_pool.dtype](*args) and k_pool.dtype != torch.float32:  # float32's returns nothing
+        if self._rope_by[k_pool.dtype](*args):  # -1: no scratch row (float32's needs none and returns None)
             raise MemoryError(f"{kernel}: cannot allocate a {hd}-float scratch row")
         return q
 

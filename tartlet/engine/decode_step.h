@@ -213,6 +213,16 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
     return (N + r - 1) / r;
 }
 
+/* Attention task c of tasks split hsplit to a (query, KV head): its group
+ * *G, query b of the group and KV head kh. */
+static inline const tq_attn_group *attn_task(const tq_attn_group *groups, int64_t nkv, int64_t hsplit, int64_t c,
+                                             int64_t *b, int64_t *kh) {
+    int64_t j = c / hsplit, gi = 0;
+    while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
+    *b = j / nkv, *kh = j % nkv;
+    return &groups[gi];
+}
+
 /* Bytes of keys and values a thread prefetches for the attention phase at
  * most (prefetch_attention_kv). */
 #define KV_PREFETCH_BYTES (256 * 1024)
@@ -227,16 +237,6 @@ static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *r
  * the prefetch, and in one process alternating with and without it the
  * step took 0.951x the time (0.954x at 8 rows, 0.99x at 1 x 300, 1.00x at
  * 64 rows, where the rows are past the budget). */
-/* Attention task c of tasks split hsplit to a (query, KV head): its group
- * *G, query b of the group and KV head kh. */
-static inline const tq_attn_group *attn_task(const tq_attn_group *groups, int64_t nkv, int64_t hsplit, int64_t c,
-                                             int64_t *b, int64_t *kh) {
-    int64_t j = c / hsplit, gi = 0;
-    while (j >= groups[gi].B * nkv) j -= groups[gi++].B * nkv;
-    *b = j / nkv, *kh = j % nkv;
-    return &groups[gi];
-}
-
 static void prefetch_attention_kv(const tq_decoder_desc *D, const tq_layer_desc *ly, const tq_attn_group *groups,
                                   int64_t tasks, int64_t hsplit, int tid, int nt) {
     const int64_t nkv = D->nkv, hd = D->hd;

@@ -128,7 +128,7 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
 INLINE void il_group(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa,
                      int64_t fs, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
-    const int qb = IL_QB(kind), ns = kind == K_Q6I ? 2 : 1; /* scales per block and row */
+    const int qb = IL_QB(kind), ns = NSCALES(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -209,7 +209,7 @@ INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq,
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
-        const uint16_t *d = wd + n * nb * (kind == K_Q6I ? 2 : 1), *m = wm ? wm + n * nb : 0;
+        const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
             const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
             const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
