@@ -11,13 +11,13 @@ Measured in one run, in alternating rounds (these VMs drift): the read
 bandwidth (``torch.sum`` over a float32 buffer much larger than the
 last-level cache, on the engine's threads), the copy bandwidth (bytes read
 plus written by ``Tensor.copy_``), and the batch-1 step of the default model
-as the engine runs it (greedy one-token passes submitted straight to the
+(or ``--model``: any GGUF file or known name) as the engine runs it (greedy one-token passes submitted straight to the
 scheduler: no inferlet, no server). Prints both bandwidths, the roofline,
 the step and their ratio (the fraction of the roofline reached), then one
 ``JSON:`` line. Usage::
 
     .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
-        [--compare-small-pages | --compare-row-layout]
+        [--compare-small-pages | --compare-row-layout] [--model FILE.gguf --steps 16]
 
 The two ``--compare`` options load a second engine that differs in one
 setting (4 KiB pages under the weights; Q4/Q8 weights in the row layout
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per round")
     ap.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth buffer (MiB; >> last-level cache)")
+    ap.add_argument("--model", default=None, help="a GGUF file or known model name (default: the default model)")
     cmp = ap.add_mutually_exclusive_group()
     cmp.add_argument("--compare-small-pages", action="store_true",
                      help="also load the model with huge_pages=False (4 KiB pages under the weights) and time its "
@@ -94,13 +95,14 @@ def main() -> None:
 
     import torch
 
-    engine = load_engine(threads=a.threads)
+    cfg = {"threads": a.threads} if a.model is None else {"threads": a.threads, "model": a.model}
+    engine = load_engine(**cfg)
     small, label, key = None, "", ""
     if a.compare_small_pages:
-        small, label, key = load_engine(threads=a.threads, huge_pages=False), "weights on 4 KiB pages", "small_pages"
+        small, label, key = load_engine(**cfg, huge_pages=False), "weights on 4 KiB pages", "small_pages"
     elif a.compare_row_layout:
         with row_layout():
-            small = load_engine(threads=a.threads)
+            small = load_engine(**cfg)
         label, key = "Q4/Q8 weights in the row layout", "row_layout"
     try:
         model = engine.model
@@ -139,11 +141,12 @@ def main() -> None:
             rows += [[f"batch-1 step, {label}", f"{statistics.median(small_steps) * 1e3:.2f} ms"],
                      ["that step / the default's (median of round ratios)", f"{ratio:.3f}"]]
             extra = {f"{key}_step_ms": [s * 1e3 for s in small_steps], f"{key}_over_default": ratio}
-        title = (f"batch-1 decode vs the weight-bandwidth roofline: default model "
+        name = "default model" if a.model is None else a.model.rsplit("/", 1)[-1]
+        title = (f"batch-1 decode vs the weight-bandwidth roofline: {name} "
                  f"({model.weight_summary()}), {torch.get_num_threads()} threads, median of {a.rounds} rounds")
         report(title, ["quantity", "value"], rows, {
             "weight_bytes_per_token": weight, "read_gbs": read, "copy_gbs": copy, "roofline_ms": roofline * 1e3,
-            "step_ms": step * 1e3, "fraction": roofline / step, "threads": torch.get_num_threads(),
+            "step_ms": step * 1e3, "fraction": roofline / step, "threads": torch.get_num_threads(), "model": a.model,
             "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps]}, **extra,
         })
     finally:

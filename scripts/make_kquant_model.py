@@ -18,6 +18,11 @@ Writes two files with llama.cpp's ``llama-quantize`` (built once by
    std 0.02, norms ones; seeded) and quantized to Q4_K_M, where every matrix
    has K-quant-sized rows. Its text is gibberish: it is for speed and loader
    tests, not quality.
+3. With ``--size 7b``: ``random-llama-7b.Q4_K_M.gguf`` instead, the same
+   recipe at Mistral-7B's shape (hidden 4096, 32 layers, FFN 14336, 32 heads
+   of 128, 8 KV heads; with SmolLM2's vocabulary ~7.2 B parameters, a ~4.1 GiB
+   file): what a CPU user serves, for memory and speed at that size. The F16
+   file (~13.4 GiB) is written tensor by tensor, never held in memory.
 
 Each quantized file is then loaded by ``llama-server`` for a short greedy
 completion (``--no-check`` skips that). Existing outputs are kept unless
@@ -25,6 +30,7 @@ completion (``--no-check`` skips that). Existing outputs are kept unless
 
     .venv/bin/python scripts/make_kquant_model.py                  # into <cache>/kquant-models/
     .venv/bin/python scripts/make_kquant_model.py --out /tmp/models --keep-f16
+    .venv/bin/python scripts/make_kquant_model.py --size 7b         # the 7B-shaped one (~10 min, 18 GB of disk)
 
 ``<cache>``: ``$TARTLET_CACHE_DIR``, else the user cache dir.
 """
@@ -50,8 +56,13 @@ import gguf  # noqa: E402
 import llamacpp  # noqa: E402
 
 QTYPE = "Q4_K_M"
-RANDOM_NAME = "random-llama-0.7b"
-RANDOM_DIMS = {"hidden": 1536, "layers": 24, "ffn": 4096, "heads": 12, "kv_heads": 4, "head_dim": 128}
+#: random-weight models by ``--size``: file stem and shape
+RANDOM_MODELS = {
+    "0.7b": ("random-llama-0.7b", {"hidden": 1536, "layers": 24, "ffn": 4096, "heads": 12, "kv_heads": 4, "head_dim": 128}),
+    # Mistral-7B-v0.1's shape (config.json of mistralai/Mistral-7B-v0.1), without its sliding window
+    "7b": ("random-llama-7b", {"hidden": 4096, "layers": 32, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128}),
+}
+RANDOM_NAME, RANDOM_DIMS = RANDOM_MODELS["0.7b"]
 
 
 def default_out() -> Path:
@@ -86,11 +97,13 @@ def copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, prefix: str) -
     return n
 
 
-def write_random_llama(path: Path, tokenizer_from: Path, seed: int, dims: dict[str, int] = RANDOM_DIMS) -> int:
+def write_random_llama(path: Path, tokenizer_from: Path, seed: int, dims: dict[str, int] = RANDOM_DIMS, name: str = RANDOM_NAME) -> int:
     """Write a random-weight Llama GGUF in F16 (norms F32); returns its parameter count.
 
-    Weights are given as numpy ``[out, in]`` arrays, as torch holds them;
-    the writer records GGUF's reversed dims (``ne = [in, out]``) itself.
+    Weights are ``[out, in]`` arrays, as torch holds them; GGUF records the
+    reversed dims (``ne = [in, out]``). The tensor infos are written first and
+    each tensor's data is made and written in turn, so memory holds one
+    tensor at a time (a 7B model's F16 data is ~13 GiB).
     """
     tok = gguf.GGUFReader(tokenizer_from)
     vocab = len(tok.fields["tokenizer.ggml.tokens"].data)
@@ -98,7 +111,7 @@ def write_random_llama(path: Path, tokenizer_from: Path, seed: int, dims: dict[s
     rng = np.random.default_rng(seed)
     tmp = path.with_name(path.name + ".part")
     w = gguf.GGUFWriter(tmp, "llama")
-    w.add_name(RANDOM_NAME)
+    w.add_name(name)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_context_length(8192)
     w.add_embedding_length(h)
@@ -116,37 +129,36 @@ def write_random_llama(path: Path, tokenizer_from: Path, seed: int, dims: dict[s
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     copy_fields(tok, w, "tokenizer.")
 
-    params = 0
-
-    def mat(name: str, rows: int, cols: int) -> None:
-        nonlocal params
-        a = rng.standard_normal((rows, cols), dtype=np.float32)
-        a *= 0.02
-        w.add_tensor(name, a.astype(np.float16))
-        params += rows * cols
-
-    def norm(name: str, n: int) -> None:
-        nonlocal params
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
-        params += n
-
-    mat("token_embd.weight", vocab, h)  # tied: llama.cpp uses it as the output head too
-    norm("output_norm.weight", h)
+    # (name, [out, in] or [n]): matrices are F16 normals, vectors (norms) F32 ones
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, h)), ("output_norm.weight", (h,))]  # tied head
     for i in range(L):
         p = f"blk.{i}."
-        norm(p + "attn_norm.weight", h)
-        mat(p + "attn_q.weight", nh * hd, h)
-        mat(p + "attn_k.weight", nkv * hd, h)
-        mat(p + "attn_v.weight", nkv * hd, h)
-        mat(p + "attn_output.weight", h, nh * hd)
-        norm(p + "ffn_norm.weight", h)
-        mat(p + "ffn_gate.weight", ffn, h)
-        mat(p + "ffn_up.weight", ffn, h)
-        mat(p + "ffn_down.weight", h, ffn)
+        shapes += [
+            (p + "attn_norm.weight", (h,)),
+            (p + "attn_q.weight", (nh * hd, h)),
+            (p + "attn_k.weight", (nkv * hd, h)),
+            (p + "attn_v.weight", (nkv * hd, h)),
+            (p + "attn_output.weight", (h, nh * hd)),
+            (p + "ffn_norm.weight", (h,)),
+            (p + "ffn_gate.weight", (ffn, h)),
+            (p + "ffn_up.weight", (ffn, h)),
+            (p + "ffn_down.weight", (h, ffn)),
+        ]
+    for tname, shape in shapes:
+        dt = np.dtype(np.float16 if len(shape) == 2 else np.float32)
+        w.add_tensor_info(tname, shape, dt, int(np.prod(shape)) * dt.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, shape in shapes:
+        if len(shape) == 2:
+            a = rng.standard_normal(shape, dtype=np.float32)
+            a *= 0.02
+            w.write_tensor_data(a.astype(np.float16))
+        else:
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
     w.close()
+    params = sum(int(np.prod(shape)) for _, shape in shapes)
     tmp.rename(path)
     return params
 
@@ -181,6 +193,7 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="remake files that exist")
     ap.add_argument("--keep-f16", action="store_true", help="keep the random model's F16 file")
     ap.add_argument("--no-check", action="store_true", help="skip loading the outputs in llama-server")
+    ap.add_argument("--size", choices=sorted(RANDOM_MODELS), default="0.7b", help="shape of the random model (default 0.7b)")
     a = ap.parse_args()
     out = (a.out or default_out()).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -198,12 +211,13 @@ def main() -> None:
         print(f"quantized {smol.name} -> {dst.name} in {time.perf_counter() - t0:.1f} s", flush=True)
     made.append(dst)
 
-    dst = out / f"{RANDOM_NAME}.{QTYPE}.gguf"
+    name, dims = RANDOM_MODELS[a.size]
+    dst = out / f"{name}.{QTYPE}.gguf"
     if a.force or not dst.is_file():
-        f16 = out / f"{RANDOM_NAME}.F16.gguf"
+        f16 = out / f"{name}.F16.gguf"
         if a.force or not f16.is_file():
             t0 = time.perf_counter()
-            n = write_random_llama(f16, smol, a.seed)
+            n = write_random_llama(f16, smol, a.seed, dims, name)
             print(f"wrote {f16.name} ({n / 1e9:.3f} B parameters) in {time.perf_counter() - t0:.1f} s", flush=True)
         t0 = time.perf_counter()
         quantize(f16, dst, threads=a.threads)
