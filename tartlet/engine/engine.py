@@ -230,8 +230,10 @@ class Engine:
         quantized = cfg.keeps_quantized()
         if cfg.quantize is not None and not quantized:
             raise ValueError(f"quantize = {cfg.quantize!r} needs the quantized CPU kernels on the CPU")
-        loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=quantized, quantize=cfg.quantize)
-        return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
+        # converted weights allocated on huge pages from the start (huge_pages.empty): little left to collapse
+        with huge_pages.for_new_weights(cfg.huge_pages and cfg.torch_device().type == "cpu"):
+            loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=quantized, quantize=cfg.quantize)
+            return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
 
     def kv_summary(self) -> str:
         """The page pool's capacity in words, e.g. for the default model in

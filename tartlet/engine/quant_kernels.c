@@ -602,3 +602,4 @@ void tq_matmul_half(int bf16, const uint16_t *w, int64_t N, int64_t K, const flo
 
 #include "kv_int8.h" /* int8 KV rows, for the fused step */
 #include "decode_step.h"
+#include "repack.h" /* GGUF blocks into the kinds at load, and the 16-row interleave */

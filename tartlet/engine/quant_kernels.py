@@ -17,13 +17,16 @@ import ctypes
 import logging
 import threading
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
+import numpy as np
 import torch
 
+from . import huge_pages
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
-from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED_KINDS, QuantWeight
+from .quant_formats import (BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, INTERLEAVED_KINDS, KIND_NAMES, Q4, Q5, Q6, Q8,
+                            QBYTES, QK, QuantWeight)
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
                                     "panel_gemm_bf16.h", "interleaved_avx512.h", "float_kernels.h", "kv_int8.h",
-                                    "decode_step.h"))
+                                    "decode_step.h", "repack.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
@@ -78,6 +81,10 @@ class DecoderDesc(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)),
                 ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_kind", _I)]
 
+
+#: GGUF block types ``tq_repack_gguf`` reads (``repack.h``'s G_*): code, kind made, weights and bytes a block
+REPACK_TYPES = {"Q8_0": (0, Q8, 32, 34), "Q4_0": (1, Q4, 32, 18), "Q4_1": (2, Q4, 32, 20), "Q5_0": (3, Q5, 32, 22),
+                "Q5_1": (4, Q5, 32, 24), "Q4_K": (5, Q4, 256, 144), "Q5_K": (6, Q5, 256, 176), "Q6_K": (7, Q6, 256, 210)}
 
 #: ``DecoderDesc.kv_kind`` per pool dtype (``decode_step.h``'s TQ_KV_*)
 KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
@@ -147,11 +154,82 @@ class QuantKernels:
         lib.tq_set_isa.restype = ctypes.c_int
         lib.tq_best_isa.restype = ctypes.c_int
         lib.tq_has_bf16.restype = ctypes.c_int
+        lib.tq_repack_gguf.argtypes = [ctypes.c_int, _P, _I, _P, _P, _P]
+        lib.tq_repack_gguf.restype = ctypes.c_int
+        lib.tq_interleave.argtypes = [ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _P]
+        lib.tq_interleave.restype = None
         self.best_isa: int = lib.tq_best_isa()
         #: Whether the CPU has AVX512_BF16, the panel GEMM's bfloat16 products
         #: (:meth:`linear_desc` ``bf16``).
         self.has_bf16: bool = bool(lib.tq_has_bf16())
         self.isa: int = lib.tq_set_isa(-1)
+
+    def repack_gguf(self, data: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
+        """:func:`~tartlet.engine.quant_formats.from_gguf` of a block type
+        (:data:`REPACK_TYPES`) in C (``repack.h``): the same bytes, ~20x
+        faster, without temporaries.
+
+        Args:
+            data: the tensor's bytes (``gguf.ReaderTensor.data``, any shape
+                and dtype of the right size, contiguous).
+            type_name: a key of :data:`REPACK_TYPES`.
+            n, k: rows (outputs) and columns (inputs).
+
+        Raises:
+            ValueError: another type, a width that is not a multiple of the
+                block, or data of the wrong size.
+        """
+        if type_name not in REPACK_TYPES:
+            raise ValueError(f"GGUF type {type_name} is not repacked in C (types: {', '.join(REPACK_TYPES)})")
+        code, kind, block, size = REPACK_TYPES[type_name]
+        if k % block:
+            raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if raw.size != n * k // block * size:
+            raise ValueError(f"{type_name} data of {raw.size} bytes does not hold a [{n}, {k}] matrix")
+        nb = k // QK
+        # the model's weights from now on: on huge pages when the load asks (huge_pages.for_new_weights)
+        q = huge_pages.empty((n, nb * QBYTES[kind]), torch.uint8)
+        d = huge_pages.empty((n, nb * (2 if kind == Q6 else 1)), torch.float16)  # Q6: a scale per 16 weights
+        m = None if kind in (Q8, Q6) else huge_pages.empty((n, nb), torch.float16)
+        if self._lib.tq_repack_gguf(code, raw.ctypes.data, raw.size // size, q.data_ptr(), d.data_ptr(), _ptr(m)):
+            raise ValueError(f"GGUF type {type_name} is not repacked in C")  # REPACK_TYPES and repack.h disagree
+        return QuantWeight(kind, (n, k), q, d, m, type_name)
+
+    def interleave(self, parts: list[QuantWeight]) -> QuantWeight:
+        """:func:`~tartlet.engine.quant_formats.interleave` in C
+        (``repack.h``) of ``parts`` stacked along rows
+        (:meth:`QuantWeight.cat <tartlet.engine.quant_formats.QuantWeight.cat>`):
+        the same bytes, without numpy's temporaries; parts of a multiple of
+        16 rows are written straight into their rows of the result (the
+        layout goes by groups of 16 rows), so a fused projection is not
+        stacked first.
+
+        Raises:
+            ValueError: parts of different kinds or widths, a kind other
+                than Q4, Q5, Q6, Q8, or rows that are not a multiple of 16.
+        """
+        first = parts[0]
+        if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only weights of one kind and width can be stacked")
+        n, k = sum(p.shape[0] for p in parts), first.shape[1]
+        if first.kind not in INTERLEAVED or n % INTERLEAVE_ROWS:
+            raise ValueError(f"only q4, q5, q6 and q8 matrices with a multiple of {INTERLEAVE_ROWS} rows interleave, "
+                             f"got {KIND_NAMES[first.kind]} with {n} rows")
+        if any(p.shape[0] % INTERLEAVE_ROWS for p in parts):
+            parts = [QuantWeight.cat(parts)]  # a part ends inside a group of 16 rows
+        assert first.d is not None  # block kinds have scales
+        qo = huge_pages.empty((n, first.q.shape[1]), torch.uint8)
+        do = huge_pages.empty((n, first.d.shape[1]), torch.float16)
+        mo = None if first.m is None else huge_pages.empty((n, first.m.shape[1]), torch.float16)
+        r0 = 0
+        for p in parts:
+            q, d, m = p.q.contiguous(), cast(torch.Tensor, p.d).contiguous(), None if p.m is None else p.m.contiguous()
+            r1 = r0 + p.shape[0]
+            self._lib.tq_interleave(p.kind, p.shape[0], k // QK, q.data_ptr(), d.data_ptr(), _ptr(m), qo[r0:r1].data_ptr(),
+                                    do[r0:r1].data_ptr(), None if mo is None else mo[r0:r1].data_ptr())
+            r0 = r1
+        return QuantWeight(INTERLEAVED[first.kind], (n, k), qo, do, mo, first.source)
 
     def set_isa(self, level: int) -> int:
         """Use instruction-set ``level`` (see :data:`ISA_NAMES`; ``-1`` or a

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight, interleave
+from .quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight
 from .quant_kernels import QuantKernels
 
 #: Interleave eligible Q4/Q5/Q8 parts at load (see the module docstring);
@@ -95,18 +95,22 @@ class QuantLinear:
         widths = {p.shape[1] for p in parts}
         if len(widths) != 1:
             raise ValueError(f"parts of one projection must have one width, got {sorted(widths)}")
-        merged: list[QuantWeight] = []
+        runs: list[list[QuantWeight]] = []  # consecutive parts of one kind
         for p in parts:
-            if merged and merged[-1].kind == p.kind:
-                merged[-1] = QuantWeight.cat([merged[-1], p])
+            if runs and runs[-1][0].kind == p.kind:
+                runs[-1].append(p)
             else:
-                merged.append(p)
-        if INTERLEAVE and act_bits == 16 and not bf16 and kernels.isa == 3:
-            n0 = 0
-            for i, p in enumerate(merged):
-                if p.kind in INTERLEAVED and p.shape[0] % INTERLEAVE_ROWS == 0 and n0 % INTERLEAVE_ROWS == 0:
-                    merged[i] = interleave(p)
-                n0 += p.shape[0]
+                runs.append([p])
+        interleaved = INTERLEAVE and act_bits == 16 and not bf16 and kernels.isa == 3
+        merged: list[QuantWeight] = []
+        n0 = 0
+        for run in runs:
+            rows = sum(p.shape[0] for p in run)
+            if interleaved and run[0].kind in INTERLEAVED and rows % INTERLEAVE_ROWS == 0 and n0 % INTERLEAVE_ROWS == 0:
+                merged.append(kernels.interleave(run))  # quant_formats.interleave in C, stacked in the same pass
+            else:
+                merged.append(run[0] if len(run) == 1 else QuantWeight.cat(run))
+            n0 += rows
         self.parts = merged
         self.in_features = widths.pop()
         self.out_features = sum(p.shape[0] for p in merged)
