@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--matmul-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="Tartlet's matmul_dtype (float GEMM of 8+ rows over quantized weights; default float32)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                    help="Tartlet's kv_dtype (KV page element type; default auto: float32 on the CPU)")
+                    help="Tartlet's kv_dtype (KV page element type; default auto: float16 for quantized weights, as llama-server)")
     ap.add_argument("--llama-args", default="", help="extra arguments of llama-server (one shell-quoted string)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the prompts' random words (default: random)")
     ap.add_argument("--logs", help="folder for the servers' logs and Tartlet's config (default: a temporary folder)")
