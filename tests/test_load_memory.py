@@ -104,6 +104,10 @@ def test_drop_mapped_pages_leaves_the_rss_and_keeps_the_data(tmp_path):
     assert before - after == 31 * mmap.PAGESIZE // 1024, (before, after)
     assert np.array_equal(view, data[100 : 100 + 32 * mmap.PAGESIZE])
     assert not os_memory.drop_mapped_pages(m[:10]), "no whole page inside"
+    anon = data.copy()  # anonymous memory: MADV_DONTNEED would zero it, so it is refused
+    assert not os_memory.drop_mapped_pages(anon) and np.array_equal(anon, data)
+    cow = np.memmap(path, dtype=np.uint8, mode="c")
+    assert not os_memory.drop_mapped_pages(cow[: 8 * mmap.PAGESIZE]), "copy-on-write mapping"
     assert isinstance(os_memory.trim_heap(), bool)
 
 

@@ -44,15 +44,28 @@ def libc() -> ctypes.CDLL | None:
         return None
 
 
+def read_only_file_view(a: np.ndarray) -> bool:
+    """Whether ``a`` views a ``np.memmap`` opened read-only (``mode="r"``):
+    its pages are the file's, never written, so dropping them loses nothing."""
+    base: object = a
+    while isinstance(base, np.ndarray):
+        if isinstance(base, np.memmap):
+            return base.mode == "r"
+        base = base.base
+    return False
+
+
 def drop_mapped_pages(a: np.ndarray) -> bool:
     """Unmap from this process the whole pages inside the bytes of ``a``, a
     view of a read-only file mapping (a ``gguf.ReaderTensor``'s ``data``),
     so they leave its RSS; the array stays valid (a read faults its pages
     back in from the page cache). Only pages wholly inside ``a`` are
-    dropped, so neighbouring tensors keep theirs. Returns whether the
-    kernel accepted (False off Linux)."""
+    dropped, so neighbouring tensors keep theirs. Anything but a view of a
+    read-only ``np.memmap`` is left alone (on anonymous or copy-on-write
+    memory ``MADV_DONTNEED`` would discard the contents). Returns whether
+    pages were dropped (False off Linux)."""
     lib = libc()
-    if lib is None or a.nbytes == 0 or not a.flags.c_contiguous:
+    if lib is None or a.nbytes == 0 or not a.flags.c_contiguous or not read_only_file_view(a):
         return False
     page = mmap.PAGESIZE
     start = a.ctypes.data
