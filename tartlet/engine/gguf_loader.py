@@ -424,7 +424,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: bool = 
 def _repacker(quantized: bool) -> Callable[[np.ndarray, str, int, int], Any]:
     """The function that repacks a GGUF matrix (``from_gguf``'s arguments):
     the C repacker of the quantized kernels for the block types it reads
-    (``QuantKernels.repack_gguf``, the same bytes ~20x faster), else
+    (``QuantKernels.repack_gguf``, the same bytes 2-11x faster), else
     :func:`~tartlet.engine.quant_formats.from_gguf`."""
     from tartlet.engine.quant_formats import from_gguf
 

@@ -166,8 +166,9 @@ class QuantKernels:
 
     def repack_gguf(self, data: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
         """:func:`~tartlet.engine.quant_formats.from_gguf` of a block type
-        (:data:`REPACK_TYPES`) in C (``repack.h``): the same bytes, ~20x
-        faster, without temporaries.
+        (:data:`REPACK_TYPES`) in C (``repack.h``): the same bytes, without
+        temporaries, 2-11x faster (one 4096 x 4096 matrix: Q4_K 7 vs 50 ms,
+        Q6_K 12 vs 130, Q8_0 6 vs 12).
 
         Args:
             data: the tensor's bytes (``gguf.ReaderTensor.data``, any shape

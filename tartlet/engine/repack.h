@@ -4,8 +4,9 @@
  * The same bytes as quant_formats.py's numpy functions (_repack/_pack and
  * interleave), which stay as the reference the tests compare these with bit
  * for bit; here each output byte is written once, without numpy's
- * temporaries, and threads split the blocks: a 4.2 GB Q4_K_M file took ~65 s
- * to repack and interleave in numpy on 2 cores.
+ * temporaries, and threads split the blocks: Engine.load of a 4.2 GB Q4_K_M
+ * took 81 s with numpy's and 16-21 s with these (2 cores; docs/benchmarks.md,
+ * "A 7B model", with the other loader changes of that section).
  *
  * GGUF block layouts (ggml-common.h; quant_formats.py's table):
  *   Q8_0  34 B: f16 d, int8 qs[32]
