@@ -58,8 +58,8 @@ import torch
 
 from tartlet.engine.config import ModelConfig
 from tartlet.engine.loader import GGUF_ARCHITECTURES, LoadedModel, ModelLoadError, check_weights
-from tartlet.engine.rope import Rotary
 from tartlet.engine.os_memory import drop_mapped_pages
+from tartlet.engine.rope import Rotary
 from tartlet.engine.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"

@@ -33,7 +33,7 @@ Collapsing copies every byte: ~13 s of background work for a 7B model's
 where they can be: inside :func:`for_new_weights` (``Engine.load`` wraps the
 load in it), :func:`empty` advises ``MADV_HUGEPAGE`` on a new buffer before
 anything writes it, so its first writes fault in 2 MiB pages and the
-:class:`Mover` later finds little left to collapse (~3 s for the 7B).
+:class:`Mover` later finds little left to collapse (~2 s for the 7B).
 """
 
 from __future__ import annotations
