@@ -46,7 +46,7 @@ def test_run_text_completion():
     products = ("integer products at every row count (16-row layout)" if kern is not None and kern.best_isa == 3
                 else "float32 products from 8 rows")
     assert f"weights 92.1 MiB (Q4_1 x 120, Q8_0 x 1; {products})" in stats, stats
-    assert "peak RSS" in stats and "KV pool float16" in stats, stats  # kv_dtype auto: float16 pages for quantized weights
+    assert "peak RSS" in stats and "model loaded in" in stats and "KV pool float16" in stats, stats  # kv_dtype auto: float16 pages for quantized weights
 
 
 @pytest.mark.slow

@@ -157,7 +157,8 @@ def _print_stats(engine: Engine) -> None:
         f"weights {engine.model.weight_bytes() / 2**20:.1f} MiB ({engine.model.weight_summary()}"
         f"{'; ' + products if (products := engine.model.products_summary()) else ''}), "
         f"{engine.kv_summary()}\n"
-        f"peak RSS {peak_mib:.0f} MiB",
+        f"peak RSS {peak_mib:.0f} MiB"
+        f"{'' if engine.load_seconds is None else f', model loaded in {engine.load_seconds:.1f} s'}",
         highlight=False,
     )
 

@@ -11,6 +11,7 @@ sized from a memory budget, and the scheduler thread is started.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -196,6 +197,8 @@ class Engine:
             act_bits=cfg.act_bits, matmul_dtype=cfg.matmul_dtype,
         )
         #: the thread moving the weights onto huge pages (``huge_pages``), or None
+        #: seconds :meth:`load` took from the model file to a running engine (None when built directly)
+        self.load_seconds: float | None = None
         self.huge_pages_thread = (huge_pages.Mover(self.model.weight_tensors())
                                   if cfg.huge_pages and device.type == "cpu" else None)
         c = model_config
@@ -230,10 +233,13 @@ class Engine:
         quantized = cfg.keeps_quantized()
         if cfg.quantize is not None and not quantized:
             raise ValueError(f"quantize = {cfg.quantize!r} needs the quantized CPU kernels on the CPU")
+        t0 = time.perf_counter()
         # converted weights allocated on huge pages from the start (huge_pages.empty): little left to collapse
         with huge_pages.for_new_weights(cfg.huge_pages and cfg.torch_device().type == "cpu"):
             loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=quantized, quantize=cfg.quantize)
-            return cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
+            engine = cls(cfg, loaded.config, loaded.weights, loaded.tokenizer)
+        engine.load_seconds = time.perf_counter() - t0
+        return engine
 
     def kv_summary(self) -> str:
         """The page pool's capacity in words, e.g. for the default model in
