@@ -11,8 +11,9 @@ Measured in one run, in alternating rounds (these VMs drift): the read
 bandwidth (``torch.sum`` over a float32 buffer much larger than the
 last-level cache, on the engine's threads), the copy bandwidth (bytes read
 plus written by ``Tensor.copy_``), and the batch-1 step of the default model
-(or ``--model``: any GGUF file or known name) as the engine runs it (greedy one-token passes submitted straight to the
-scheduler: no inferlet, no server). Prints both bandwidths, the roofline,
+(or ``--model``: any GGUF file or known name) as the engine runs it (greedy
+one-token passes submitted straight to the scheduler: no inferlet, no
+server). Prints both bandwidths, the roofline,
 the step and their ratio (the fraction of the roofline reached), then one
 ``JSON:`` line. Usage::
 

@@ -196,9 +196,9 @@ class Engine:
             model_config, weights, dtype=dtype, device=device, cpu_kernels=cfg.cpu_kernels, gemv_copy=cfg.gemv_copy,
             act_bits=cfg.act_bits, matmul_dtype=cfg.matmul_dtype,
         )
-        #: the thread moving the weights onto huge pages (``huge_pages``), or None
         #: seconds :meth:`load` took from the model file to a running engine (None when built directly)
         self.load_seconds: float | None = None
+        #: the thread moving the weights onto huge pages (``huge_pages``), or None
         self.huge_pages_thread = (huge_pages.Mover(self.model.weight_tensors())
                                   if cfg.huge_pages and device.type == "cpu" else None)
         c = model_config

@@ -214,6 +214,26 @@ def _split(blocks: np.ndarray, *sizes: int) -> list[np.ndarray]:
 REPACK_CHUNK_ELEMENTS = 1 << 22
 
 
+def gguf_blocks(data: np.ndarray, type_name: str, n: int, k: int) -> tuple[np.ndarray, int]:
+    """The bytes of a GGUF block-type matrix of ``n`` rows and ``k`` columns
+    as a flat uint8 array, and its block size in bytes (``gguf``'s
+    ``GGML_QUANT_SIZES``), checked against the shape.
+
+    Raises:
+        ValueError: a width that is not a multiple of the block, or data of
+            the wrong size.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    if k % block:
+        raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if raw.size != n * k // block * size:
+        raise ValueError(f"{type_name} data of {raw.size} bytes does not hold a [{n}, {k}] matrix")
+    return raw, size
+
+
 def from_gguf(data: np.ndarray, type_name: str, n: int, k: int, chunk_elements: int = REPACK_CHUNK_ELEMENTS) -> QuantWeight:
     """Repack the raw bytes of a GGUF matrix of ``n`` rows and ``k`` columns.
 
@@ -232,21 +252,13 @@ def from_gguf(data: np.ndarray, type_name: str, n: int, k: int, chunk_elements: 
     Raises:
         ValueError: an unsupported type, or a size that does not match.
     """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     if type_name in ("F16", "BF16"):
         halves = np.ascontiguousarray(data).view(np.uint16).reshape(n, k)
         t = torch.from_numpy(halves.copy()).view(torch.float16 if type_name == "F16" else torch.bfloat16)
         return QuantWeight(F16 if type_name == "F16" else BF16, (n, k), t, source=type_name)
     if type_name not in GGUF_TYPES:
         raise ValueError(f"GGUF type {type_name} has no quantized kernel")
-    qtype = GGMLQuantizationType[type_name]
-    block, size = GGML_QUANT_SIZES[qtype]
-    if k % block:
-        raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    if raw.size != n * k // block * size:
-        raise ValueError(f"{type_name} data of {raw.size} bytes does not hold a [{n}, {k}] matrix")
+    raw, size = gguf_blocks(data, type_name, n, k)
     b = raw.reshape(n, -1)  # whole blocks per row
     rows = max(1, chunk_elements // k)
     if n <= rows:

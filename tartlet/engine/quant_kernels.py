@@ -26,7 +26,7 @@ from . import huge_pages
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
 from .quant_formats import (BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, INTERLEAVED_KINDS, KIND_NAMES, Q4, Q5, Q6, Q8,
-                            QBYTES, QK, QuantWeight)
+                            QBYTES, QK, QuantWeight, gguf_blocks)
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ class DecoderDesc(ctypes.Structure):
                 ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_kind", _I)]
 
 
-#: GGUF block types ``tq_repack_gguf`` reads (``repack.h``'s G_*): code, kind made, weights and bytes a block
-REPACK_TYPES = {"Q8_0": (0, Q8, 32, 34), "Q4_0": (1, Q4, 32, 18), "Q4_1": (2, Q4, 32, 20), "Q5_0": (3, Q5, 32, 22),
-                "Q5_1": (4, Q5, 32, 24), "Q4_K": (5, Q4, 256, 144), "Q5_K": (6, Q5, 256, 176), "Q6_K": (7, Q6, 256, 210)}
+#: GGUF block types ``tq_repack_gguf`` reads: ``repack.h``'s code (G_*) and the kind it makes
+REPACK_TYPES = {"Q8_0": (0, Q8), "Q4_0": (1, Q4), "Q4_1": (2, Q4), "Q5_0": (3, Q5), "Q5_1": (4, Q5), "Q4_K": (5, Q4),
+                "Q5_K": (6, Q5), "Q6_K": (7, Q6)}
 
 #: ``DecoderDesc.kv_kind`` per pool dtype (``decode_step.h``'s TQ_KV_*)
 KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
@@ -182,12 +182,8 @@ class QuantKernels:
         """
         if type_name not in REPACK_TYPES:
             raise ValueError(f"GGUF type {type_name} is not repacked in C (types: {', '.join(REPACK_TYPES)})")
-        code, kind, block, size = REPACK_TYPES[type_name]
-        if k % block:
-            raise ValueError(f"a {type_name} matrix needs a width divisible by {block}, got {k}")
-        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        if raw.size != n * k // block * size:
-            raise ValueError(f"{type_name} data of {raw.size} bytes does not hold a [{n}, {k}] matrix")
+        code, kind = REPACK_TYPES[type_name]
+        raw, size = gguf_blocks(data, type_name, n, k)
         nb = k // QK
         # the model's weights from now on: on huge pages when the load asks (huge_pages.for_new_weights)
         q = huge_pages.empty((n, nb * QBYTES[kind]), torch.uint8)
