@@ -201,16 +201,41 @@ static void norm_quantize(const float *x, const float *w, float *xn, int64_t T, 
  * quantization) held the other thread idle for ~4 ms of a ~95 ms step. */
 #define ROW_TAIL_MIN 16
 
-/* Chunks of a projection with N outputs: 4 per thread (so that a thread
- * the OS preempts holds back little), each at least 16 rows and a multiple
- * of 16, of PANEL_N on the panel GEMM (every output is still computed
- * whole by one chunk, in the
- * kernel's order: results do not depend on the chunking). */
-static inline int64_t linear_chunks(int64_t N, int nt, int64_t align, int64_t *rows) {
-    int64_t r = (N + 4 * nt - 1) / (4 * nt);
-    r = (r + align - 1) / align * align;
-    *rows = r;
-    return (N + r - 1) / r;
+/* Chunks of a projection with N outputs: nt ranges (one a thread, see
+ * claim_chunk) of k chunks each, as many as chunk_rows needs to end on
+ * chunks of one group of `align` rows (16: the interleaved kinds' row
+ * groups; PANEL_N on the panel GEMM). */
+static inline int64_t linear_chunks(int64_t N, int nt, int64_t align) {
+    const int64_t quarter = ((N + align - 1) / align + nt - 1) / nt / 4; /* of the largest range, in groups */
+    int64_t k = 3;
+    while (quarter >> (k - 2)) k++;
+    return k * nt;
+}
+
+/* Groups of a range of g left after its chunk j (chunk_rows): three
+ * quarters, a half, a quarter, then halving. */
+static inline int64_t chunk_left(int64_t g, int64_t j) { return j < 3 ? g * (3 - j) / 4 : (g / 4) >> (j - 2); }
+
+/* Output rows [*lo, *hi) of chunk c of n (linear_chunks) of a projection
+ * with N outputs. Thread u's range, groups [G u / nt, G (u + 1) / nt) of
+ * the G groups of `align` rows, is cut into three quarters and then
+ * chunks that halve in size down to one group (chunk_left): the range is
+ * still one stream front to back; a thread the OS preempts holds back at
+ * most a quarter of its range, as before; and when a thread runs out of
+ * work, what the other is still running is small. With 4 equal chunks a
+ * thread, the thread that finished first waited at every phase's end for
+ * up to a quarter of the other's range (at the end of a batch-1 step of
+ * the default model ~100 us on average, for the 6144-row chunks of its LM
+ * head; 16 rows took 0.92x the time with these chunks, docs/benchmarks.md).
+ * Every output is still computed whole by one chunk, in the kernel's
+ * order: results do not depend on the chunking. */
+static inline void chunk_rows(int64_t N, int nt, int64_t align, int64_t n, int64_t c, int64_t *lo, int64_t *hi) {
+    const int64_t G = (N + align - 1) / align, k = n / nt, u = c / k, j = c % k;
+    const int64_t g0 = G * u / nt, g = G * (u + 1) / nt - g0;
+    const int64_t a = (g0 + g - (j == 0 ? g : chunk_left(g, j - 1))) * align;
+    const int64_t b = (g0 + g - (j == k - 1 ? 0 : chunk_left(g, j))) * align;
+    *lo = a < N ? a : N;
+    *hi = b < N ? b : N;
 }
 
 /* Attention task c of tasks split hsplit to a (query, KV head): its group
@@ -421,7 +446,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             const tq_linear_desc *lin = 0;
             float *y = 0;
             const float *xin = xn, *res = 0;
-            int64_t n_chunks = 1, rows = 0;
+            int64_t n_chunks = 1;
             if (ph == n_phases - 1 && head) {
                 lin = D->head, y = logits;
             } else if (ph > 0) {
@@ -437,7 +462,8 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
             const int64_t M = ph == n_phases - 1 && head ? S : T;
             if (ly && kind == 0) /* the attention phase after this one reads them */
                 prefetch_attention_kv(D, ly, groups, att_tasks, hsplit, tid, nt);
-            if (lin) n_chunks = linear_chunks(lin->n_total, nt, panel_route(lin->bits, 0, M) ? PANEL_N : 16, &rows);
+            const int64_t align = lin && panel_route(lin->bits, 0, M) ? PANEL_N : 16;
+            if (lin) n_chunks = linear_chunks(lin->n_total, nt, align);
             if (n_chunks < 1) n_chunks = 1; /* a phase always has a last chunk, which opens the next */
             ctr_line *claims = ctr + ph * n_ctr, *done = claims + nt_max, *tail_open = done + 1;
             const int last = ph == n_phases - 1 && head;
@@ -447,7 +473,8 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                 const int64_t c = claim_chunk(claims, n_chunks, tid, nt);
                 if (c < 0) break;
                 if (lin) {
-                    const int64_t lo = c * rows, hi = lo + rows < lin->n_total ? lo + rows : lin->n_total;
+                    int64_t lo, hi;
+                    chunk_rows(lin->n_total, nt, align, n_chunks, c, &lo, &hi);
                     linear_cols(lin, xin, qa, fa, M, y, res, lo, hi, pbuf + (int64_t)tid * kmax * PANEL_N);
                 } else if (ph > 0 && kind == 1 && c < att_tasks) { /* attention of one query's ag heads */
                     int64_t b, kh;
