@@ -11,11 +11,18 @@ Measured in one run, in alternating rounds (these VMs drift): the read
 bandwidth (``torch.sum`` over a float32 buffer much larger than the
 last-level cache, on the engine's threads), the copy bandwidth (bytes read
 plus written by ``Tensor.copy_``), and the batch-1 step of the default model
-(or ``--model``: any GGUF file or known name) as the engine runs it (greedy
-one-token passes submitted straight to the scheduler: no inferlet, no
-server). Prints both bandwidths, the roofline,
-the step and their ratio (the fraction of the roofline reached), then one
-``JSON:`` line. Usage::
+(or ``--model``: any GGUF file or known name) as the engine runs it, greedy
+one-token passes with no inferlet and no server, in two ways:
+
+- chained (the headline): each pass's continuation queues the next on the
+  scheduler thread, as ``generate`` runs every standard inferlet's decode
+  loop (``bench_wasm.chained_tpot``);
+- one submit per token: the benchmark's thread submits each pass and waits
+  for its result (``bench_wasm.direct_tpot``), as an inferlet that calls
+  ``forward`` token by token does; this adds a thread handoff each step.
+
+Prints both bandwidths, the roofline, both steps and their ratios to it
+(the fraction of the roofline reached), then one ``JSON:`` line. Usage::
 
     .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
         [--compare-small-pages | --compare-row-layout] [--model FILE.gguf --steps 16]
@@ -23,7 +30,7 @@ the step and their ratio (the fraction of the roofline reached), then one
 The two ``--compare`` options load a second engine that differs in one
 setting (4 KiB pages under the weights; Q4/Q8 weights in the row layout
 rather than interleaved by 16 rows, ``quant_linear.INTERLEAVE``) and time
-its step in the same rounds, alternating which goes first, with the median
+its chained step in the same rounds, alternating which goes first, with the median
 of the per-round ratios.
 """
 
@@ -35,7 +42,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
-from bench_wasm import PROMPT, direct_tpot
+from bench_wasm import PROMPT, chained_tpot, direct_tpot
 from common import load_engine, report
 
 
@@ -111,30 +118,38 @@ def main() -> None:
         ids = engine.tokenizer.encode(PROMPT)
         n = a.buffer_mb * 2**20 // 4
         buf, dst = torch.ones(n), torch.empty(n)
-        reads, copies, steps, small_steps = [], [], [], []
+        reads, copies, steps, direct_steps, small_steps = [], [], [], [], []
         for e in (engine, small):  # measure the weights as they will stay
             if e is not None and e.huge_pages_thread is not None:
                 e.huge_pages_thread.join()
-        direct_tpot(engine, ids, 4)  # warm-up
+        chained_tpot(engine, ids, 4)  # warm-up
+        direct_tpot(engine, ids, 4)
         if small is not None:
-            direct_tpot(small, ids, 4)
+            chained_tpot(small, ids, 4)
         for r in range(a.rounds):
             reads.append(read_gbs(buf))
             copies.append(copy_gbs(dst, buf))
             if small is not None and r % 2:  # the other engine first every other round
-                small_steps.append(direct_tpot(small, ids, a.steps))
-            steps.append(direct_tpot(engine, ids, a.steps))
+                small_steps.append(chained_tpot(small, ids, a.steps))
+            if r % 2:  # and the two ways of stepping in turn
+                direct_steps.append(direct_tpot(engine, ids, a.steps))
+            steps.append(chained_tpot(engine, ids, a.steps))
+            if not r % 2:
+                direct_steps.append(direct_tpot(engine, ids, a.steps))
             if small is not None and not r % 2:
-                small_steps.append(direct_tpot(small, ids, a.steps))
+                small_steps.append(chained_tpot(small, ids, a.steps))
         read, copy, step = statistics.median(reads), statistics.median(copies), statistics.median(steps)
+        direct = statistics.median(direct_steps)
         roofline = weight / (read * 1e9)
         rows = [
             ["weight bytes read per token", f"{weight / 2**20:.1f} MiB"],
             ["read bandwidth (sum)", f"{read:.1f} GB/s"],
             ["copy bandwidth (read + write)", f"{copy:.1f} GB/s"],
             ["roofline step (weights / read bandwidth)", f"{roofline * 1e3:.2f} ms"],
-            ["measured batch-1 step", f"{step * 1e3:.2f} ms"],
+            ["batch-1 step, chained (generate's path)", f"{step * 1e3:.2f} ms"],
             ["fraction of the roofline", f"{roofline / step:.0%}"],
+            ["batch-1 step, one submit per token", f"{direct * 1e3:.2f} ms"],
+            ["fraction of the roofline", f"{roofline / direct:.0%}"],
         ]
         extra = {}
         if small_steps:
@@ -147,8 +162,10 @@ def main() -> None:
                  f"({model.weight_summary()}), {torch.get_num_threads()} threads, median of {a.rounds} rounds")
         report(title, ["quantity", "value"], rows, {
             "weight_bytes_per_token": weight, "read_gbs": read, "copy_gbs": copy, "roofline_ms": roofline * 1e3,
-            "step_ms": step * 1e3, "fraction": roofline / step, "threads": torch.get_num_threads(), "model": a.model,
-            "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps]}, **extra,
+            "step_ms": step * 1e3, "fraction": roofline / step, "direct_step_ms": direct * 1e3,
+            "direct_fraction": roofline / direct, "threads": torch.get_num_threads(), "model": a.model,
+            "rounds": {"read_gbs": reads, "copy_gbs": copies, "step_ms": [s * 1e3 for s in steps],
+                       "direct_step_ms": [s * 1e3 for s in direct_steps]}, **extra,
         })
     finally:
         engine.close()

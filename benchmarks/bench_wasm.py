@@ -50,6 +50,34 @@ def direct_tpot(engine, prompt_ids: list[int], n: int) -> float:
         engine.scheduler.command(seq.free, seq).result()
 
 
+def chained_tpot(engine, prompt_ids: list[int], n: int) -> float:
+    """Prefill, then ``n`` greedy decode steps chained on the scheduler
+    thread: each pass's continuation (``ForwardRequest.then``) queues the
+    next one, as ``generate`` does for an inferlet (no thread handoff
+    between steps); seconds per decode step."""
+    from tartlet.engine.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.scheduler import ForwardRequest
+
+    slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]
+    done, start = [0], [0.0]
+
+    def then(results: list[object]) -> tuple[list[int], list[OutputSlot]] | None:
+        done[0] += 1
+        if done[0] == 1:  # the prompt's pass is done: the clock starts at the first decode step
+            start[0] = time.perf_counter()
+        tok = results[0]  # a greedy slot's token id
+        assert isinstance(tok, int), tok
+        return None if done[0] > n else ([tok], slot)
+
+    seq = engine.new_sequence()
+    try:
+        first = [OutputSlot(len(prompt_ids) - 1, SamplerSpec(temperature=0.0))]
+        engine.scheduler.submit(ForwardRequest(seq, list(prompt_ids), None, None, first, then=then)).result()
+        return (time.perf_counter() - start[0]) / n
+    finally:
+        engine.scheduler.command(seq.free, seq).result()
+
+
 async def inferlet_tpot(runtime, program, n: int) -> float:
     """(b)/(c): seconds per token of one instance generating ``n`` tokens,
     minus the same instance generating 1 token (cancels prefill and launch)."""
