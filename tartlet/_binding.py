@@ -48,5 +48,11 @@ def unbind(token: contextvars.Token[HostApi]) -> None:
 
 
 async def wait(fut: concurrent.futures.Future[T]) -> T:
-    """Await a host future (a ``concurrent.futures.Future``)."""
+    """Await a host future (a ``concurrent.futures.Future``). One already
+    resolved (a token stream that had tokens waiting, say) is read after
+    one yield to the event loop, as awaiting it would, without
+    ``wrap_future``'s hand-off through the loop's self-pipe."""
+    if fut.done() and not fut.cancelled():
+        await asyncio.sleep(0)
+        return fut.result()
     return await asyncio.wrap_future(fut)

@@ -95,7 +95,7 @@ from ..runtime.program import load_program
 from .auth import AuthError
 from .config import LimitsConfig
 from ..protocol import ProtocolError, parse_json
-from .service import Service
+from .service import Service, post
 from .ws import bearer
 
 if TYPE_CHECKING:
@@ -795,8 +795,8 @@ class OpenAiRoutes:
             loop = asyncio.get_running_loop()
 
             def listener(i: int) -> Callable[[str | bytes], None]:
-                def put(m: str | bytes) -> None:
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, m if isinstance(m, str) else m.decode(errors="replace")))
+                def put(m: str | bytes) -> None:  # the sender's thread
+                    post(loop, queue.put_nowait, (i, m if isinstance(m, str) else m.decode(errors="replace")))
 
                 return put
 
@@ -812,7 +812,7 @@ class OpenAiRoutes:
             return e.response()
         def ended(i: int) -> Callable[[asyncio.Task[None]], None]:
             def put(_t: asyncio.Task[None]) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, None))
+                post(loop, queue.put_nowait, (i, None))
 
             return put
 

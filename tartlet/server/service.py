@@ -3,8 +3,9 @@ programs for a user, fan instance output out to attached clients, list,
 abort, and forget finished instances after a while.
 
 Runs on the server's event loop; session sends may come from any thread
-(a WASM instance's), so output is handed to the loop with
-``call_soon_threadsafe``.
+(a WASM instance's), so output is handed to the loop with :func:`post`
+(``call_soon_threadsafe`` from another thread, ``call_soon`` from the
+loop's own: a native inferlet's).
 
 Memory held for clients is bounded per user (``[limits] max_backlog_bytes``,
 one :class:`~tartlet.host.session.ByteBudget`): an output message is charged
@@ -47,6 +48,23 @@ Event = dict[str, Any]
 Subscriber = Callable[[Event], None]
 
 
+def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop`` soon, from any thread: ``call_soon``
+    when called on the loop's own thread (a native inferlet's session
+    send), else ``call_soon_threadsafe``, whose wake-up of the loop (a
+    write to its self-pipe, and the read that drains it) costs two system
+    calls per message. Both append to the same FIFO, so calls keep their
+    order whichever way they come."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs on this thread
+        here = False
+    if here:
+        loop.call_soon(fn, *args)
+    else:
+        loop.call_soon_threadsafe(fn, *args)
+
+
 class Channel:
     """Output fan-out of one instance: subscribers get events; while none is
     attached, the last :data:`BACKLOG` events are kept, their bytes charged
@@ -87,7 +105,7 @@ class Channel:
             ev["data_b64"] = base64.b64encode(msg).decode()
         else:
             ev["data"] = msg
-        self.loop.call_soon_threadsafe(self._emit, ev, size)
+        post(self.loop, self._emit, ev, size)
 
     def _give(self, size: int) -> None:
         if size and self.budget is not None:
