@@ -226,7 +226,8 @@ static inline int64_t chunk_left(int64_t g, int64_t j) { return j < 3 ? g * (3 -
  * thread, the thread that finished first waited at every phase's end for
  * up to a quarter of the other's range (at the end of a batch-1 step of
  * the default model ~100 us on average, for the 6144-row chunks of its LM
- * head; 16 rows took 0.92x the time with these chunks, docs/benchmarks.md).
+ * head; with these chunks steps of 1 to 64 rows took 0.92-0.97x the time,
+ * docs/benchmarks.md).
  * Every output is still computed whole by one chunk, in the kernel's
  * order: results do not depend on the chunking. */
 static inline void chunk_rows(int64_t N, int nt, int64_t align, int64_t n, int64_t c, int64_t *lo, int64_t *hi) {

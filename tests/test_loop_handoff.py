@@ -1,0 +1,77 @@
+"""Handing work to the event loop: ``service.post`` (a session message to the
+server's loop, from the loop's own thread or another) and the SDK's
+``_binding.wait`` (awaiting a host future, resolved or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pytest
+
+from tartlet import _binding
+from tartlet.server.service import post
+
+
+async def test_post_keeps_order_and_skips_the_self_pipe_on_the_loop_thread() -> None:
+    loop = asyncio.get_running_loop()
+    threadsafe = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):
+        nonlocal threadsafe
+        threadsafe += 1
+        return original(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        seen: list[str] = []
+        post(loop, seen.append, "a")  # the loop's thread: call_soon
+        t = threading.Thread(target=post, args=(loop, seen.append, "b"))  # another thread: call_soon_threadsafe
+        t.start()
+        t.join()
+        post(loop, seen.append, "c")
+        assert seen == []  # nothing runs before the loop gets control
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen == ["a", "b", "c"]  # one FIFO whichever way they came
+        assert threadsafe == 1
+    finally:
+        del loop.call_soon_threadsafe
+
+
+async def test_wait_reads_a_resolved_future_and_awaits_a_pending_one() -> None:
+    done: concurrent.futures.Future[int] = concurrent.futures.Future()
+    done.set_result(7)
+    assert await _binding.wait(done) == 7
+
+    failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+    failed.set_exception(ValueError("bad pass"))
+    with pytest.raises(ValueError, match="bad pass"):
+        await _binding.wait(failed)
+
+    cancelled: concurrent.futures.Future[int] = concurrent.futures.Future()
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):  # as awaiting it through wrap_future raises
+        await _binding.wait(cancelled)
+
+    pending: concurrent.futures.Future[int] = concurrent.futures.Future()
+    threading.Timer(0.01, pending.set_result, args=(9,)).start()
+    assert await _binding.wait(pending) == 9
+
+
+async def test_wait_on_a_resolved_future_still_yields_to_the_loop() -> None:
+    """Another task gets to run while one reads a resolved future, as when
+    it awaited the wrapped future."""
+    ran: list[str] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    task = asyncio.ensure_future(other())
+    done: concurrent.futures.Future[int] = concurrent.futures.Future()
+    done.set_result(1)
+    await _binding.wait(done)
+    assert ran == ["other"]
+    await task
