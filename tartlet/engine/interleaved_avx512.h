@@ -65,17 +65,24 @@
 #define IL_PF 4096
 
 /* Prefetch for a weight stream read once (one row tile: decode batches of
- * up to IL_MR rows) or again by later row tiles. Read once, the lines are
- * prefetched non-temporally (PREFETCHNTA): the ~100 MB a batch-1 step
- * streams then stops evicting the rest of the process from L2, and the
- * Python between steps (batch building, sampling: ~0.8 ms a step with
- * T0, on caches the step had flushed) ran in about half the time; the
- * step's phases did not slow down (docs/benchmarks.md). Read again (prefill, larger
- * decode batches), T0 keeps them for the next tile. */
-#define IL_PREFETCH(p, once)                                                   \
+ * up to IL_MR rows) or again by later row tiles. Read once: Q8I lines are
+ * prefetched into L2 (PREFETCHT1), the other kinds' non-temporally
+ * (PREFETCHNTA), both measured in one process alternating
+ * (docs/benchmarks.md). With NTA the default model's 30 MB Q8I LM head
+ * streamed at ~24 GB/s in the batch-1 step, with T1 at ~32 (1.27 -> 0.93
+ * ms, the step 0.91x the time; its Q4I phases unchanged), most likely
+ * because a prefetch that fills L1 holds one of the core's few L1 miss
+ * buffers until its line arrives, and Q8I, with the most bytes per
+ * multiply-add, needs the most lines in flight. T1 on every kind made the
+ * 7B Q4_K_M model's step (Q4I, Q6I) 1.046-1.048x slower. NTA had replaced
+ * T0 so that a step would stop evicting the Python between steps from
+ * L2. Read again (prefill, larger decode batches), T0 keeps the lines in
+ * L1 for the next tile. */
+#define IL_PREFETCH(p, once, kind)                                             \
     do {                                                                       \
-        if (once) _mm_prefetch((const char *)(p), _MM_HINT_NTA);               \
-        else _mm_prefetch((const char *)(p), _MM_HINT_T0);                     \
+        if (!(once)) _mm_prefetch((const char *)(p), _MM_HINT_T0);             \
+        else if ((kind) == K_Q8I) _mm_prefetch((const char *)(p), _MM_HINT_T1); \
+        else _mm_prefetch((const char *)(p), _MM_HINT_NTA);                    \
     } while (0)
 
 /* Bytes of a block of 16 rows. */
@@ -133,9 +140,9 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * qb;
-        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once);
-        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, once);
-        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once);
+        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once, kind);
+        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, once, kind);
+        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once, kind);
         __m512i w[8];
         il_unpack(kind, q, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16 * ns)));
