@@ -12,7 +12,8 @@ of (a)'s TPOT (the three alternate, order reversed every other repeat; TPOT
 is the median over repeats, each overhead the median of its per-repeat
 differences); also, for reference, the loop where the caller's thread
 submits each pass and waits for it (:func:`direct_tpot`: a thread handoff a
-token, which (a) to (c) do not pay; the baseline before 2026-11-27); plus cold launch (first build, first compile, in a fresh cache
+token, which (a) to (c) do not pay; the baseline before 2026-11-27); plus
+cold launch (first build, first compile, in a fresh cache
 folder), loading the cached compiled component in a new engine, and warm
 launch (``launch()``, i.e. store + instantiate, and launch to the result of a
 1-token generation, model time included).
