@@ -70,7 +70,8 @@
  * (PREFETCHNTA), both measured in one process alternating
  * (docs/benchmarks.md). With NTA the default model's 30 MB Q8I LM head
  * streamed at ~24 GB/s in the batch-1 step, with T1 at ~32 (1.27 -> 0.93
- * ms, the step 0.91x the time; its Q4I phases unchanged), most likely
+ * ms, the step 0.91x the time; its Q4I phases unchanged; a 7B model all in
+ * Q8_0: the step 0.79x), most likely
  * because a prefetch that fills L1 holds one of the core's few L1 miss
  * buffers until its line arrives, and Q8I, with the most bytes per
  * multiply-add, needs the most lines in flight. T1 on every kind made the
