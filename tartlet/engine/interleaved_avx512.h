@@ -71,10 +71,10 @@
  * (docs/benchmarks.md). With NTA the default model's 30 MB Q8I LM head
  * streamed at ~24 GB/s in the batch-1 step, with T1 at ~32 (1.27 -> 0.93
  * ms, the step 0.91x the time; its Q4I phases unchanged; a 7B model all in
- * Q8_0: the step 0.79x), most likely
- * because a prefetch that fills L1 holds one of the core's few L1 miss
- * buffers until its line arrives, and Q8I, with the most bytes per
- * multiply-add, needs the most lines in flight. T1 on every kind made the
+ * Q8_0: the step 0.79x), most likely because a prefetch that fills L1
+ * holds one of the core's few L1 miss buffers until its line arrives, and
+ * Q8I, with the most bytes per multiply-add, needs the most lines in
+ * flight. T1 on every kind made the
  * 7B Q4_K_M model's step (Q4I, Q6I) 1.046-1.048x slower. NTA had replaced
  * T0 so that a step would stop evicting the Python between steps from
  * L2. Read again (prefill, larger decode batches), T0 keeps the lines in
