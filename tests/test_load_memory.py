@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tartlet.engine import huge_pages, os_memory
 from tartlet.engine.quant_formats import INTERLEAVED, QuantWeight, from_gguf, interleave
@@ -37,7 +38,7 @@ def test_c_repack_equals_numpy(kern, type_name):
     """``repack_gguf`` gives ``from_gguf``'s bytes: realistic blocks, and
     blocks of random bytes (scales that are NaN, infinite, subnormal; K-quant
     products rounded to float16), one row and odd row counts."""
-    block = 256 if type_name.endswith("_K") else 32
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]  # weights a block
     for n, k, seed in ((48, 2 * block, 1), (1, block, 2), (33, 4 * block, 3)):
         raw = random_gguf(type_name, n, k, seed=seed)
         assert same(kern.repack_gguf(raw, type_name, n, k), from_gguf(raw, type_name, n, k)), (n, k)

@@ -74,11 +74,10 @@
  * Q8_0: the step 0.79x), most likely because a prefetch that fills L1
  * holds one of the core's few L1 miss buffers until its line arrives, and
  * Q8I, with the most bytes per multiply-add, needs the most lines in
- * flight. T1 on every kind made the
- * 7B Q4_K_M model's step (Q4I, Q6I) 1.046-1.048x slower. NTA had replaced
- * T0 so that a step would stop evicting the Python between steps from
- * L2. Read again (prefill, larger decode batches), T0 keeps the lines in
- * L1 for the next tile. */
+ * flight. T1 on every kind made the 7B Q4_K_M model's step (Q4I, Q6I)
+ * 1.046-1.048x slower. NTA had replaced T0 so that a step would stop
+ * evicting the Python between steps from L2. Read again (prefill, larger
+ * decode batches), T0 keeps the lines in L1 for the next tile. */
 #define IL_PREFETCH(p, once, kind)                                             \
     do {                                                                       \
         if (!(once)) _mm_prefetch((const char *)(p), _MM_HINT_T0);             \
