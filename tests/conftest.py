@@ -241,3 +241,17 @@ def kern():
     assert k is not None, "a C compiler is present but the quantized kernels did not build"
     yield k
     k.set_isa(-1)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (``tests/pg_harness.py``), started once per
+    test session and stopped by its PID at the end; call
+    ``postgres.new_database()`` for a fresh database URL."""
+    from pg_harness import PostgresServer
+
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -28,6 +28,12 @@ reads it with :func:`load_config`. Layout::
                or "native"), installed_runtime ("native", the default, or
                "wasm"), sandbox_memory_mb, sandbox_cpu_time_s
     [mcp.servers.NAME]  url, headers: an MCP server inferlets may call
+    [store]    url: PostgreSQL for the key-value store, API keys and
+               messaging shared by replicas (empty: SQLite / files / in-process)
+    [snapshots] dir: folder of named snapshot files (default
+               ``<data_dir>/snapshots``; a shared folder for replicas)
+    [cluster]  replicas, threads_per_replica, ray_address, min_replicas,
+               max_replicas, target_ongoing_requests, imbalance_threshold
 
 Missing keys take the defaults below. Every table is validated strictly:
 unknown keys are an error (a typo must not silently change a limit) and
@@ -260,6 +266,72 @@ class McpConfig(_Table):
     servers: dict[str, McpServerConfig] = Field(default_factory=dict)
 
 
+class StoreConfig(_Table):
+    """``[store]``: where state that every replica must see lives.
+
+    Attributes:
+        url: a PostgreSQL connection URL (``postgresql://user@host/db``,
+            libpq syntax, read by ``psycopg``). When set, the inferlets'
+            key-value store, the API keys and the messaging topics live
+            there, shared by every server or replica configured with the same
+            URL. Empty (the default): the SQLite file ``store_path``, the
+            keys file and in-process messaging, for one server.
+    """
+
+    url: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, v: str) -> str:
+        if v and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (or empty for the single-server SQLite store)")
+        return v
+
+
+class SnapshotsConfig(_Table):
+    """``[snapshots]``: ``dir`` is the folder of named snapshot files
+    (default ``<data_dir>/snapshots``). Replicas that share it (NFS or any
+    POSIX shared path) open each other's snapshots."""
+
+    dir: str = ""
+
+
+class ClusterConfig(_Table):
+    """``[cluster]``: how ``tartlet serve --replicas N`` runs on Ray Serve
+    (see docs/server.md, "Scaling out").
+
+    Attributes:
+        replicas: server replicas (each one engine, runtime and host state);
+            0 or 1 without ``--replicas``: the single-process server.
+        threads_per_replica: CPU threads of each replica's engine (and the
+            CPUs Ray reserves for it).
+        ray_address: the Ray cluster to join (``ray://`` or ``HOST:PORT``);
+            empty: ``$RAY_ADDRESS``, else a local Ray instance started by
+            ``tartlet serve`` itself.
+        min_replicas, max_replicas: autoscaling bounds (both unset: a fixed
+            ``replicas``).
+        target_ongoing_requests: requests in flight per replica that the
+            autoscaler aims for.
+        imbalance_threshold: requests in flight by which a replica may lead
+            the least loaded one and still be chosen for locality (prefix,
+            session or snapshot affinity); past it the least loaded wins.
+    """
+
+    replicas: Annotated[int, Field(ge=0)] = 0
+    threads_per_replica: PositiveInt = 1
+    ray_address: str = ""
+    min_replicas: Annotated[int, Field(ge=0)] | None = None
+    max_replicas: PositiveInt | None = None
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = 16.0
+    imbalance_threshold: Annotated[int, Field(ge=0)] = 4
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ClusterConfig":
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is larger than max_replicas ({self.max_replicas})")
+        return self
+
+
 _DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
 _KV_DTYPE = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 
@@ -323,6 +395,9 @@ class ServerConfig(_Table):
     programs: ProgramsConfig = Field(default_factory=ProgramsConfig)
     mcp: McpConfig = Field(default_factory=McpConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -358,6 +433,11 @@ class ServerConfig(_Table):
     @property
     def upload_dir(self) -> Path:
         return Path(self.data_dir) / "uploads"
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """``[snapshots] dir``, else ``<data_dir>/snapshots``."""
+        return Path(self.snapshots.dir).expanduser() if self.snapshots.dir else Path(self.data_dir) / "snapshots"
 
 
 def _where(loc: tuple[int | str, ...], table: bool = False) -> str:

@@ -198,7 +198,7 @@ class Service:
         self.runtime = NativeRuntime(state, **common)
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
-        self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), Path(cfg.data_dir) / "snapshots")
+        self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir)
         self._sandbox: WasmRuntime | None = None  # created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
