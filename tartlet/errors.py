@@ -91,7 +91,8 @@ class MessagingError(ValueError):
 
 
 class StoreError(ValueError):
-    """A bad store key or value (the message says which limit)."""
+    """A bad store key or value (the message says which limit), or a shared
+    store database (``[store] url``) that cannot be reached."""
 
 
 class ProgramError(ValueError):

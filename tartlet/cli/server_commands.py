@@ -9,13 +9,20 @@ server (that is :mod:`.client_commands`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+
+from ..errors import StoreError
+
+if TYPE_CHECKING:
+    from ..server.auth import ApiKeyStore
 
 err = Console(stderr=True)
 config_app = typer.Typer(help="Server configuration (TOML).", no_args_is_help=True)
@@ -50,6 +57,9 @@ def serve(
     max_pages: Optional[int] = typer.Option(None, help="KV pages per instance."),
     max_wall_time: Optional[float] = typer.Option(None, help="Wall time per instance, seconds."),
     max_instances: Optional[int] = typer.Option(None, help="Running instances per user."),
+    replicas: Optional[int] = typer.Option(
+        None, "--replicas", help="Run N server replicas on Ray Serve behind one gateway ([cluster] table; docs/server.md 'Scaling out')."
+    ),
 ) -> None:
     """Serve inferlets over WebSocket (/ws) and HTTP (/v1 OpenAI-compatible, /health, /metrics)."""
     from pydantic import ValidationError
@@ -79,8 +89,19 @@ def serve(
             cfg.limits.max_wall_time_s = max_wall_time
         if max_instances is not None:
             cfg.limits.max_instances_per_user = max_instances
+        if replicas is not None:
+            cfg.cluster.replicas = replicas
     except ValidationError as e:
         _fail(format_errors(e, "command line"))
+    c = cfg.cluster
+    if c.replicas >= 1 or c.min_replicas is not None or c.max_replicas is not None:
+        from ..cluster.launcher import serve_cluster
+
+        try:
+            serve_cluster(cfg, auth=not no_auth)
+        except (ValueError, OSError, RuntimeError) as e:
+            _fail(str(e))
+        return
     try:
         run_server(cfg, auth=not no_auth)
     except (ModelLoadError, ValueError, OSError) as e:
@@ -157,32 +178,49 @@ def config_show(config: Optional[Path] = CONFIG) -> None:
     print(render_config(_load(config)), end="")
 
 
+@contextlib.contextmanager
+def _keys(config: Optional[Path]) -> Iterator[ApiKeyStore]:
+    """The API keys of the config (``[store] url``: PostgreSQL; else the keys
+    file), closed after use. Raises StoreError: PostgreSQL unreachable."""
+    from ..server.auth import key_store
+
+    keys = key_store(_load(config))
+    try:
+        yield keys
+    finally:
+        keys.close()
+
+
 @auth_app.command("add")
 def auth_add(user: str, config: Optional[Path] = CONFIG) -> None:
     """Create an API key for USER and print it (it is stored hashed; shown only now)."""
-    from ..server.auth import KeyStore
-
     try:
-        print(KeyStore(_load(config).auth.keys_file).add(user))
-    except ValueError as e:
+        with _keys(config) as keys:
+            print(keys.add(user))
+    except ValueError as e:  # a bad user name; StoreError (a ValueError): PostgreSQL unreachable
         _fail(str(e))
 
 
 @auth_app.command("list")
 def auth_list(config: Optional[Path] = CONFIG) -> None:
     """Users and key prefixes."""
-    from ..server.auth import KeyStore
-
-    for e in KeyStore(_load(config).auth.keys_file).list():
-        print(f"{e['user']:24s} {e['prefix']}…")
+    try:
+        with _keys(config) as keys:
+            entries = keys.list()
+    except StoreError as e:
+        _fail(str(e))
+    for k in entries:
+        print(f"{k['user']:24s} {k['prefix']}…")
 
 
 @auth_app.command("remove")
 def auth_remove(who: str = typer.Argument(..., help="A user (all its keys) or a key prefix."), config: Optional[Path] = CONFIG) -> None:
     """Revoke keys."""
-    from ..server.auth import KeyStore
-
-    n = KeyStore(_load(config).auth.keys_file).remove(who)
+    try:
+        with _keys(config) as keys:
+            n = keys.remove(who)
+    except StoreError as e:
+        _fail(str(e))
     if not n:
         _fail(f"no key for {who!r}", 1)
     print(f"removed {n} key(s)")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .http import HttpResponse
     from .messaging import Message
     from .state import HostState
-    from .store import Store
+    from .store import KVStore
 
 
 class ChildInstance(Protocol):
@@ -136,7 +136,7 @@ class IoHostMixin:
             self.state.bus.unsubscribe(sid)
 
     # -- store ---------------------------------------------------------------------
-    def _store(self) -> Store:
+    def _store(self) -> KVStore:
         st = self.state
         if st.store is None:
             from .store import Store

@@ -4,6 +4,9 @@ One table ``kv(user, key, value)``; every call is one short transaction,
 so values survive a server restart (and a crash after the call returned).
 Values are strings (the SDK may hold JSON in them). ``":memory:"`` gives a
 store that lives as long as the process (``tartlet run``, tests).
+:class:`KVStore` is the interface the host uses; ``tartlet.host.pg_store``
+implements it on PostgreSQL for replicas that share state (``[store] url``),
+with the same checks (the ``_check_*`` functions here).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import StoreError
 
@@ -21,9 +25,44 @@ MAX_KEY_CHARS = 1024
 MAX_VALUE_BYTES = 1 << 20
 
 
+def _utf8_len(what: str, s: str) -> int:
+    """Bytes of ``s`` in UTF-8; StoreError for a lone surrogate (not Unicode text)."""
+    try:
+        return len(s.encode())
+    except UnicodeEncodeError as e:
+        raise StoreError(f"a store {what} must be valid Unicode text, got a lone surrogate at index {e.start}") from None
+
+
 def _check_key(key: str) -> None:
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
         raise StoreError(f"a store key is a non-empty str of at most {MAX_KEY_CHARS} characters, got {key!r:.80}")
+    _utf8_len("key", key)
+
+
+def _check_value(value: str) -> None:
+    if not isinstance(value, str):
+        raise StoreError(f"store values are str (encode other data as JSON), got {type(value).__name__}")
+    n = _utf8_len("value", value)
+    if n > MAX_VALUE_BYTES:
+        raise StoreError(f"store value of {n} bytes is larger than {MAX_VALUE_BYTES}")
+
+
+def _check_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str):
+        raise StoreError(f"prefix must be a str, got {type(prefix).__name__}")
+    _utf8_len("prefix", prefix)
+
+
+class KVStore(Protocol):
+    """What the host calls on a key-value store (:class:`Store`, or
+    ``tartlet.host.pg_store.PgStore``). Every method raises ``StoreError``
+    for a bad key, value or prefix."""
+
+    def get(self, user: str, key: str) -> str | None: ...
+    def set(self, user: str, key: str, value: str) -> None: ...
+    def delete(self, user: str, key: str) -> bool: ...
+    def keys(self, user: str, prefix: str = "") -> list[str]: ...
+    def close(self) -> None: ...
 
 
 class Store:
@@ -62,13 +101,10 @@ class Store:
         """Store ``value`` under ``key``.
 
         Raises:
-            StoreError: bad key, non-str value, value over 1 MiB.
+            StoreError: bad key, non-str value, value over 1 MiB, text with a lone surrogate.
         """
         _check_key(key)
-        if not isinstance(value, str):
-            raise StoreError(f"store values are str (encode other data as JSON), got {type(value).__name__}")
-        if len(value.encode()) > MAX_VALUE_BYTES:
-            raise StoreError(f"store value of {len(value.encode())} bytes is larger than {MAX_VALUE_BYTES}")
+        _check_value(value)
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO kv (user, key, value) VALUES (?, ?, ?)", (user, key, value))
 
@@ -81,8 +117,7 @@ class Store:
 
     def keys(self, user: str, prefix: str = "") -> list[str]:
         """The user's keys starting with ``prefix``, sorted."""
-        if not isinstance(prefix, str):
-            raise StoreError(f"prefix must be a str, got {type(prefix).__name__}")
+        _check_prefix(prefix)
         with self._lock:
             rows = self._db.execute(
                 "SELECT key FROM kv WHERE user=? AND substr(key, 1, ?)=? ORDER BY key", (user, len(prefix), prefix)
