@@ -12,8 +12,22 @@ from tartlet.host.messaging import MessageBus, MessagingError
 from tartlet.runtime.instance import Status
 
 
-def test_bus_queue_broadcast_and_scoping():
-    bus = MessageBus()
+@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.slow)])
+def any_bus(request):
+    """The in-process bus, and the PostgreSQL one (tartlet.host.pg_messaging,
+    more in tests/test_pg_messaging.py) on a fresh database."""
+    if request.param == "memory":
+        yield MessageBus()
+        return
+    from tartlet.host.pg_messaging import PgMessageBus
+
+    bus = PgMessageBus(request.getfixturevalue("postgres").new_database())
+    yield bus
+    bus.close()
+
+
+def test_bus_queue_broadcast_and_scoping(any_bus):
+    bus = any_bus
     bus.push("alice", "q", "1")
     bus.push("alice", "q", "2")
     assert bus.pull("alice", "q").result(0) == "1" and bus.pull("alice", "q").result(0) == "2"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 import time
@@ -108,10 +109,10 @@ def build_app(service: Service) -> Starlette:
     oa = OpenAiRoutes(service)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({
-            "status": "ok", "models": list(service.state.models), "running_instances": service.running(),
-            "auth": service.auth,
-        })
+        body = {"status": "ok", "models": list(service.state.models), "running_instances": service.running(), "auth": service.auth}
+        if service.replica_id is not None:  # tartlet serve --replicas: which replica, and its process
+            body.update(replica=service.replica_id, pid=os.getpid())
+        return JSONResponse(body)
 
     registry = metrics.make_registry(service)
 
@@ -135,10 +136,12 @@ def build_app(service: Service) -> Starlette:
 
 
 def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None) -> HostState:
-    """Load every configured model and open the store and HTTP fetcher.
+    """Load every configured model and open the store (PostgreSQL when
+    ``[store] url`` is set, else the SQLite file ``store_path``) and HTTP fetcher.
 
     Raises:
         tartlet.engine.loader.ModelLoadError: a model cannot be loaded.
+        tartlet.errors.StoreError: ``[store] url`` cannot be reached.
     """
     from ..engine.engine import Engine
     from ..host.state import HostState
@@ -150,9 +153,19 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     for m in cfg.models:
         state.add_engine(Engine.load(m.engine_config(), progress=progress), name=m.model)
     lim = cfg.limits
-    state.bus = MessageBus(lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
+    if cfg.store.url:  # replicas share topics through PostgreSQL
+        from ..host.pg_messaging import PgMessageBus
+
+        state.bus = PgMessageBus(cfg.store.url, lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
+    else:
+        state.bus = MessageBus(lim.max_messaging_bytes_per_user, lim.max_topics_per_user)
     Path(cfg.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a new data dir is the server user's only
-    state.store = Store(cfg.store_path)
+    if cfg.store.url:  # shared by replicas; psycopg is imported only here
+        from ..host.pg_store import PgStore
+
+        state.store = PgStore(cfg.store.url)
+    else:
+        state.store = Store(cfg.store_path)
     configure_http(state, cfg)
     configure_code(state, cfg)
     return state
@@ -208,16 +221,24 @@ def http_server(cfg: ServerConfig, service: Service) -> uvicorn.Server:
 
 
 async def run_http(server: uvicorn.Server, sock: socket.socket, service: Service) -> None:
-    """Serve on ``sock`` until ``server.should_exit``, then end the service's instances."""
+    """Serve on ``sock`` until ``server.should_exit``, then end the service's
+    instances and close its key store."""
     try:
         await server.serve(sockets=[sock])
     finally:
-        await service.shutdown()
+        try:
+            await service.shutdown()
+        finally:
+            service.keys.close()
 
 
 def close_state(state: HostState) -> None:
-    """Release what :func:`load_state` opened: engines, HTTP client, store."""
+    """Release what :func:`load_state` opened: engines, HTTP client, store,
+    the PostgreSQL message bus (its waiting pulls fail)."""
     state.close()
+    close_bus = getattr(state.bus, "close", None)  # PgMessageBus; the in-process bus has nothing to release
+    if close_bus is not None:
+        close_bus()
     if state.http is not None:
         state.http.close()
     if state.store is not None:
