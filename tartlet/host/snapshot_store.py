@@ -26,6 +26,11 @@ Layout: ``<root>/<model dir>/<sha256(owner)[:16]>/<sha256(name)[:40]>.safetensor
 folders are created 0700 and files 0600, written to a temporary file and
 renamed, so a crash leaves either the old state or the new one (stray
 ``.tmp`` files are removed at start).
+
+Several servers (replicas) may share one folder: a file is replaced only by
+an atomic rename, so a reader sees a whole old file or a whole new one, and
+its ``sha256`` tells one version of a name from another (see
+:meth:`SnapshotStore.find` and :meth:`SnapshotStore.user_dirs`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import json
 import logging
 import os
 import re
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +54,15 @@ from ..errors import SnapshotError
 log = logging.getLogger(__name__)
 
 FORMAT = "tartlet-kv-snapshot/1"
+
+#: ``(inode, size, mtime ns)`` of a file: changes whenever the file is
+#: replaced (a rename brings a new inode) or touched
+FileStamp = tuple[int, int, int]
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    """The :data:`FileStamp` of a ``stat`` result."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def model_identity(engine: Engine) -> str:
@@ -75,6 +91,10 @@ class SnapshotFile:
     Attributes:
         owner, name, tokens, positions, masked, live, pure: as saved.
         k, v: KV tensors ``[layers, sum(live) * page_size, kv_heads, head_dim]``.
+        sha256: the file's checksum (set by :meth:`SnapshotStore.read` and
+            :meth:`SnapshotStore.write`).
+        stamp: the file's :data:`FileStamp` when it was read (taken before
+            reading) or written.
     """
 
     owner: str
@@ -86,6 +106,8 @@ class SnapshotFile:
     pure: bool
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    sha256: str = ""
+    stamp: FileStamp | None = None
 
 
 def _digest(meta: dict[str, str], k: torch.Tensor, v: torch.Tensor) -> str:
@@ -120,8 +142,44 @@ class SnapshotStore:
         _private_dir(self.dir)
 
     def path_for(self, owner: str, name: str) -> Path:
+        """The file of ``owner``'s snapshot ``name`` (a ``public/`` one lives
+        in its creator's folder)."""
         user = hashlib.sha256(owner.encode()).hexdigest()[:16]
-        return self.dir / user / (hashlib.sha256(name.encode()).hexdigest()[:40] + ".safetensors")
+        return self.dir / user / _file_name(name)
+
+    def user_dirs(self) -> list[Path]:
+        """Every user's folder under this model's folder, sorted."""
+        try:
+            return sorted(p for p in self.dir.iterdir() if p.is_dir())
+        except OSError:
+            return []
+
+    def find(self, owner: str, name: str) -> tuple[SnapshotFile, Path] | None:
+        """The header (no tensors) and path of the file of ``owner``'s
+        snapshot ``name`` as it is on disk now, or None when there is none. A
+        ``public/`` name is looked for in every user's folder (the newest
+        file if two users raced to save it).
+
+        Raises:
+            SnapshotError: the file is there but its header is unreadable.
+        """
+        from .snapshots import PUBLIC_PREFIX
+
+        public = name.startswith(PUBLIC_PREFIX)
+        paths = sorted(self.dir.glob(f"*/{_file_name(name)}")) if public else [self.path_for(owner, name)]
+        best: tuple[SnapshotFile, Path] | None = None
+        for path in paths:
+            try:
+                head = self.read(path, tensors=False)
+            except SnapshotError:
+                if not path.exists():
+                    continue  # deleted meanwhile
+                raise
+            if head.name != name or (not public and head.owner != owner):
+                continue
+            if best is None or (head.stamp or (0, 0, 0))[2] > (best[0].stamp or (0, 0, 0))[2]:
+                best = (head, path)
+        return best
 
     # -- write ---------------------------------------------------------------------
     def write(self, snap: SnapshotFile) -> Path:
@@ -145,22 +203,26 @@ class SnapshotStore:
             "pure": "1" if snap.pure else "0",
         }
         meta["sha256"] = _digest(meta, snap.k, snap.v)
+        snap.sha256 = meta["sha256"]
         path = self.path_for(snap.owner, snap.name)
         _private_dir(path.parent)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:16]}.tmp")  # unique: replicas may save one name at once
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.close(fd)
             save_file({"k": snap.k.contiguous(), "v": snap.v.contiguous()}, str(tmp), metadata=meta)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+                snap.stamp = file_stamp(os.fstat(f.fileno()))  # a rename keeps inode, size and mtime
             os.replace(tmp, path)
+            _fsync_dir(path.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         return path
 
     def delete(self, path: Path | None) -> None:
+        """Remove the file at ``path`` if it is there (None: nothing)."""
         if path is not None:
             path.unlink(missing_ok=True)
 
@@ -175,6 +237,12 @@ class SnapshotStore:
         from safetensors import safe_open
 
         try:
+            stamp = file_stamp(os.stat(path))  # before reading: a later replace shows as a changed stamp
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot file {path.name} is missing") from None
+        except OSError as e:
+            raise SnapshotError(f"snapshot file {path.name} is unreadable ({type(e).__name__})") from None
+        try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != FORMAT:
@@ -183,6 +251,7 @@ class SnapshotStore:
                     owner=meta["owner"], name=meta["name"], tokens=json.loads(meta["tokens"]),
                     positions=json.loads(meta["positions"]), masked=bytes.fromhex(meta["masked"]),
                     live=json.loads(meta["live"]), pure=meta["pure"] == "1",
+                    sha256=meta.get("sha256", ""), stamp=stamp,
                 )  # fmt: skip
                 if tensors:
                     out.k, out.v = f.get_tensor("k"), f.get_tensor("v")
@@ -204,14 +273,20 @@ class SnapshotStore:
                 raise SnapshotError(f"snapshot {out.name!r} is corrupt: its sizes disagree")
         return out
 
-    def scan(self) -> list[tuple[SnapshotFile, Path, float]]:
+    def scan(self, tmp_age_s: float = 0.0) -> list[tuple[SnapshotFile, Path, float]]:
         """Every readable snapshot header under this model's folder, with its
-        path and modification time; removes stray temporary files and logs
-        (and skips) unreadable ones."""
+        path and modification time; removes stray temporary files older than
+        ``tmp_age_s`` seconds (when the folder is shared, younger ones may be
+        another replica's write in progress) and logs (and skips)
+        unreadable files."""
         found = []
         for path in sorted(self.dir.glob("*/*")):
             if path.suffix == ".tmp":
-                path.unlink(missing_ok=True)
+                try:
+                    if time.time() - path.stat().st_mtime >= tmp_age_s:
+                        path.unlink(missing_ok=True)
+                except OSError:
+                    pass
                 continue
             if path.suffix != ".safetensors":
                 continue
@@ -220,6 +295,25 @@ class SnapshotStore:
             except (SnapshotError, OSError) as e:
                 log.warning("skipping snapshot file %s: %s", path, e)
         return found
+
+
+def _file_name(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:40] + ".safetensors"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (best effort: not every file system
+    lets a folder be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _diff(saved: str, here: str) -> str:

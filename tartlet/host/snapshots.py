@@ -14,7 +14,10 @@ the one user ``local``, so all snapshots are shared as before.
 
 With a :class:`tartlet.host.snapshot_store.SnapshotStore` a snapshot is also
 written to the data dir; after a restart it is registered again *on disk
-only* (``seq`` is None) and its pages are loaded on first open or take.
+only* (``seq`` is None) and its pages are loaded on first open or take. When
+several replicas share the folder, a name saved by another replica is
+registered on disk only when first asked for (see
+:mod:`tartlet.host.snapshot_manager`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ class Snapshot:
         seq: its pages in the pool, or None while it lies on disk only.
         path: its file in the data dir (None: not persisted).
         last_used: ``time.time()`` of the last save/open, for LRU disk eviction.
+        sha256: the checksum stamped in its file (``""``: not written yet);
+            tells this copy from the file another replica saved under the
+            same name.
+        stamp: ``(inode, size, mtime ns)`` of its file when last checked
+            against ``sha256`` (a cheap test that the file did not change).
     """
 
     owner: str
@@ -56,6 +64,8 @@ class Snapshot:
     deleted: bool = False
     #: serializes loading it from disk
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    sha256: str = ""
+    stamp: tuple[int, int, int] | None = None
 
 
 def check_name(name: object) -> str:

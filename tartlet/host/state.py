@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from ..engine.engine import Engine
 from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
-from .messaging import MessageBus
+from .messaging import Bus, MessageBus
 from .snapshot_manager import SnapshotManager
 
 if TYPE_CHECKING:
     from .http import HttpFetcher
-    from .store import Store
+    from .store import KVStore
 
 
 class ModelSlot:
@@ -37,8 +37,8 @@ class HostState:
     def __init__(self) -> None:
         self.models: dict[str, ModelSlot] = {}
         self.default_model: str | None = None
-        self.bus = MessageBus()  # inferlet messaging (tartlet.host.messaging)
-        self.store: Store | None = None  # tartlet.host.store.Store; None: an in-memory one on first use
+        self.bus: Bus = MessageBus()  # inferlet messaging (tartlet.host.messaging; pg_messaging for replicas)
+        self.store: KVStore | None = None  # tartlet.host.store.Store or pg_store.PgStore; None: an in-memory one on first use
         self.http: HttpFetcher | None = None  # tartlet.host.http.HttpFetcher; None: HTTP from inferlets is off
         self.mcp_servers: dict[str, str] = {}  # configured MCP servers: name -> endpoint URL
         self.kv_limits = KvLimits()
@@ -51,10 +51,20 @@ class HostState:
         if self.default_model is None:
             self.default_model = name
 
-    def configure_kv(self, limits: KvLimits, snapshot_dir: Path | None = None) -> int:
+    def configure_kv(self, limits: KvLimits, snapshot_dir: Path | None = None, shared: bool = False) -> int:
         """Apply KV limits to every served model and, with ``snapshot_dir``,
         persist named snapshots there (restoring those already saved).
-        Returns the number of snapshots restored."""
+        Returns the number of snapshots restored.
+
+        ``shared``: other servers (replicas, each with its own host state)
+        use the same ``snapshot_dir``: a save returns once its file is on
+        disk, and names saved, saved again or deleted through another
+        replica are seen here (see :mod:`tartlet.host.snapshot_manager`;
+        quotas stay per replica). Ignored without ``snapshot_dir``.
+
+        Raises:
+            OSError: ``snapshot_dir`` cannot be created.
+        """
         self.kv_limits = limits
         restored = 0
         budget = None if limits.max_snapshot_disk_mb_per_user is None else int(limits.max_snapshot_disk_mb_per_user * 2**20)
@@ -62,7 +72,7 @@ class HostState:
             slot.accounts.set_limits(limits)
             slot.snapshots.registry.max_per_user = limits.max_snapshots_per_user
             if snapshot_dir is not None:
-                restored += slot.snapshots.enable_persistence(Path(snapshot_dir), budget)
+                restored += slot.snapshots.enable_persistence(Path(snapshot_dir), budget, shared=shared)
         return restored
 
     def model(self, name: str | None) -> ModelSlot:
@@ -76,6 +86,8 @@ class HostState:
             raise ValueError(f"model {name!r} is not served here (served: {served})") from None
 
     def close(self) -> None:
+        """Stop the code sandbox, write every queued snapshot (waiting for
+        saves still queued on a scheduler) and stop the engines."""
         if self.code_sandbox is not None:
             self.code_sandbox.close()
         for slot in self.models.values():

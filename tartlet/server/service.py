@@ -34,7 +34,7 @@ from ..runtime.base import RuntimeOptions
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
 from ..runtime.program import Program
-from .auth import KeyStore
+from .auth import key_store
 from .programs import ProgramCache
 from ..protocol import BACKLOG, ProtocolError
 
@@ -178,14 +178,17 @@ class Service:
         cfg: the server config.
         state: loaded engines (with store, bus and HTTP fetcher set).
         auth: False to accept every client as user ``local``.
+        shared: the snapshot folder is shared with other replicas
+            (``tartlet serve --replicas``): a snapshot save returns once its
+            file is written, and names saved elsewhere are found there.
     """
 
-    def __init__(self, cfg: ServerConfig, state: HostState, auth: bool = True) -> None:
+    def __init__(self, cfg: ServerConfig, state: HostState, auth: bool = True, shared: bool = False) -> None:
         lim = cfg.limits
         self.cfg = cfg
         self.state = state
         self.auth = auth and cfg.auth.enabled
-        self.keys = KeyStore(cfg.auth.keys_file)
+        self.keys = key_store(cfg)  # [store] url: PostgreSQL, shared by replicas; else the keys file
         self.programs = ProgramCache(cfg.upload_dir, lim.max_upload_bytes)
         #: bytes of session messages waiting, per user (output kept for clients + inboxes)
         self.session_budget = ByteBudget(lim.max_backlog_bytes, "max_backlog_bytes", "session messages waiting", self._reclaim)
@@ -198,10 +201,12 @@ class Service:
         self.runtime = NativeRuntime(state, **common)
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
-        self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir)
+        self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir, shared=shared)
         self._sandbox: WasmRuntime | None = None  # created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
+        #: this replica's id under ``tartlet serve --replicas`` (None: a single server)
+        self.replica_id: str | None = None
         self.launched = 0
         self.limit_refusals = 0
 
