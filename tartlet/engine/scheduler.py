@@ -247,6 +247,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="tartlet-scheduler", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (a server's health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop the loop; pending work fails with RuntimeError."""
         with self._cond:

@@ -21,9 +21,27 @@ class Status(str, enum.Enum):
     ABORTED = "aborted"
 
 
+#: Prefix of new instance ids (``tartlet serve --replicas``: the replica's id
+#: and a dash, so the gateway can tell which replica runs an instance).
+INSTANCE_ID_PREFIX = ""
+
+
+def set_instance_id_prefix(prefix: str) -> None:
+    """Start every new instance id with ``prefix`` + ``-`` (a replica's id:
+    letters and digits, no dash; empty: no prefix).
+
+    Raises:
+        ValueError: ``prefix`` holds a character other than ASCII letters and digits.
+    """
+    global INSTANCE_ID_PREFIX
+    if prefix and not (prefix.isascii() and prefix.isalnum()):
+        raise ValueError(f"an instance id prefix is ASCII letters and digits, got {prefix!r}")
+    INSTANCE_ID_PREFIX = f"{prefix}-" if prefix else ""
+
+
 def new_instance_id() -> str:
-    """A fresh instance id (12 hex digits)."""
-    return uuid.uuid4().hex[:12]
+    """A fresh instance id: 12 hex digits, after :data:`INSTANCE_ID_PREFIX`."""
+    return INSTANCE_ID_PREFIX + uuid.uuid4().hex[:12]
 
 
 @dataclass

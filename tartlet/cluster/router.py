@@ -1,0 +1,92 @@
+"""The Ray Serve request router of the replica deployment: it reads the
+``route`` keyword argument that the gateway passes with every call and asks
+:class:`~tartlet.cluster.routing.RoutingPolicy` for the replica.
+
+Ray Serve builds one router per deployment handle, in the process that
+holds the handle (the gateway); :data:`ROUTERS` lets the gateway there ask
+which replicas are running (:func:`live_replicas`)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .routing import Route, RoutingPolicy
+
+#: The routers of this process (normally one: the gateway's handle to the replicas).
+ROUTERS: "weakref.WeakSet[TartletRouter]" = weakref.WeakSet()
+
+
+def live_replicas() -> list[str]:
+    """Ids of the replicas the routers of this process know as running."""
+    seen: dict[str, None] = {}
+    for router in list(ROUTERS):
+        for rid in router.curr_replicas:
+            seen[rid.unique_id] = None
+    return list(seen)
+
+
+def _route(pending: PendingRequest | None) -> Route | None:
+    if pending is None:
+        return None
+    route = pending.kwargs.get("route")
+    return route if isinstance(route, dict) else None  # type: ignore[return-value]
+
+
+class TartletRouter(RequestRouter):
+    """Routes by :class:`~tartlet.cluster.routing.Route` (``route=`` of each
+    call): pinned calls to their replica, the rest by load, then session,
+    snapshot and prefix affinity (see :mod:`tartlet.cluster.routing`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = RoutingPolicy()
+        self._routes: dict[str, str] = {}  # internal request id -> replica (until completed)
+        # Ray Serve may ship this class by value (cloudpickle), with globals of
+        # its own: register in the imported module, where live_replicas looks.
+        import tartlet.cluster.router as registry
+
+        registry.ROUTERS.add(self)
+
+    def initialize_state(self, imbalance_threshold: int = 4, **kwargs: Any) -> None:
+        """Ray Serve passes ``request_router_kwargs`` here."""
+        self.policy.imbalance_threshold = imbalance_threshold
+
+    @property
+    def supports_rejection_protocol(self) -> bool:
+        """No: a replica takes every request it is sent (Tartlet bounds work
+        per user itself, ``[limits]``), so no accept/reject round trip."""
+        return False
+
+    async def _select_from_candidate_replicas(self, candidates: list[RunningReplica], backoff_index: int) -> RunningReplica | None:
+        """The first candidate, without Ray's queue-length probe: the policy
+        has ranked them by its own count of requests in flight, and a probe
+        can time out (0.1-1 s deadline) while a replica is busy loading or
+        the machine is saturated, which left requests waiting for tens of
+        seconds on a 2-core machine. (Overrides a private hook of the
+        pinned Ray Serve 2.60.)"""
+        for r in candidates:
+            if r.replica_id in self.curr_replicas:
+                return r
+        return None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        order = self.policy.choose(list(by_id), _route(pending_request))
+        return [[by_id[r]] for r in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.policy.routed(replica_id.unique_id, _route(pending_request))
+        self._routes[pending_request.metadata.internal_request_id] = replica_id.unique_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._routes.pop(internal_request_id, None) is not None:
+            self.policy.completed(replica_id.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self.policy.forget(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)

@@ -1,0 +1,217 @@
+"""Which replica serves a request: the routing policy of ``tartlet serve
+--replicas N``, apart from Ray (the Ray Serve request router,
+:mod:`tartlet.cluster.router`, calls it; tests call it directly).
+
+The gateway describes each request by a :class:`Route` (a plain dict on the
+wire): a replica it must reach (``pin``: a WebSocket session's own replica,
+or the replica that runs a named instance), an affinity key (``session``:
+the OpenAI ``user`` field or an ``x-tartlet-session`` header), the
+cumulative hashes of the prompt's blocks (``prefix``, see
+:func:`chat_prefix` and :func:`text_prefix`) and a named snapshot the
+request opens (``snapshot``).
+
+Load comes first: only replicas whose requests in flight are at most the
+least loaded replica's plus ``imbalance_threshold`` are eligible. Among
+those the policy prefers, in order, the replica of the session, the one that
+holds the snapshot, and the one whose remembered prefixes match the longest
+run of the request's leading blocks (each block hash remembers the replicas
+it was routed to, so a system prompt shared by every conversation matches
+every replica equally and does not pull all of them onto one); ties and
+requests with no affinity go to the least loaded replica (a random one among
+equals). What a replica holds is learnt from the routing decisions
+themselves (as Ray Serve LLM's ``PrefixCacheAffinityRouter`` does), not
+reported by the replicas: a prefix evicted from a replica's page pool is
+still remembered until the bounded maps forget it (least recently used).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+from typing import Any, Iterable, TypedDict
+
+#: Characters per block of a completion prompt's prefix hashes.
+TEXT_BLOCK_CHARS = 256
+#: Block hashes remembered (least recently used forgotten first).
+MAX_PREFIX_ENTRIES = 200_000
+#: Session and snapshot keys remembered.
+MAX_KEYS = 100_000
+
+
+class Route(TypedDict, total=False):
+    """What the gateway tells the router of one request (every key optional).
+
+    Attributes:
+        pin: the id of the only replica that may serve it.
+        session: an affinity key: requests with the same key go to the
+            same replica while load allows.
+        prefix: hex hashes of the prompt's leading blocks, each chained
+            with the ones before (so equal hashes mean equal prefixes).
+        snapshot: ``"<user>/<name>"`` of a named snapshot the request opens.
+    """
+
+    pin: str
+    session: str
+    prefix: list[str]
+    snapshot: str
+
+
+def _chain(parts: Iterable[bytes], seed: str) -> list[str]:
+    h = hashlib.sha256(seed.encode()).digest()
+    out = []
+    for part in parts:
+        h = hashlib.sha256(h + part).digest()
+        out.append(h.hex()[:32])
+    return out
+
+
+def chat_prefix(body: dict[str, Any]) -> list[str]:
+    """The prefix hashes of a chat completion request body: one per message
+    (role, content, tool calls: canonical JSON), chained, seeded with the
+    model name and the tool definitions (they are rendered before the
+    messages). An unreadable body gives ``[]``."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return []
+    seed = json.dumps([body.get("model"), body.get("tools")], sort_keys=True, default=str)
+    parts = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            break
+        parts.append(json.dumps([m.get("role"), m.get("content"), m.get("tool_calls")], sort_keys=True, default=str).encode())
+    return _chain(parts, seed)
+
+
+def text_prefix(body: dict[str, Any]) -> list[str]:
+    """The prefix hashes of a completion request body: one per
+    :data:`TEXT_BLOCK_CHARS` characters of its prompt (a string, or the
+    first of a list of strings), chained, seeded with the model name."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        return []
+    blocks = [prompt[i:i + TEXT_BLOCK_CHARS].encode() for i in range(0, len(prompt), TEXT_BLOCK_CHARS)]
+    return _chain(blocks, json.dumps(body.get("model"), default=str))
+
+
+class _Lru:
+    """A bounded map, least recently used dropped first."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.d: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, k: str) -> Any:
+        v = self.d.get(k)
+        if v is not None:
+            self.d.move_to_end(k)
+        return v
+
+    def put(self, k: str, v: Any) -> None:
+        self.d[k] = v
+        self.d.move_to_end(k)
+        while len(self.d) > self.cap:
+            self.d.popitem(last=False)
+
+
+class RoutingPolicy:
+    """Chooses replicas and remembers what it sent where.
+
+    Args:
+        imbalance_threshold: requests in flight by which a replica may lead
+            the least loaded one and still be chosen for affinity
+            (``[cluster] imbalance_threshold``).
+        rng: random source for ties (tests pass a seeded one).
+    """
+
+    def __init__(self, imbalance_threshold: int = 4, rng: random.Random | None = None) -> None:
+        self.imbalance_threshold = imbalance_threshold
+        self.rng = rng or random.Random()
+        self.in_flight: dict[str, int] = collections.defaultdict(int)
+        self._prefix = _Lru(MAX_PREFIX_ENTRIES)  # block hash -> set of replica ids
+        self._session = _Lru(MAX_KEYS)  # session key -> replica id
+        self._snapshot = _Lru(MAX_KEYS)  # "user/name" -> replica id
+
+    def choose(self, candidates: list[str], route: Route | None) -> list[str]:
+        """The replicas to try for ``route``, best first (empty: a pinned
+        replica that is not among ``candidates``, i.e. gone).
+
+        Args:
+            candidates: ids of the replicas that may take requests now.
+            route: the request's :class:`Route` (None: no affinity).
+        """
+        route = route or {}
+        pin = route.get("pin")
+        if pin is not None:
+            return [pin] if pin in candidates else []
+        if not candidates:
+            return []
+        load = {r: self.in_flight.get(r, 0) for r in candidates}
+        floor = min(load.values())
+        eligible = [r for r in candidates if load[r] <= floor + self.imbalance_threshold]
+        for key, table in (("session", self._session), ("snapshot", self._snapshot)):
+            k = route.get(key)
+            if isinstance(k, str):
+                r = table.get(k)
+                if r in eligible:
+                    return [r, *self._by_load([c for c in candidates if c != r], load)]
+        prefix = route.get("prefix") or []
+        if prefix and len(eligible) > 1:
+            matched = {r: 0 for r in eligible}
+            live = set(eligible)
+            for h in prefix:
+                holders = self._prefix.get(h)
+                live &= holders if holders is not None else set()
+                if not live:
+                    break
+                for r in live:
+                    matched[r] += 1
+            best = max(matched.values())
+            if best > 0:
+                top = [r for r in eligible if matched[r] == best]
+                if len(top) < len(eligible):
+                    first = self._by_load(top, load)[0]
+                    return [first, *self._by_load([c for c in candidates if c != first], load)]
+        return self._by_load(eligible, load) + self._by_load([c for c in candidates if c not in eligible], load)
+
+    def _by_load(self, replicas: list[str], load: dict[str, int]) -> list[str]:
+        shuffled = list(replicas)
+        self.rng.shuffle(shuffled)
+        return sorted(shuffled, key=lambda r: load.get(r, 0))
+
+    def routed(self, replica: str, route: Route | None) -> None:
+        """Remember that a request with ``route`` went to ``replica`` (and
+        count it in flight until :meth:`completed`)."""
+        self.in_flight[replica] += 1
+        route = route or {}
+        if route.get("pin") is not None:
+            return
+        if isinstance(route.get("session"), str):
+            self._session.put(route["session"], replica)
+        if isinstance(route.get("snapshot"), str):
+            self._snapshot.put(route["snapshot"], replica)
+        for h in route.get("prefix") or []:
+            holders = self._prefix.get(h)
+            if holders is None:
+                self._prefix.put(h, {replica})
+            else:
+                holders.add(replica)
+
+    def completed(self, replica: str) -> None:
+        """A request routed to ``replica`` ended."""
+        if self.in_flight.get(replica, 0) > 0:
+            self.in_flight[replica] -= 1
+
+    def forget(self, replica: str) -> None:
+        """``replica`` is gone: drop its load and every affinity to it."""
+        self.in_flight.pop(replica, None)
+        for table in (self._session, self._snapshot):
+            for k in [k for k, v in table.d.items() if v == replica]:
+                del table.d[k]
+        for k, holders in list(self._prefix.d.items()):
+            holders.discard(replica)
+            if not holders:
+                del self._prefix.d[k]

@@ -1,0 +1,97 @@
+"""The routing policy of ``tartlet serve --replicas`` (tartlet/cluster/routing.py)
+and the gateway's metrics merge, without Ray: which replica each request
+goes to, given what was routed before and the load."""
+
+from __future__ import annotations
+
+import random
+
+from tartlet.cluster.routing import RoutingPolicy, chat_prefix, text_prefix
+
+
+def _chat(*contents: str, model: str = "m") -> dict:
+    roles = ["system", "user", "assistant"]
+    return {"model": model, "messages": [{"role": roles[min(i, 1) if i < 2 else 2 - i % 2], "content": c} for i, c in enumerate(contents)]}
+
+
+def test_prefix_hashes_chain_per_message():
+    a = chat_prefix(_chat("sys", "hi"))
+    b = chat_prefix(_chat("sys", "hi", "hello", "more"))
+    assert len(a) == 2 and len(b) == 4 and b[:2] == a
+    assert chat_prefix(_chat("sys", "hi", model="other"))[0] != a[0]  # the model seeds the chain
+    assert chat_prefix(_chat("other sys", "hi"))[1] != a[1]  # chained: same message after another prefix differs
+    assert chat_prefix({"messages": "nope"}) == []
+    t = text_prefix({"model": "m", "prompt": "x" * 600})
+    assert len(t) == 3 and text_prefix({"model": "m", "prompt": "x" * 512}) == t[:2]
+    assert text_prefix({"model": "m", "prompt": "x" * 300})[:1] == t[:1]  # a partial last block is its own hash
+
+
+def test_a_conversation_returns_to_the_replica_holding_its_prefix():
+    p = RoutingPolicy(imbalance_threshold=4, rng=random.Random(0))
+    replicas = ["a", "b"]
+    turn1 = chat_prefix(_chat("shared system", "question 1"))
+    first = p.choose(replicas, {"prefix": turn1})[0]
+    p.routed(first, {"prefix": turn1})
+    p.completed(first)
+    turn2 = chat_prefix(_chat("shared system", "question 1", "answer 1", "question 2"))
+    for _ in range(10):
+        assert p.choose(replicas, {"prefix": turn2})[0] == first
+
+
+def test_a_shared_system_prompt_does_not_pull_new_conversations_onto_one_replica():
+    p = RoutingPolicy(imbalance_threshold=4, rng=random.Random(1))
+    counts = {"a": 0, "b": 0}
+    for i in range(40):  # 40 new conversations, all with one system prompt, each left running
+        route = {"prefix": chat_prefix(_chat("shared system", f"question {i}"))}
+        r = p.choose(["a", "b"], route)[0]
+        p.routed(r, route)
+        counts[r] += 1
+    assert counts == {"a": 20, "b": 20}  # least loaded first: exactly even
+
+
+def test_load_comes_before_affinity():
+    p = RoutingPolicy(imbalance_threshold=2, rng=random.Random(2))
+    route = {"session": "s:user-1"}
+    p.routed("a", route)  # the session lives on a, which now has 1 in flight
+    assert p.choose(["a", "b"], route)[0] == "a"
+    p.routed("a", {})
+    p.routed("a", {})  # a: 3 in flight, b: 0 -> a leads by more than 2
+    assert p.choose(["a", "b"], route)[0] == "b"
+    for _ in range(3):
+        p.completed("a")
+    assert p.choose(["a", "b"], route)[0] == "a"
+
+
+def test_snapshot_affinity_and_forgetting_a_dead_replica():
+    p = RoutingPolicy(rng=random.Random(3))
+    p.routed("b", {"snapshot": "alice/base"})
+    p.completed("b")
+    assert p.choose(["a", "b", "c"], {"snapshot": "alice/base"})[0] == "b"
+    p.forget("b")
+    assert p.choose(["a", "c"], {"snapshot": "alice/base"})[0] in ("a", "c")
+    assert "b" not in p.in_flight
+
+
+def test_pinned_requests_go_to_their_replica_or_nowhere():
+    p = RoutingPolicy()
+    assert p.choose(["a", "b"], {"pin": "b"}) == ["b"]
+    assert p.choose(["a", "b"], {"pin": "gone"}) == []
+    assert p.choose([], {}) == []
+
+
+def test_merge_metrics_labels_every_sample_with_its_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tartlet.cluster.gateway import merge_metrics
+
+    one = (
+        "# HELP tartlet_tokens_generated_total Tokens.\n# TYPE tartlet_tokens_generated_total counter\n"
+        'tartlet_tokens_generated_total{model="m"} 3.0\n'
+        "# HELP tartlet_up Up.\n# TYPE tartlet_up gauge\ntartlet_up 1.0\n"
+    )
+    merged = merge_metrics({"r1": one, "r2": one.replace("3.0", "5.0")})
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    samples = [(s.labels["replica"], s.value) for s in fams["tartlet_tokens_generated"].samples]
+    assert sorted(samples) == [("r1", 3.0), ("r2", 5.0)]
+    assert {s.labels["replica"] for s in fams["tartlet_up"].samples} == {"r1", "r2"}
+    assert merged.count("# TYPE tartlet_up gauge") == 1
