@@ -95,3 +95,14 @@ def test_merge_metrics_labels_every_sample_with_its_replica():
     assert sorted(samples) == [("r1", 3.0), ("r2", 5.0)]
     assert {s.labels["replica"] for s in fams["tartlet_up"].samples} == {"r1", "r2"}
     assert merged.count("# TYPE tartlet_up gauge") == 1
+
+
+def test_power_of_two_ignores_affinity_and_takes_the_less_loaded_of_two():
+    p = RoutingPolicy(rng=random.Random(4))
+    route = {"session": "s:x", "policy": "power-of-two"}
+    p.routed("a", {"session": "s:x"})  # a holds the session and 1 request
+    picks = {p.choose(["a", "b"], route)[0] for _ in range(20)}
+    assert picks == {"b"}  # with two replicas both are sampled: the less loaded wins, affinity or not
+    p.completed("a")
+    assert {p.choose(["a", "b"], route)[0] for _ in range(50)} == {"a", "b"}  # equal load: random
+    assert p.choose(["a", "b"], {"pin": "a", "policy": "power-of-two"}) == ["a"]  # pins still hold

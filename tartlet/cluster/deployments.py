@@ -101,17 +101,18 @@ class TartletGateway:
         max_body_bytes: ``[limits] max_message_bytes``.
     """
 
-    def __init__(self, replicas: Any, max_body_bytes: int) -> None:
+    def __init__(self, replicas: Any, max_body_bytes: int, routing: str) -> None:
         from .router import live_replicas
 
         self.replicas = replicas
         self.max_body_bytes = max_body_bytes
+        self.routing = routing
         self.live = live_replicas
 
     def __serve_build_asgi_app__(self) -> Any:
         from .gateway import Gateway
 
-        return Gateway(self.replicas, self.live, self.max_body_bytes)
+        return Gateway(self.replicas, self.live, self.max_body_bytes, self.routing)
 
 
 def build_application(cfg: ServerConfig, auth: bool) -> Any:
@@ -145,4 +146,4 @@ def build_application(cfg: ServerConfig, auth: bool) -> Any:
         serve.ingress()(TartletGateway), name="TartletGateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=MAX_ONGOING_REQUESTS * 4, logging_config=LOGGING,
     )  # fmt: skip
-    return gateway.bind(replica.bind(cfg.model_dump_json(), auth), cfg.limits.max_message_bytes)
+    return gateway.bind(replica.bind(cfg.model_dump_json(), auth), cfg.limits.max_message_bytes, c.routing)

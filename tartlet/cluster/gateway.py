@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import itertools
 import json
 import logging
@@ -38,7 +39,7 @@ import re
 import uuid
 from typing import Any, Awaitable, Callable
 
-from .routing import Route, chat_prefix, text_prefix
+from .routing import POWER_OF_TWO, Route, chat_prefix, text_prefix
 from .tunnel import REPLICA_HEADER, wire_scope
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,21 @@ class Gateway:
             max_message_bytes``); larger: 413.
     """
 
-    def __init__(self, replicas: Any, live: Callable[[], list[str]], max_body_bytes: int) -> None:
+    def __init__(self, replicas: Any, live: Callable[[], list[str]], max_body_bytes: int, routing: str = "tartlet") -> None:
         self.replicas = replicas
         self.live = live
         self.max_body_bytes = max_body_bytes
+        self.routing = routing
+
+    def policy(self, scope: dict[str, Any], route: Route) -> Route:
+        """``route`` under the routing policy in force: ``[cluster] routing``,
+        or the request's ``x-tartlet-routing`` header (``tartlet`` or
+        ``power-of-two``; a client can only change how its own requests are
+        placed)."""
+        chosen = _header(scope, b"x-tartlet-routing") or self.routing
+        if chosen == POWER_OF_TWO and "pin" not in route:
+            return {**route, "policy": POWER_OF_TWO}
+        return route
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -163,6 +175,7 @@ class Gateway:
             await _error(send, 413, f"request body larger than {self.max_body_bytes} bytes ([limits] max_message_bytes)", "too_large")
             return
         route: Route = openai_route(path, body, scope) if path in ("/v1/chat/completions", "/v1/completions") else {}
+        route = self.policy(scope, route)
         pin = _header(scope, REPLICA_HEADER.encode())
         if pin:
             if pin not in await self.running():
@@ -404,6 +417,8 @@ class WsMux:
         self.tunnels: dict[str, _Tunnel] = {}
         self.home: _Tunnel | None = None
         self.pin = _header(scope, REPLICA_HEADER.encode())  # a client's choice of home replica
+        # snapshot names are per user: the key's hash stands for the user (the replicas check the key)
+        self.user_key = hashlib.sha256((_header(scope, b"authorization") or "").encode()).hexdigest()[:16]
         self.all_tunnels: list[_Tunnel] = []  # every tunnel opened, to close with the connection
         self.closed = asyncio.Event()
         self._send_lock = asyncio.Lock()
@@ -456,7 +471,7 @@ class WsMux:
     async def _open(self, replica: str | None, route: Route) -> _Tunnel | None:
         """A new tunnel (to ``replica``, or where the router puts ``route``);
         None when it could not start."""
-        t = _Tunnel(self, replica, {"pin": replica} if replica is not None else route)
+        t = _Tunnel(self, replica, {"pin": replica} if replica is not None else self.gw.policy(self.scope, route))
         try:
             rid = await asyncio.wait_for(asyncio.shield(t.ready), FANOUT_TIMEOUT_S * 4)
         except Exception:
@@ -520,7 +535,7 @@ class WsMux:
         elif kind == "launch":
             args = req.get("args")
             if isinstance(args, dict) and isinstance(args.get("snapshot"), str):
-                route = {"snapshot": args["snapshot"]}
+                route = {"snapshot": self.user_key + "/" + args["snapshot"]}
         t = await self.tunnel(replica, route, home=kind in ("launch", "upload"))
         if t is None:
             if isinstance(iid, str):

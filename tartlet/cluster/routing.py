@@ -32,6 +32,8 @@ import json
 import random
 from typing import Any, Iterable, TypedDict
 
+#: The routing policy that ignores affinity (see :class:`Route`).
+POWER_OF_TWO = "power-of-two"
 #: Characters per block of a completion prompt's prefix hashes.
 TEXT_BLOCK_CHARS = 256
 #: Block hashes remembered (least recently used forgotten first).
@@ -50,12 +52,17 @@ class Route(TypedDict, total=False):
         prefix: hex hashes of the prompt's leading blocks, each chained
             with the ones before (so equal hashes mean equal prefixes).
         snapshot: ``"<user>/<name>"`` of a named snapshot the request opens.
+        policy: ``"power-of-two"``: ignore affinity and pick the less loaded
+            of two random replicas (Ray Serve's default router, on this
+            router's own counts of requests in flight): the baseline that
+            ``benchmarks/bench_cluster.py`` compares with.
     """
 
     pin: str
     session: str
     prefix: list[str]
     snapshot: str
+    policy: str
 
 
 def _chain(parts: Iterable[bytes], seed: str) -> list[str]:
@@ -150,6 +157,9 @@ class RoutingPolicy:
         if not candidates:
             return []
         load = {r: self.in_flight.get(r, 0) for r in candidates}
+        if route.get("policy") == POWER_OF_TWO:
+            two = self.rng.sample(candidates, min(2, len(candidates)))
+            return sorted(two, key=lambda r: load[r])
         floor = min(load.values())
         eligible = [r for r in candidates if load[r] <= floor + self.imbalance_threshold]
         for key, table in (("session", self._session), ("snapshot", self._snapshot)):
@@ -187,7 +197,7 @@ class RoutingPolicy:
         count it in flight until :meth:`completed`)."""
         self.in_flight[replica] += 1
         route = route or {}
-        if route.get("pin") is not None:
+        if route.get("pin") is not None or route.get("policy") == POWER_OF_TWO:
             return
         if isinstance(route.get("session"), str):
             self._session.put(route["session"], replica)

@@ -33,7 +33,7 @@ reads it with :func:`load_config`. Layout::
     [snapshots] dir: folder of named snapshot files (default
                ``<data_dir>/snapshots``; a shared folder for replicas)
     [cluster]  replicas, threads_per_replica, ray_address, min_replicas,
-               max_replicas, target_ongoing_requests, imbalance_threshold
+               max_replicas, target_ongoing_requests, imbalance_threshold, routing
 
 Missing keys take the defaults below. Every table is validated strictly:
 unknown keys are an error (a typo must not silently change a limit) and
@@ -301,8 +301,9 @@ class ClusterConfig(_Table):
     (see docs/server.md, "Scaling out").
 
     Attributes:
-        replicas: server replicas (each one engine, runtime and host state);
-            0 or 1 without ``--replicas``: the single-process server.
+        replicas: server replicas on Ray Serve (each one engine, runtime and
+            host state, behind one gateway); 0 (the default): the
+            single-process server, which imports no Ray.
         threads_per_replica: CPU threads of each replica's engine (and the
             CPUs Ray reserves for it).
         ray_address: the Ray cluster to join (``ray://`` or ``HOST:PORT``);
@@ -315,6 +316,9 @@ class ClusterConfig(_Table):
         imbalance_threshold: requests in flight by which a replica may lead
             the least loaded one and still be chosen for locality (prefix,
             session or snapshot affinity); past it the least loaded wins.
+        routing: ``"tartlet"`` (load, then session, snapshot and prefix
+            affinity) or ``"power-of-two"`` (load only, as Ray Serve's
+            default router: a baseline for comparisons).
     """
 
     replicas: Annotated[int, Field(ge=0)] = 0
@@ -324,6 +328,7 @@ class ClusterConfig(_Table):
     max_replicas: PositiveInt | None = None
     target_ongoing_requests: Annotated[float, Field(gt=0)] = 16.0
     imbalance_threshold: Annotated[int, Field(ge=0)] = 4
+    routing: Literal["tartlet", "power-of-two"] = "tartlet"
 
     @model_validator(mode="after")
     def _bounds(self) -> "ClusterConfig":

@@ -1,0 +1,326 @@
+"""Scale-out on Ray Serve: ``tartlet serve --replicas N`` measured with the
+OpenAI client load and WebSocket launches, in one run.
+
+(a) scaling: 64 concurrent streaming completions against 1 replica x 1
+    thread and 2 replicas x 1 thread (each a fresh ``tartlet serve
+    --replicas N``), and against the single-process server with 1 thread
+    (what Ray's gateway, proxy and calls cost); alternating rounds.
+(b) routing: a multi-turn chat workload (``--conversations`` x ``--turns``,
+    one long system prompt shared by all, each turn sending the whole
+    history) with prefix-aware routing and with the power-of-two baseline
+    (``x-tartlet-routing: power-of-two``: load only, as Ray Serve's default
+    router), alternating, each round with a fresh system prompt so no round
+    reuses another's cache; the same workload on one replica for the hit
+    rate a single replica reaches. Prefix-cache hit rate = prompt tokens
+    served from the prefix cache (``tartlet_prefix_tokens_reused_total``,
+    summed over replicas) / prompt tokens sent (``usage.prompt_tokens``).
+(c) snapshot affinity: ``--snapshots`` named snapshots saved by launches,
+    then each opened ``--opens`` times by launches on fresh connections,
+    with snapshot affinity (``args.snapshot``) and without (power-of-two);
+    time from launch to exit, and the share of opens that ran on the replica
+    that saved the snapshot.
+
+Prints tables and one ``JSON:`` line. Needs PostgreSQL? No: one machine,
+so the replicas share the SQLite store and the snapshot folder in one data
+dir.
+
+    .venv/bin/python benchmarks/bench_cluster.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, report  # noqa: E402
+
+PROBE = ROOT / "tests" / "cluster_probe.py"
+MODEL = "smollm2-135m-instruct"
+
+
+class Server:
+    """``tartlet serve [--replicas N]`` on a free port, in its own session."""
+
+    def __init__(self, workdir: Path, replicas: int, kv_cache_mb: int) -> None:
+        self.replicas = replicas
+        workdir.mkdir(parents=True, exist_ok=True)
+        cfg = workdir / f"server-{replicas}.toml"
+        cluster = f"[cluster]\nreplicas = {replicas}\nthreads_per_replica = 1\n" if replicas else ""
+        cfg.write_text(
+            f'data_dir = "{workdir / "data"}"\n[programs]\nuploaded_runtime = "native"\n{cluster}'
+            f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\nthreads = 1\n'
+        )
+        self.log = open(workdir / f"server-{replicas}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth"],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"serving on (http://[\d.]+:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        else:
+            self.stop()
+            raise RuntimeError("server did not start")
+        if replicas:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            h = httpx.get(self.url + "/health", timeout=60).json()
+            if len([r for r in h.get("replicas", []) if r.get("status") == "ok"]) >= self.replicas:
+                return
+            time.sleep(1)
+        raise RuntimeError(f"replicas not ready: {h}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+    def counter(self, name: str) -> float:
+        """A counter summed over every replica (and model)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=60).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# -- (a) scaling --------------------------------------------------------------------------
+async def stream_completion(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, headers: dict[str, str]) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    async with c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        replica = r.headers.get("x-tartlet-replica", "-")
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(str(ev["error"]))
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            elif first is None and ev.get("choices"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return {"tokens": tokens, "ttft": (first or end) - t0, "replica": replica}
+
+
+async def scaling(url: str, n: int, max_tokens: int, seed: int) -> dict[str, Any]:
+    prompts = [f"Story {seed}-{i}: once upon a time, in a land of {i} rivers," for i in range(n)]
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 8)) as c:
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*(stream_completion(c, url, p, max_tokens, {}) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"tok_s": sum(r["tokens"] for r in rs) / wall, "wall_s": wall, "ttft_p50": statistics.median(r["ttft"] for r in rs)}
+
+
+# -- (b) multi-turn chat ------------------------------------------------------------------
+SYSTEM = ("You are a patient assistant for a hardware shop. " * 24).strip()
+
+
+async def conversation(c: httpx.AsyncClient, url: str, i: int, turns: int, max_tokens: int, system: str,
+                       headers: dict[str, str]) -> list[dict[str, Any]]:  # fmt: skip
+    msgs = [{"role": "system", "content": system}]
+    out = []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"Customer {i}, question {t}: which screws fit shelf model {i * 7 + t}?"})
+        body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        t0 = time.perf_counter()
+        first = None
+        text, usage = [], None
+        async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            replica = r.headers.get("x-tartlet-replica", "-")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for ch in ev.get("choices") or []:
+                    delta = ch.get("delta", {}).get("content")
+                    if delta:
+                        first = first or time.perf_counter()
+                        text.append(delta)
+        end = time.perf_counter()
+        msgs.append({"role": "assistant", "content": "".join(text)})
+        out.append({"ttft": (first or end) - t0, "replica": replica, "prompt_tokens": usage["prompt_tokens"] if usage else 0})
+    return out
+
+
+async def chat_workload(server: Server, n: int, turns: int, max_tokens: int, system: str, policy: str) -> dict[str, Any]:
+    headers = {"x-tartlet-routing": policy}
+    reused0 = server.counter("tartlet_prefix_tokens_reused_total")
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 8)) as c:
+        t0 = time.perf_counter()
+        convs = await asyncio.gather(*(conversation(c, server.url, i, turns, max_tokens, system, headers) for i in range(n)))
+        wall = time.perf_counter() - t0
+    reused = server.counter("tartlet_prefix_tokens_reused_total") - reused0
+    turns_all = [t for conv in convs for t in conv]
+    prompt = sum(t["prompt_tokens"] for t in turns_all)
+    spread: dict[str, int] = {}
+    for t in turns_all:
+        spread[t["replica"]] = spread.get(t["replica"], 0) + 1
+    ttfts = [t["ttft"] for t in turns_all]
+    return {"hit_rate": reused / prompt if prompt else 0.0, "ttft_p50": statistics.median(ttfts), "ttft_p95": pct(ttfts, 0.95),
+            "max_share": max(spread.values()) / len(turns_all), "spread": spread, "wall_s": wall}  # fmt: skip
+
+
+# -- (c) snapshot affinity ------------------------------------------------------------------
+async def launch_once(url: str, args: dict[str, Any], policy: str) -> tuple[float, str]:
+    import websockets
+
+    from tartlet.client import Client
+    from tartlet.client.client import ws_url
+
+    ws = await websockets.connect(ws_url(url), additional_headers={"x-tartlet-routing": policy}, max_size=2**26)
+    c = Client(ws)
+    try:
+        t0 = time.perf_counter()
+        inst = await c.launch(PROBE, args)
+        exit = await inst.wait()
+        if not exit.ok:
+            raise RuntimeError(str(exit))
+        return time.perf_counter() - t0, inst.id.split("-")[0]
+    finally:
+        await c.close()
+
+
+async def snapshot_workload(url: str, names: list[str], opens: int, policy: str) -> dict[str, Any]:
+    prompt = "Background for the question: " + "the warehouse keeps bolts, nuts and washers in labelled bins. " * 20
+    holder = {}
+    for name in names:
+        _, holder[name] = await launch_once(url, {"op": "save", "name": name, "snapshot": name, "prompt": prompt, "n": 1}, policy)
+    times, local = [], 0
+    for _ in range(opens):
+        rs = await asyncio.gather(*(launch_once(url, {"op": "open", "name": n, "snapshot": n, "n": 8}, policy) for n in names))
+        for n, (dt, replica) in zip(names, rs):
+            times.append(dt)
+            local += replica == holder[n]
+    return {"open_p50": statistics.median(times), "open_p95": pct(times, 0.95), "on_holder": local / len(times)}
+
+
+# -- the run ----------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--chat-tokens", type=int, default=24)
+    ap.add_argument("--snapshots", type=int, default=8)
+    ap.add_argument("--opens", type=int, default=3)
+    ap.add_argument("--kv-cache-mb", type=int, default=256)
+    ap.add_argument("--skip-single", action="store_true", help="leave out the single-process server of (a)")
+    a = ap.parse_args()
+
+    res: dict[str, list[dict[str, Any]]] = {}
+
+    def add(key: str, r: dict[str, Any]) -> None:
+        res.setdefault(key, []).append(r)
+        print(f"  {key}: {json.dumps({k: v for k, v in r.items() if k != 'spread'})}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="tartlet-bench-cluster-") as tmp:
+        work = Path(tmp)
+        for rnd in range(a.rounds):
+            kinds = [0, 1, 2] if not a.skip_single else [1, 2]
+            if rnd % 2:
+                kinds.reverse()
+            for kind in kinds:
+                label = {0: "single", 1: "1x1", 2: "2x1"}[kind]
+                print(f"round {rnd + 1}: starting {label}", flush=True)
+                srv = Server(work / f"r{rnd}-{label}", kind, a.kv_cache_mb)
+                try:
+                    asyncio.run(scaling(srv.url, 8, 8, seed=-1))  # warm-up
+                    add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
+                    if kind == 1:
+                        system = f"[round {rnd} single] " + SYSTEM
+                        add("chat/1 replica", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, "tartlet")))
+                    if kind == 2:
+                        order = ["tartlet", "power-of-two"] if rnd % 2 == 0 else ["power-of-two", "tartlet"]
+                        for policy in order:
+                            system = f"[round {rnd} {policy}] " + SYSTEM
+                            add(f"chat/{policy}", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, policy)))
+                        for policy in order:
+                            names = [f"bench-{rnd}-{policy}-{i}" for i in range(a.snapshots)]
+                            add(f"snapshots/{policy}", asyncio.run(snapshot_workload(srv.url, names, a.opens, policy)))
+                finally:
+                    srv.stop()
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[field] for r in res[key])
+
+    rows = []
+    one, two = med("scaling/1x1", "tok_s"), med("scaling/2x1", "tok_s")
+    rows.append(["1 replica x 1 thread", f"{one:.1f}", "1.00x"])
+    rows.append(["2 replicas x 1 thread", f"{two:.1f}", f"{two / one:.2f}x"])
+    if "scaling/single" in res:
+        single = med("scaling/single", "tok_s")
+        rows.append(["single process, 1 thread (no Ray)", f"{single:.1f}", f"{single / one:.2f}x"])
+    report(f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
+           ["server", "tok/s", "vs 1 replica"], rows, None)  # fmt: skip
+    rows = []
+    for key in ("chat/1 replica", "chat/tartlet", "chat/power-of-two"):
+        rows.append([key.split("/")[1], f"{med(key, 'hit_rate'):.1%}", f"{med(key, 'ttft_p50') * 1000:.0f}",
+                     f"{med(key, 'ttft_p95') * 1000:.0f}", f"{med(key, 'max_share'):.0%}"])  # fmt: skip
+    ttft_gain = statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res["chat/tartlet"], res["chat/power-of-two"]))
+    report(f"(b) routing: {a.conversations} conversations x {a.turns} turns, shared system prompt (TTFT p50 gain {ttft_gain:.2f}x)",
+           ["routing", "prefix hit rate", "TTFT p50 ms", "TTFT p95 ms", "busiest replica"], rows, None)  # fmt: skip
+    rows = [[k.split("/")[1], f"{med(k, 'open_p50') * 1000:.0f}", f"{med(k, 'open_p95') * 1000:.0f}", f"{med(k, 'on_holder'):.0%}"]
+            for k in ("snapshots/tartlet", "snapshots/power-of-two")]  # fmt: skip
+    summary = {
+        "scaling_2x_over_1x": two / one, "ttft_p50_gain": ttft_gain,
+        "hit_rate": {k: med(k, "hit_rate") for k in ("chat/1 replica", "chat/tartlet", "chat/power-of-two")},
+        "runs": res, "args": vars(a),
+    }  # fmt: skip
+    if "scaling/single" in res:
+        summary["single_over_1x"] = med("scaling/single", "tok_s") / one
+    report(f"(c) snapshot affinity: {a.snapshots} snapshots x {a.opens} opens, launch to exit",
+           ["routing", "p50 ms", "p95 ms", "opens on the saving replica"], rows, summary)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
