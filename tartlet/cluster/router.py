@@ -54,12 +54,6 @@ class TartletRouter(RequestRouter):
         """Ray Serve passes ``request_router_kwargs`` here."""
         self.policy.imbalance_threshold = imbalance_threshold
 
-    @property
-    def supports_rejection_protocol(self) -> bool:
-        """No: a replica takes every request it is sent (Tartlet bounds work
-        per user itself, ``[limits]``), so no accept/reject round trip."""
-        return False
-
     async def _select_from_candidate_replicas(self, candidates: list[RunningReplica], backoff_index: int) -> RunningReplica | None:
         """The first candidate, without Ray's queue-length probe: the policy
         has ranked them by its own count of requests in flight, and a probe
