@@ -174,7 +174,9 @@ async def conversation(c: httpx.AsyncClient, url: str, i: int, turns: int, max_t
     msgs = [{"role": "system", "content": system}]
     out = []
     for t in range(turns):
-        msgs.append({"role": "user", "content": f"Customer {i}, question {t}: which screws fit shelf model {i * 7 + t}?"})
+        msgs.append({"role": "user", "content": f"Customer {i}, question {t}: I bought shelf model {i * 7 + t} last week and the "
+                     "brackets that came with it do not line up with the holes in my wall. Which screws, plugs and "
+                     "brackets fit it, and how far apart should the holes be?"})  # fmt: skip
         body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         t0 = time.perf_counter()
@@ -366,7 +368,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--chat-tokens", type=int, default=24)
+    ap.add_argument("--chat-tokens", type=int, default=48)
     ap.add_argument("--snapshots", type=int, default=8)
     ap.add_argument("--opens", type=int, default=3)
     ap.add_argument("--kv-cache-mb", type=int, default=256)
@@ -402,6 +404,8 @@ def main() -> None:
                 try:
                     asyncio.run(scaling(srv.url, 8, 8, seed=-1))  # warm-up
                     add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
+                    if kind == 0:  # each of 2 replicas holds half the streams: its best case is this
+                        add("scaling/single-half", asyncio.run(scaling(srv.url, a.concurrency // 2, a.max_tokens, seed=rnd)))
                     if kind == 1:
                         system = f"[round {rnd} single] " + SYSTEM
                         add("chat/1 replica", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, "tartlet")))
@@ -419,13 +423,19 @@ def main() -> None:
     def med(key: str, field: str) -> float:
         return statistics.median(r[field] for r in res[key])
 
+    def paired(key: str) -> float:
+        """Median over rounds of ``key``'s tok/s over the same round's 1 replica."""
+        return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(res[key], res["scaling/1x1"]))
+
     rows = []
     one, two = med("scaling/1x1", "tok_s"), med("scaling/2x1", "tok_s")
     rows.append(["1 replica x 1 thread", f"{one:.1f}", "1.00x"])
-    rows.append(["2 replicas x 1 thread", f"{two:.1f}", f"{two / one:.2f}x"])
+    rows.append(["2 replicas x 1 thread", f"{two:.1f}", f"{paired('scaling/2x1'):.2f}x"])
     if "scaling/single" in res:
-        single = med("scaling/single", "tok_s")
-        rows.append(["single process, 1 thread (no Ray)", f"{single:.1f}", f"{single / one:.2f}x"])
+        single, half = med("scaling/single", "tok_s"), med("scaling/single-half", "tok_s")
+        rows.append(["single process, 1 thread (no Ray)", f"{single:.1f}", f"{paired('scaling/single'):.2f}x"])
+        rows.append([f"ideal 2 replicas: 2 x single process at {a.concurrency // 2} streams", f"{2 * half:.1f}",
+                     f"{statistics.median(2 * h['tok_s'] / y['tok_s'] for h, y in zip(res['scaling/single-half'], res['scaling/1x1'])):.2f}x"])  # fmt: skip
     report(f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
            ["server", "tok/s", "vs 1 replica"], rows, None)  # fmt: skip
     rows = []
@@ -438,12 +448,12 @@ def main() -> None:
     rows = [[k.split("/")[1], f"{med(k, 'open_p50') * 1000:.0f}", f"{med(k, 'open_p95') * 1000:.0f}", f"{med(k, 'on_holder'):.0%}"]
             for k in ("snapshots/tartlet", "snapshots/power-of-two")]  # fmt: skip
     summary = {
-        "scaling_2x_over_1x": two / one, "ttft_p50_gain": ttft_gain,
+        "scaling_2x_over_1x": paired("scaling/2x1"), "ttft_p50_gain": ttft_gain,
         "hit_rate": {k: med(k, "hit_rate") for k in ("chat/1 replica", "chat/tartlet", "chat/power-of-two")},
         "runs": res, "args": vars(a),
     }  # fmt: skip
     if "scaling/single" in res:
-        summary["single_over_1x"] = med("scaling/single", "tok_s") / one
+        summary["single_over_1x"] = paired("scaling/single")
     report(f"(c) snapshot affinity: {a.snapshots} snapshots x {a.opens} opens, launch to exit",
            ["routing", "p50 ms", "p95 ms", "opens on the saving replica"], rows, summary)  # fmt: skip
 

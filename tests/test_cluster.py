@@ -319,6 +319,10 @@ def test_a_killed_replica_fails_its_clients_others_finish_and_it_comes_back(clus
             fine = await b.launch(PROBE, {"op": "long", "n": 60})
             await doomed.recv()  # it runs
             os.kill(health[victim]["pid"], signal.SIGKILL)
+            # calls pinned to the dead replica fail at once; they do not hang the gateway
+            gone = await asyncio.to_thread(httpx.get, cluster.url + f"/metrics?replica={victim}", timeout=60)
+            assert gone.status_code in (404, 503), gone.text
+            assert (await asyncio.to_thread(cluster.health))["status"] in ("ok", "degraded")
             exit = await asyncio.wait_for(doomed.wait(), 120)
             assert exit.status == "failed" and exit.error.startswith("replica_lost"), exit
             ok = await asyncio.wait_for(fine.wait(), 300)

@@ -40,7 +40,7 @@ import re
 import uuid
 from typing import Any, Awaitable, Callable
 
-from .routing import POWER_OF_TWO, Route, chat_prefix, text_prefix
+from .routing import POWER_OF_TWO, ReplicaGone, Route, chat_prefix, text_prefix
 from .tunnel import REPLICA_HEADER, wire_scope
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def is_replica_lost(e: BaseException) -> bool:
     cannot be reached (Ray's actor errors), not that the request failed."""
     import ray.exceptions
 
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaGone))
 
 
 def call(method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -283,7 +283,13 @@ class Gateway:
             if want[0] not in ids:
                 await _error(send, 404, f"no running replica {want[0]!r} (running: {', '.join(ids) or 'none'})", "not_found")
                 return
-            status, body = await self.call_replica(want[0], "GET", "/metrics")
+            try:
+                status, body = await self.call_replica(want[0], "GET", "/metrics")
+            except Exception as e:
+                if not (is_replica_lost(e) or isinstance(e, TimeoutError)):
+                    raise
+                await _error(send, 503, f"replica {want[0]!r} did not answer ({type(e).__name__})", REPLICA_LOST, status_type="server_error")
+                return
             await _send(send, status, body, "text/plain; version=0.0.4; charset=utf-8", want[0])
             return
         results = await asyncio.gather(*(self.call_replica(r, "GET", "/metrics") for r in ids), return_exceptions=True)

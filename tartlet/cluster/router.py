@@ -8,15 +8,29 @@ which replicas are running (:func:`live_replicas`)."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .routing import Route, RoutingPolicy
+from .routing import ReplicaGone, Route, RoutingPolicy
 
 #: The routers of this process (normally one: the gateway's handle to the replicas).
 ROUTERS: "weakref.WeakSet[TartletRouter]" = weakref.WeakSet()
+
+
+class _QuietReplicaGone(logging.Filter):
+    """Ray Serve logs an exception that ends a routing task with its
+    traceback; a :class:`ReplicaGone` is an expected outcome, already
+    returned to the caller."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ReplicaGone))
+
+
+#: The filter on Ray Serve's logger (one object, so adding it again is a no-op).
+QUIET = _QuietReplicaGone()
 
 
 def live_replicas() -> list[str]:
@@ -49,6 +63,7 @@ class TartletRouter(RequestRouter):
         import tartlet.cluster.router as registry
 
         registry.ROUTERS.add(self)
+        logging.getLogger("ray.serve").addFilter(registry.QUIET)
 
     def initialize_state(self, imbalance_threshold: int = 4, **kwargs: Any) -> None:
         """Ray Serve passes ``request_router_kwargs`` here."""
@@ -70,7 +85,17 @@ class TartletRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = self.policy.choose(list(by_id), _route(pending_request))
+        route = _route(pending_request)
+        pin = route.get("pin") if route else None
+        if pin is not None and pin not in by_id and pending_request is not None:
+            # Gone for good (a replacement gets a new id). Returning no
+            # candidate would make Ray retry at once, forever, on the router's
+            # event loop: fail the request instead, and end this routing task.
+            err = ReplicaGone(pin)
+            if not pending_request.future.done():
+                pending_request.future.set_exception(err)
+            raise err
+        order = self.policy.choose(list(by_id), route)
         return [[by_id[r]] for r in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

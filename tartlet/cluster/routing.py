@@ -42,6 +42,15 @@ MAX_PREFIX_ENTRIES = 200_000
 MAX_KEYS = 100_000
 
 
+class ReplicaGone(ConnectionError):
+    """A request pinned to a replica that is no longer running (it died or
+    was replaced): it fails at once instead of waiting for that replica."""
+
+    def __init__(self, replica: str) -> None:
+        super().__init__(f"replica {replica} is not running")
+        self.replica = replica
+
+
 class Route(TypedDict, total=False):
     """What the gateway tells the router of one request (every key optional).
 
