@@ -64,6 +64,19 @@ class TartletReplica:
         async for events in self.tunnel.http(scope, body):
             yield events
 
+    async def http_start(self, gateway: str, key: str, scope: dict[str, Any], body: bytes, route: Any = None) -> str:
+        """Start a forwarded HTTP request (see :meth:`ReplicaTunnel.http_start`)."""
+        return self.tunnel.http_start(gateway, key, scope, body)
+
+    async def http_cancel(self, key: str, route: Any = None) -> None:
+        """A forwarded request's client went away."""
+        self.tunnel.http_cancel(key)
+
+    async def events(self, gateway: str, route: Any = None) -> AsyncIterator[list[tuple[str, dict[str, Any] | None]]]:
+        """The events of ``gateway``'s requests here (see :meth:`ReplicaTunnel.events`)."""
+        async for batch in self.tunnel.events(gateway):
+            yield batch
+
     async def ws(self, conn: str, scope: dict[str, Any], route: Any = None) -> AsyncIterator[list[dict[str, Any]]]:
         """A forwarded WebSocket session (see :meth:`ReplicaTunnel.ws`)."""
         async for events in self.tunnel.ws(conn, scope):
@@ -117,10 +130,10 @@ class TartletGateway:
 
         from ..server.app import listen_socket, setup_logging
         from .gateway import Gateway
-        from .router import live_replicas
+        from .router import hold, live_replicas
 
         setup_logging()
-        self.app = Gateway(replicas, live_replicas, max_body_bytes, routing)
+        self.app = Gateway(replicas, live_replicas, max_body_bytes, routing, hold)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="off", ws_max_size=max_body_bytes, loop="asyncio", timeout_graceful_shutdown=5,
         ))  # fmt: skip

@@ -109,18 +109,35 @@ class Gateway:
 
     Args:
         replicas: a Ray Serve deployment handle to the replica deployment
-            (methods ``http``, ``ws``, ``ws_frames``; every call takes
-            ``route=``).
+            (methods ``http_start``, ``http_cancel``, ``events``, ``http``,
+            ``ws``, ``ws_frames``; every call takes ``route=``).
         live: returns the ids of the replicas currently running.
         max_body_bytes: the largest request body read (``[limits]
             max_message_bytes``); larger: 413.
+        routing: ``[cluster] routing``.
+        hold: ``hold(replica, +1 | -1)`` counts a multiplexed request in
+            flight for the router (:func:`tartlet.cluster.router.hold`).
     """
 
-    def __init__(self, replicas: Any, live: Callable[[], list[str]], max_body_bytes: int, routing: str = "tartlet") -> None:
+    def __init__(
+        self, replicas: Any, live: Callable[[], list[str]], max_body_bytes: int, routing: str = "tartlet",
+        hold: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.replicas = replicas
         self.live = live
         self.max_body_bytes = max_body_bytes
         self.routing = routing
+        self.hold = hold or (lambda replica, n: None)
+        self.id = uuid.uuid4().hex  # this gateway, to the replicas' event streams
+        self.pending: dict[str, asyncio.Queue[Any]] = {}  # request key -> its events
+        self.streams: dict[str, _Events] = {}  # replica -> its event stream to us
+
+    def events_from(self, replica: str) -> "_Events":
+        """The open event stream of ``replica`` (opened now if needed)."""
+        stream = self.streams.get(replica)
+        if stream is None or stream.task.done():
+            stream = self.streams[replica] = _Events(self, replica)
+        return stream
 
     def policy(self, scope: dict[str, Any], route: Route) -> Route:
         """``route`` under the routing policy in force: ``[cluster] routing``,
@@ -189,39 +206,54 @@ class Gateway:
                 await _error(send, 503, f"replica {pin!r} ({REPLICA_HEADER}) is not running", REPLICA_LOST, status_type="server_error")
                 return
             route = {"pin": pin}
-        stream = call(self.replicas.http.options(stream=True), wire_scope(scope), body, route=route)
-        started: list[bool] = []
-        relay = asyncio.ensure_future(self._relay(stream, send, started))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        key = uuid.uuid4().hex
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self.pending[key] = q
+        replica = None
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        watcher.add_done_callback(lambda _: q.put_nowait(_GONE))
+        started = False
         try:
-            await asyncio.wait([relay, gone], return_when=asyncio.FIRST_COMPLETED)
-            if not relay.done():  # the client left: close the stream (the replica sees a disconnect)
-                relay.cancel()
-                stream.cancel()
+            try:
+                replica = await call(self.replicas.http_start, self.id, key, wire_scope(scope), body, route=route)
+            except Exception as e:
+                if not is_replica_lost(e):
+                    raise
+                await _error(send, 503, "the replica chosen for this request was lost; retry it", REPLICA_LOST, status_type="server_error")
                 return
-            exc = relay.exception()
-            if exc is None:
-                return
-            if not is_replica_lost(exc):
-                raise exc
-            log.warning("replica lost during %s %s: %s", scope.get("method"), path, exc)
-            if not started:
-                await _error(send, 503, "the replica serving this request was lost; retry it", REPLICA_LOST, status_type="server_error")
-            else:  # mid-stream: an SSE error event, then the end
-                event = {"error": {"message": "the replica serving this request was lost", "type": "server_error", "code": REPLICA_LOST}}
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(), "more_body": False})
-        finally:
-            gone.cancel()
-
-    async def _relay(self, stream: Any, send: Send, started: list[bool]) -> None:
-        async for events in stream:
-            for ev in events:
+            assert replica is not None
+            self.hold(replica, 1)
+            stream = self.events_from(replica)
+            stream.keys.add(key)
+            while True:
+                ev = await q.get()
+                if ev is None:  # the response is complete
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                if ev is _GONE:  # the client left
+                    call(self.replicas.http_cancel, key, route={"pin": replica})
+                    return
+                if isinstance(ev, BaseException):
+                    log.warning("replica %s lost during %s %s: %s", replica, scope.get("method"), path, ev)
+                    if not started:
+                        await _error(send, 503, "the replica serving this request was lost; retry it", REPLICA_LOST, status_type="server_error")
+                    else:  # mid-stream: an SSE error event, then the end
+                        event = {"error": {"message": "the replica serving this request was lost", "type": "server_error", "code": REPLICA_LOST}}
+                        await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(), "more_body": False})
+                    return
                 if "start" in ev:
                     await send({"type": "http.response.start", "status": ev["start"], "headers": ev["headers"]})
-                    started.append(True)
+                    started = True
                 else:
                     await send({"type": "http.response.body", "body": ev["body"], "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            self.pending.pop(key, None)
+            if replica is not None:
+                self.hold(replica, -1)
+                s = self.streams.get(replica)
+                if s is not None:
+                    s.keys.discard(key)
 
     async def running(self) -> list[str]:
         """Ids of the running replicas. Ray Serve builds a handle's router
@@ -353,6 +385,37 @@ async def _json(send: Send, status: int, obj: Any, replica: str) -> None:
 
 async def _error(send: Send, status: int, message: str, code: str, status_type: str = "invalid_request_error") -> None:
     await _json(send, status, {"error": {"message": message, "type": status_type, "param": None, "code": code}}, "gateway")
+
+
+_GONE = object()  # a request's client disconnected
+
+
+class _Events:
+    """One replica's event stream to this gateway: hands each ``(key,
+    event)`` to the waiting request; if the stream fails (the replica died),
+    every request still waiting on it gets the error."""
+
+    def __init__(self, gw: Gateway, replica: str) -> None:
+        self.gw = gw
+        self.replica = replica
+        self.keys: set[str] = set()
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        error: BaseException = ConnectionError(f"replica {self.replica}'s event stream ended")
+        try:
+            async for batch in call(self.gw.replicas.events.options(stream=True), self.gw.id, route={"pin": self.replica}):
+                for key, ev in batch:
+                    q = self.gw.pending.get(key)
+                    if q is not None:
+                        q.put_nowait(ev)
+        except Exception as e:
+            error = e
+        finally:
+            for key in self.keys:
+                q = self.gw.pending.get(key)
+                if q is not None:
+                    q.put_nowait(error)
 
 
 class _Tunnel:

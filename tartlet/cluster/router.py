@@ -42,6 +42,18 @@ def live_replicas() -> list[str]:
     return list(seen)
 
 
+def hold(replica: str, n: int) -> None:
+    """Count ``n`` (1 or -1) requests in flight on ``replica`` in every
+    router of this process, beside the calls Ray Serve counts: a multiplexed
+    HTTP request is one short call that starts it, then events on a shared
+    stream, so its life is counted here."""
+    for router in list(ROUTERS):
+        if n > 0:
+            router.policy.in_flight[replica] += n
+        else:
+            router.policy.completed(replica)
+
+
 def _route(pending: PendingRequest | None) -> Route | None:
     if pending is None:
         return None

@@ -69,6 +69,8 @@ class ReplicaTunnel:
         self.app = app
         self.replica_id = replica_id
         self._sockets: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._outboxes: dict[str, asyncio.Queue[tuple[str, dict[str, Any] | None]]] = {}  # gateway id -> events
+        self._requests: dict[str, tuple[str, asyncio.Event]] = {}  # request key -> (gateway id, disconnect)
 
     async def _run(self, scope: dict[str, Any], receive: Any, out: asyncio.Queue[dict[str, Any] | None]) -> None:
         try:
@@ -84,11 +86,20 @@ class ReplicaTunnel:
         except (asyncio.TimeoutError, asyncio.CancelledError):
             task.cancel()
 
-    async def http(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[list[dict[str, Any]]]:
-        """Serve one HTTP request; yields lists of ``{"start", "headers"}``
-        and ``{"body"}`` events. Closing the stream early (the client went
-        away) is an ``http.disconnect`` to the app."""
-        out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    def _event(self, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+        """One ASGI HTTP message as a wire event (None: nothing to send), and
+        whether the response is complete."""
+        if msg["type"] == "http.response.start":
+            headers = [[bytes(k), bytes(v)] for k, v in msg.get("headers", [])]
+            headers.append([REPLICA_HEADER.encode(), self.replica_id.encode()])
+            return {"start": msg["status"], "headers": headers}, False
+        if msg["type"] == "http.response.body":
+            return ({"body": bytes(msg["body"])} if msg.get("body") else None), not msg.get("more_body", False)
+        return None, False
+
+    def _start(self, scope: dict[str, Any], body: bytes, out: asyncio.Queue[dict[str, Any] | None]) -> tuple[asyncio.Task[None], asyncio.Event]:
+        """Run the app for one request; its ASGI messages go to ``out`` (then
+        None); setting the returned event is the client's disconnect."""
         gone = asyncio.Event()
         sent = False
 
@@ -100,23 +111,25 @@ class ReplicaTunnel:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        task = asyncio.ensure_future(self._run(dict(scope), receive, out))
+        return asyncio.ensure_future(self._run(dict(scope), receive, out)), gone
+
+    async def http(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[list[dict[str, Any]]]:
+        """Serve one HTTP request on a stream of its own; yields lists of
+        ``{"start", "headers"}`` and ``{"body"}`` events. Closing the stream
+        early (the client went away) is an ``http.disconnect`` to the app.
+        (The gateway's own calls: /health, /metrics; client requests use
+        :meth:`http_start`.)"""
+        out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        task, gone = self._start(scope, body, out)
         try:
             while True:
                 events = []
                 done = False
                 for msg in await _drain(out):
-                    if msg is None:
-                        done = True
-                    elif msg["type"] == "http.response.start":
-                        headers = [[bytes(k), bytes(v)] for k, v in msg.get("headers", [])]
-                        headers.append([REPLICA_HEADER.encode(), self.replica_id.encode()])
-                        events.append({"start": msg["status"], "headers": headers})
-                    elif msg["type"] == "http.response.body":
-                        if msg.get("body"):
-                            events.append({"body": bytes(msg["body"])})
-                        if not msg.get("more_body", False):
-                            done = True
+                    ev, end = self._event(msg) if msg is not None else (None, True)
+                    if ev is not None:
+                        events.append(ev)
+                    done = done or end
                 if events:
                     yield events
                 if done:
@@ -124,6 +137,64 @@ class ReplicaTunnel:
         finally:
             gone.set()
             await self._finish(task)
+
+    # -- HTTP multiplexed: every request of one gateway on one event stream --------------
+    def http_start(self, gateway: str, key: str, scope: dict[str, Any], body: bytes) -> str:
+        """Start request ``key`` of ``gateway``; its events go to that
+        gateway's :meth:`events` stream, as ``(key, event)`` and ``(key,
+        None)`` at the end. Returns this replica's id. One stream per gateway
+        carries every request's events, so a decode step's tokens for many
+        streams cross Ray in one item, not one each."""
+        box = self._outbox(gateway)
+        out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        task, gone = self._start(scope, body, out)
+        self._requests[key] = (gateway, gone)
+
+        async def pump() -> None:
+            try:
+                while True:
+                    msg = await out.get()
+                    ev, end = self._event(msg) if msg is not None else (None, True)
+                    if ev is not None:
+                        box.put_nowait((key, ev))
+                    if end:
+                        break
+            finally:
+                box.put_nowait((key, None))
+                self._requests.pop(key, None)
+                await self._finish(task)
+
+        asyncio.ensure_future(pump())
+        return self.replica_id
+
+    def http_cancel(self, key: str) -> None:
+        """Request ``key``'s client went away: an ``http.disconnect`` to the app."""
+        entry = self._requests.get(key)
+        if entry is not None:
+            entry[1].set()
+
+    def _outbox(self, gateway: str) -> asyncio.Queue[tuple[str, dict[str, Any] | None]]:
+        box = self._outboxes.get(gateway)
+        if box is None:
+            box = self._outboxes[gateway] = asyncio.Queue()
+        return box
+
+    async def events(self, gateway: str) -> AsyncIterator[list[tuple[str, dict[str, Any] | None]]]:
+        """``gateway``'s events of every request it started here, batched:
+        each item holds what was ready. When the stream closes (the gateway
+        went away), that gateway's requests still running see a disconnect."""
+        box = self._outbox(gateway)
+        try:
+            while True:
+                batch = [await box.get()]
+                while not box.empty():
+                    batch.append(box.get_nowait())
+                yield batch
+        finally:
+            self._outboxes.pop(gateway, None)
+            for g, gone in list(self._requests.values()):
+                if g == gateway:
+                    gone.set()
 
     async def ws(self, conn: str, scope: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         """Run one WebSocket session ``conn``; yields lists of the app's
