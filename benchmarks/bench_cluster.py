@@ -365,7 +365,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--chat-tokens", type=int, default=48)
@@ -402,7 +402,7 @@ def main() -> None:
                 print(f"round {rnd + 1}: starting {label}", flush=True)
                 srv = Server(work / f"r{rnd}-{label}", kind, a.kv_cache_mb)
                 try:
-                    asyncio.run(scaling(srv.url, 8, 8, seed=-1))  # warm-up
+                    asyncio.run(scaling(srv.url, a.concurrency, 16, seed=-1))  # warm-up: the same shape, shorter
                     add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
                     if kind == 0:  # each of 2 replicas holds half the streams: its best case is this
                         add("scaling/single-half", asyncio.run(scaling(srv.url, a.concurrency // 2, a.max_tokens, seed=rnd)))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tartlet.cluster.routing import RoutingPolicy, chat_prefix, text_prefix
 
 
@@ -106,3 +108,74 @@ def test_power_of_two_ignores_affinity_and_takes_the_less_loaded_of_two():
     p.completed("a")
     assert {p.choose(["a", "b"], route)[0] for _ in range(50)} == {"a", "b"}  # equal load: random
     assert p.choose(["a", "b"], {"pin": "a", "policy": "power-of-two"}) == ["a"]  # pins still hold
+
+
+async def test_replica_tunnel_multiplexes_requests_on_one_batched_stream():
+    """tartlet/cluster/tunnel.py without Ray: two requests started by one
+    gateway stream their events on that gateway's one stream, each ending with
+    None; a cancelled request's app sees http.disconnect."""
+    import asyncio
+
+    from tartlet.cluster.tunnel import ReplicaTunnel
+
+    seen_disconnect = asyncio.Event()
+
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        if body == b"forever":
+            assert (await receive())["type"] == "http.disconnect"
+            seen_disconnect.set()
+            return
+        for i in range(3):
+            await send({"type": "http.response.body", "body": body + str(i).encode(), "more_body": True})
+            await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    t = ReplicaTunnel(app, "r1")
+    scope = {"type": "http", "method": "POST", "path": "/x", "headers": []}
+    assert t.http_start("gw", "a", scope, b"A") == "r1"
+    t.http_start("gw", "b", scope, b"B")
+    t.http_start("gw", "c", scope, b"forever")
+    got: dict[str, list] = {"a": [], "b": [], "c": []}
+    batches = 0
+    stream = t.events("gw")
+    while got["a"][-1:] != [None] or got["b"][-1:] != [None]:
+        batch = await stream.__anext__()
+        batches += 1
+        for key, ev in batch:
+            got[key].append(ev)
+    assert [e["body"] for e in got["a"][1:-1]] == [b"A0", b"A1", b"A2"]
+    assert [e["body"] for e in got["b"][1:-1]] == [b"B0", b"B1", b"B2"]
+    assert got["a"][0]["start"] == 200 and [b"x-tartlet-replica", b"r1"] in got["a"][0]["headers"]
+    assert batches < 8  # 2 x (start + 3 bodies + end) = 10 events came batched
+    t.http_cancel("c")
+    await asyncio.wait_for(seen_disconnect.wait(), 5)
+    rest = await stream.__anext__()
+    assert ("c", None) in rest
+    await stream.aclose()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic fields
+def test_cluster_config_becomes_ray_serve_deployments():
+    """build_application: fixed replicas or autoscaling bounds, CPUs per
+    replica, the router and its threshold, the gateway pinned to a node."""
+    from tartlet.cluster.deployments import build_application
+    from tartlet.server.config import ServerConfig
+
+    def deployments(cluster: dict):
+        app = build_application(ServerConfig.model_validate({"cluster": cluster}), auth=True, port=8123, node_ip="10.0.0.7")
+        gateway = app._bound_deployment
+        replica = gateway.init_args[0]._bound_deployment
+        return gateway, replica
+
+    gateway, replica = deployments({"replicas": 3, "threads_per_replica": 2, "imbalance_threshold": 7})
+    assert replica._deployment_config.num_replicas == 3
+    assert replica.ray_actor_options["num_cpus"] == 2
+    router = replica._deployment_config.request_router_config
+    assert router.request_router_class.endswith("TartletRouter") and router.request_router_kwargs == {"imbalance_threshold": 7}
+    assert gateway.init_args[1:] == ("127.0.0.1", 8123, 8 * 2**20, "tartlet")
+    assert gateway.ray_actor_options["resources"] == {"node:10.0.0.7": 0.001}
+    _, scaled = deployments({"replicas": 2, "min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 8})
+    auto = scaled._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas, auto.target_ongoing_requests) == (1, 5, 2, 8)

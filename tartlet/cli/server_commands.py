@@ -58,7 +58,7 @@ def serve(
     max_wall_time: Optional[float] = typer.Option(None, help="Wall time per instance, seconds."),
     max_instances: Optional[int] = typer.Option(None, help="Running instances per user."),
     replicas: Optional[int] = typer.Option(
-        None, "--replicas", help="Run N server replicas on Ray Serve behind one gateway ([cluster] table; docs/server.md 'Scaling out')."
+        None, "--replicas", help="Run N server replicas on Ray Serve behind one gateway (the \\[cluster] table; docs/server.md 'Scaling out')."
     ),
 ) -> None:
     """Serve inferlets over WebSocket (/ws) and HTTP (/v1 OpenAI-compatible, /health, /metrics)."""

@@ -525,7 +525,8 @@ class WsMux:
         msg = await self.receive()
         if msg["type"] != "websocket.connect":
             return
-        await self._send({"type": "websocket.accept", "headers": [[REPLICA_HEADER.encode(), b"gateway"]]})
+        # a connection may reach several replicas: the handshake names the one the client pinned, else the gateway
+        await self._send({"type": "websocket.accept", "headers": [[REPLICA_HEADER.encode(), (self.pin or "gateway").encode()]]})
         try:
             reader = asyncio.ensure_future(self._client_frames())
             closed = asyncio.ensure_future(self.closed.wait())
