@@ -130,10 +130,10 @@ class TartletGateway:
 
         from ..server.app import listen_socket, setup_logging
         from .gateway import Gateway
-        from .router import hold, live_replicas
+        from .router import live_replicas, release
 
         setup_logging()
-        self.app = Gateway(replicas, live_replicas, max_body_bytes, routing, hold)
+        self.app = Gateway(replicas, live_replicas, max_body_bytes, routing, release)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="off", ws_max_size=max_body_bytes, loop="asyncio", timeout_graceful_shutdown=5,
         ))  # fmt: skip

@@ -115,22 +115,38 @@ class Gateway:
         max_body_bytes: the largest request body read (``[limits]
             max_message_bytes``); larger: 413.
         routing: ``[cluster] routing``.
-        hold: ``hold(replica, +1 | -1)`` counts a multiplexed request in
-            flight for the router (:func:`tartlet.cluster.router.hold`).
+        release: ``release(key)``: the request or session sent with
+            ``route["hold"] = key`` ended (:func:`tartlet.cluster.router.release`).
     """
 
     def __init__(
         self, replicas: Any, live: Callable[[], list[str]], max_body_bytes: int, routing: str = "tartlet",
-        hold: Callable[[str, int], None] | None = None,
+        release: Callable[[str], None] | None = None,
     ) -> None:
         self.replicas = replicas
         self.live = live
         self.max_body_bytes = max_body_bytes
         self.routing = routing
-        self.hold = hold or (lambda replica, n: None)
+        self.release = release or (lambda key: None)
         self.id = uuid.uuid4().hex  # this gateway, to the replicas' event streams
         self.pending: dict[str, asyncio.Queue[Any]] = {}  # request key -> its events
         self.streams: dict[str, _Events] = {}  # replica -> its event stream to us
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _background(self, response: Any) -> None:
+        """Await a Ray Serve call's response off the request's path (a
+        response nobody awaits may be dropped before it completes, and the
+        router would count it in flight for ever); errors are logged."""
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait_for(response, FANOUT_TIMEOUT_S)
+            except Exception as e:
+                log.debug("background call failed: %s", e)
+
+        task = asyncio.ensure_future(wait())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def events_from(self, replica: str) -> "_Events":
         """The open event stream of ``replica`` (opened now if needed)."""
@@ -207,6 +223,7 @@ class Gateway:
                 return
             route = {"pin": pin}
         key = uuid.uuid4().hex
+        route = {**route, "hold": key}  # counted in flight on its replica until released
         q: asyncio.Queue[Any] = asyncio.Queue()
         self.pending[key] = q
         replica = None
@@ -222,7 +239,6 @@ class Gateway:
                 await _error(send, 503, "the replica chosen for this request was lost; retry it", REPLICA_LOST, status_type="server_error")
                 return
             assert replica is not None
-            self.hold(replica, 1)
             stream = self.events_from(replica)
             stream.keys.add(key)
             while True:
@@ -230,8 +246,8 @@ class Gateway:
                 if ev is None:  # the response is complete
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
-                if ev is _GONE:  # the client left
-                    call(self.replicas.http_cancel, key, route={"pin": replica})
+                if ev is _GONE:  # the client left: tell the replica (awaited in the background)
+                    self._background(call(self.replicas.http_cancel, key, route={"pin": replica}))
                     return
                 if isinstance(ev, BaseException):
                     log.warning("replica %s lost during %s %s: %s", replica, scope.get("method"), path, ev)
@@ -249,8 +265,8 @@ class Gateway:
         finally:
             watcher.cancel()
             self.pending.pop(key, None)
+            self.release(key)
             if replica is not None:
-                self.hold(replica, -1)
                 s = self.streams.get(replica)
                 if s is not None:
                     s.keys.discard(key)
@@ -292,15 +308,21 @@ class Gateway:
         return await asyncio.wait_for(run(), FANOUT_TIMEOUT_S)
 
     async def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "degraded", "replicas": [{"replica", ...the replica's /health}]}``."""
+        """``{"status": "ok" | "degraded", "replicas": [{"replica", "in_flight", ...the replica's /health}]}``
+        (``in_flight``: what the router counts on that replica, its own
+        /health call included)."""
         ids = await self.running()
         results = await asyncio.gather(*(self.call_replica(r, "GET", "/health") for r in ids), return_exceptions=True)
-        replicas = []
+        replicas: list[dict[str, Any]] = []
+        from .router import load
+
+        in_flight = load()
         for r, res in zip(ids, results):
             if isinstance(res, BaseException):
                 replicas.append({"replica": r, "status": "unreachable", "error": f"{type(res).__name__}: {res}"[:300]})
             else:
                 replicas.append({"replica": r, **json.loads(res[1])})
+            replicas[-1]["in_flight"] = in_flight.get(r, 0)  # the router's count: streams, sessions, calls
         ok = bool(replicas) and all(x.get("status") == "ok" for x in replicas)
         return {"status": "ok" if ok else "degraded", "replicas": replicas}
 
@@ -431,7 +453,8 @@ class _Tunnel:
         self.instances: set[str] = set()  # instances launched or attached through it, not ended
         self.lost = False
         mux.all_tunnels.append(self)
-        self.stream = call(mux.gw.replicas.ws.options(stream=True), mux.conn, mux.wire, route=route)
+        self.key = uuid.uuid4().hex  # the session counts in flight on its replica until closed
+        self.stream = call(mux.gw.replicas.ws.options(stream=True), mux.conn, mux.wire, route={**route, "hold": self.key})
         self.reader = asyncio.ensure_future(self._read())
         self.writer: asyncio.Future[None] | None = None
 
@@ -477,6 +500,7 @@ class _Tunnel:
                 return
 
     def close(self) -> None:
+        self.mux.gw.release(self.key)
         self.reader.cancel()
         if self.writer is not None:
             self.writer.cancel()

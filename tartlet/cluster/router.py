@@ -9,6 +9,7 @@ which replicas are running (:func:`live_replicas`)."""
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -42,16 +43,20 @@ def live_replicas() -> list[str]:
     return list(seen)
 
 
-def hold(replica: str, n: int) -> None:
-    """Count ``n`` (1 or -1) requests in flight on ``replica`` in every
-    router of this process, beside the calls Ray Serve counts: a multiplexed
-    HTTP request is one short call that starts it, then events on a shared
-    stream, so its life is counted here."""
+def load() -> dict[str, int]:
+    """Requests in flight per replica, as the routers of this process count them."""
+    out: dict[str, int] = {}
     for router in list(ROUTERS):
-        if n > 0:
-            router.policy.in_flight[replica] += n
-        else:
-            router.policy.completed(replica)
+        for replica, n in list(router.policy.in_flight.items()):
+            out[replica] = out.get(replica, 0) + n
+    return out
+
+
+def release(key: str) -> None:
+    """The request or session held under ``key`` (``route["hold"]``) ended:
+    it no longer counts on its replica."""
+    for router in list(ROUTERS):
+        router.release(key)
 
 
 def _route(pending: PendingRequest | None) -> Route | None:
@@ -69,7 +74,8 @@ class TartletRouter(RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.policy = RoutingPolicy()
-        self._routes: dict[str, str] = {}  # internal request id -> replica (until completed)
+        self._held: dict[str, str] = {}  # route["hold"] key -> the replica it counts on
+        self._lock = threading.Lock()
         # Ray Serve may ship this class by value (cloudpickle), with globals of
         # its own: register in the imported module, where live_replicas looks.
         import tartlet.cluster.router as registry
@@ -108,16 +114,40 @@ class TartletRouter(RequestRouter):
                 pending_request.future.set_exception(err)
             raise err
         order = self.policy.choose(list(by_id), route)
+        if order and route:
+            self._decided(order[0], route)
         return [[by_id[r]] for r in order]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.policy.routed(replica_id.unique_id, _route(pending_request))
-        self._routes[pending_request.metadata.internal_request_id] = replica_id.unique_id
+    def _decided(self, replica: str, route: Route) -> None:
+        """``replica`` will get the request (the first candidate is the one
+        taken, see :meth:`_select_from_candidate_replicas`): remember its
+        affinities, and count it in flight under ``route["hold"]`` until
+        :meth:`release`. Counting here, not in Ray's routed/completed
+        callbacks: the completion of a short call could be lost under load
+        (its callback registered after it ended), which left it counted for
+        ever and skewed every later choice."""
+        key = route.get("hold")
+        with self._lock:
+            if key is not None:
+                prev = self._held.get(key)
+                if prev == replica:
+                    return
+                if prev is not None:  # chosen again (a retry): move the count
+                    self.policy.add(prev, -1)
+                self._held[key] = replica
+                self.policy.add(replica, 1)
+            self.policy.remember(replica, route)
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._routes.pop(internal_request_id, None) is not None:
-            self.policy.completed(replica_id.unique_id)
+    def release(self, key: str) -> None:
+        """Stop counting what was held under ``key``."""
+        with self._lock:
+            replica = self._held.pop(key, None)
+        if replica is not None:
+            self.policy.add(replica, -1)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.policy.forget(replica_id.unique_id)
+        with self._lock:
+            for key in [k for k, r in self._held.items() if r == replica_id.unique_id]:
+                del self._held[key]
         super().on_replica_actor_died(replica_id)

@@ -30,6 +30,7 @@ import collections
 import hashlib
 import json
 import random
+import threading
 from typing import Any, Iterable, TypedDict
 
 #: The routing policy that ignores affinity (see :class:`Route`).
@@ -65,6 +66,9 @@ class Route(TypedDict, total=False):
             of two random replicas (Ray Serve's default router, on this
             router's own counts of requests in flight): the baseline that
             ``benchmarks/bench_cluster.py`` compares with.
+        hold: a key under which the request counts in flight on the chosen
+            replica until the gateway releases it (a streamed response, a
+            WebSocket session).
     """
 
     pin: str
@@ -72,6 +76,7 @@ class Route(TypedDict, total=False):
     prefix: list[str]
     snapshot: str
     policy: str
+    hold: str
 
 
 def _chain(parts: Iterable[bytes], seed: str) -> list[str]:
@@ -147,6 +152,9 @@ class RoutingPolicy:
         self.imbalance_threshold = imbalance_threshold
         self.rng = rng or random.Random()
         self.in_flight: dict[str, int] = collections.defaultdict(int)
+        # Ray Serve reports routing on its router thread, the gateway holds
+        # requests on its own event loop's thread: counts change under a lock
+        self._lock = threading.Lock()
         self._prefix = _Lru(MAX_PREFIX_ENTRIES)  # block hash -> set of replica ids
         self._session = _Lru(MAX_KEYS)  # session key -> replica id
         self._snapshot = _Lru(MAX_KEYS)  # "user/name" -> replica id
@@ -201,10 +209,19 @@ class RoutingPolicy:
         self.rng.shuffle(shuffled)
         return sorted(shuffled, key=lambda r: load.get(r, 0))
 
+    def add(self, replica: str, n: int) -> None:
+        """Count ``n`` more (or, negative, fewer) requests in flight on ``replica`` (never below 0)."""
+        with self._lock:
+            self.in_flight[replica] = max(0, self.in_flight.get(replica, 0) + n)
+
     def routed(self, replica: str, route: Route | None) -> None:
-        """Remember that a request with ``route`` went to ``replica`` (and
-        count it in flight until :meth:`completed`)."""
-        self.in_flight[replica] += 1
+        """Remember that a request with ``route`` went to ``replica`` and
+        count it in flight until :meth:`completed`."""
+        self.add(replica, 1)
+        self.remember(replica, route)
+
+    def remember(self, replica: str, route: Route | None) -> None:
+        """Remember ``route``'s affinities (session, snapshot, prefix) to ``replica``."""
         route = route or {}
         if route.get("pin") is not None or route.get("policy") == POWER_OF_TWO:
             return
@@ -221,12 +238,12 @@ class RoutingPolicy:
 
     def completed(self, replica: str) -> None:
         """A request routed to ``replica`` ended."""
-        if self.in_flight.get(replica, 0) > 0:
-            self.in_flight[replica] -= 1
+        self.add(replica, -1)
 
     def forget(self, replica: str) -> None:
         """``replica`` is gone: drop its load and every affinity to it."""
-        self.in_flight.pop(replica, None)
+        with self._lock:
+            self.in_flight.pop(replica, None)
         for table in (self._session, self._snapshot):
             for k in [k for k, v in table.d.items() if v == replica]:
                 del table.d[k]
