@@ -64,6 +64,20 @@ def test_load_comes_before_affinity():
     assert p.choose(["a", "b"], route)[0] == "a"
 
 
+def test_busy_replicas_a_few_requests_apart_keep_affinity():
+    p = RoutingPolicy(imbalance_threshold=4, imbalance_ratio=1.5, rng=random.Random(5))
+    route = {"session": "s:user-2"}
+    p.routed("a", route)
+    for _ in range(19):
+        p.routed("a", {})  # a: 20 in flight
+    for _ in range(14):
+        p.routed("b", {})  # b: 14 -> a leads by 6 (> 4) but only 1.43x (< 1.5)
+    assert p.choose(["a", "b"], route)[0] == "a"
+    p.routed("a", {})
+    p.routed("a", {})  # a: 22 = 1.57x b: past both bounds
+    assert p.choose(["a", "b"], route)[0] == "b"
+
+
 def test_snapshot_affinity_and_forgetting_a_dead_replica():
     p = RoutingPolicy(rng=random.Random(3))
     p.routed("b", {"snapshot": "alice/base"})
@@ -173,7 +187,7 @@ def test_cluster_config_becomes_ray_serve_deployments():
     assert replica._deployment_config.num_replicas == 3
     assert replica.ray_actor_options["num_cpus"] == 2
     router = replica._deployment_config.request_router_config
-    assert router.request_router_class.endswith("TartletRouter") and router.request_router_kwargs == {"imbalance_threshold": 7}
+    assert router.request_router_class.endswith("TartletRouter") and router.request_router_kwargs == {"imbalance_threshold": 7, "imbalance_ratio": 1.5}
     assert gateway.init_args[1:] == ("127.0.0.1", 8123, 8 * 2**20, "tartlet")
     assert gateway.ray_actor_options["resources"] == {"node:10.0.0.7": 0.001}
     _, scaled = deployments({"replicas": 2, "min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 8})

@@ -184,7 +184,7 @@ def build_application(cfg: ServerConfig, auth: bool, port: int, node_ip: str) ->
         max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=LOGGING,
         request_router_config=RequestRouterConfig(
             request_router_class="tartlet.cluster.router.TartletRouter",  # type: ignore[arg-type]  # Ray types it oddly; a str is documented
-            request_router_kwargs={"imbalance_threshold": c.imbalance_threshold},
+            request_router_kwargs={"imbalance_threshold": c.imbalance_threshold, "imbalance_ratio": c.imbalance_ratio},
         ),
         **scaling,
     )  # fmt: skip

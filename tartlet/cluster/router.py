@@ -83,9 +83,10 @@ class TartletRouter(RequestRouter):
         registry.ROUTERS.add(self)
         logging.getLogger("ray.serve").addFilter(registry.QUIET)
 
-    def initialize_state(self, imbalance_threshold: int = 4, **kwargs: Any) -> None:
+    def initialize_state(self, imbalance_threshold: int = 4, imbalance_ratio: float = 1.5, **kwargs: Any) -> None:
         """Ray Serve passes ``request_router_kwargs`` here."""
         self.policy.imbalance_threshold = imbalance_threshold
+        self.policy.imbalance_ratio = imbalance_ratio
 
     async def _select_from_candidate_replicas(self, candidates: list[RunningReplica], backoff_index: int) -> RunningReplica | None:
         """The first candidate, without Ray's queue-length probe: the policy

@@ -10,9 +10,10 @@ cumulative hashes of the prompt's blocks (``prefix``, see
 :func:`chat_prefix` and :func:`text_prefix`) and a named snapshot the
 request opens (``snapshot``).
 
-Load comes first: only replicas whose requests in flight are at most the
-least loaded replica's plus ``imbalance_threshold`` are eligible. Among
-those the policy prefers, in order, the replica of the session, the one that
+Load comes first: a replica whose requests in flight lead the least loaded
+replica's by more than ``imbalance_threshold`` and by more than
+``imbalance_ratio`` times is not eligible. Among the others
+the policy prefers, in order, the replica of the session, the one that
 holds the snapshot, and the one whose remembered prefixes match the longest
 run of the request's leading blocks (each block hash remembers the replicas
 it was routed to, so a system prompt shared by every conversation matches
@@ -144,12 +145,15 @@ class RoutingPolicy:
     Args:
         imbalance_threshold: requests in flight by which a replica may lead
             the least loaded one and still be chosen for affinity
-            (``[cluster] imbalance_threshold``).
+            (``[cluster] imbalance_threshold``) ...
+        imbalance_ratio: ... or by which factor (``[cluster]
+            imbalance_ratio``); past both, the least loaded wins.
         rng: random source for ties (tests pass a seeded one).
     """
 
-    def __init__(self, imbalance_threshold: int = 4, rng: random.Random | None = None) -> None:
+    def __init__(self, imbalance_threshold: int = 4, rng: random.Random | None = None, imbalance_ratio: float = 1.5) -> None:
         self.imbalance_threshold = imbalance_threshold
+        self.imbalance_ratio = imbalance_ratio
         self.rng = rng or random.Random()
         self.in_flight: dict[str, int] = collections.defaultdict(int)
         # Ray Serve reports routing on its router thread, the gateway holds
@@ -178,7 +182,7 @@ class RoutingPolicy:
             two = self.rng.sample(candidates, min(2, len(candidates)))
             return sorted(two, key=lambda r: load[r])
         floor = min(load.values())
-        eligible = [r for r in candidates if load[r] <= floor + self.imbalance_threshold]
+        eligible = [r for r in candidates if not self._overloaded(load[r], floor)]
         for key, table in (("session", self._session), ("snapshot", self._snapshot)):
             k = route.get(key)
             if isinstance(k, str):
@@ -203,6 +207,16 @@ class RoutingPolicy:
                     first = self._by_load(top, load)[0]
                     return [first, *self._by_load([c for c in candidates if c != first], load)]
         return self._by_load(eligible, load) + self._by_load([c for c in candidates if c not in eligible], load)
+
+    def _overloaded(self, n: int, floor: int) -> bool:
+        """Whether a replica with ``n`` requests in flight leads the least
+        loaded (``floor``) too far to be chosen for affinity: by more than
+        ``imbalance_threshold`` requests *and* by more than
+        ``imbalance_ratio`` times (SGLang's router uses the same two-sided
+        rule, ``balance_abs_threshold`` and ``balance_rel_threshold``). An
+        idle replica beside a busy one always wins; two busy replicas a few
+        requests apart keep their affinity."""
+        return n - floor > self.imbalance_threshold and n > self.imbalance_ratio * floor
 
     def _by_load(self, replicas: list[str], load: dict[str, int]) -> list[str]:
         shuffled = list(replicas)

@@ -33,7 +33,8 @@ reads it with :func:`load_config`. Layout::
     [snapshots] dir: folder of named snapshot files (default
                ``<data_dir>/snapshots``; a shared folder for replicas)
     [cluster]  replicas, threads_per_replica, ray_address, min_replicas,
-               max_replicas, target_ongoing_requests, imbalance_threshold, routing
+               max_replicas, target_ongoing_requests, imbalance_threshold,
+               imbalance_ratio, routing
 
 Missing keys take the defaults below. Every table is validated strictly:
 unknown keys are an error (a typo must not silently change a limit) and
@@ -315,7 +316,11 @@ class ClusterConfig(_Table):
             autoscaler aims for.
         imbalance_threshold: requests in flight by which a replica may lead
             the least loaded one and still be chosen for locality (prefix,
-            session or snapshot affinity); past it the least loaded wins.
+            session or snapshot affinity) ...
+        imbalance_ratio: ... or the factor by which it may lead; past both
+            the least loaded wins (so an idle replica beside a busy one is
+            always used, and two busy ones a few requests apart keep their
+            affinity).
         routing: ``"tartlet"`` (load, then session, snapshot and prefix
             affinity) or ``"power-of-two"`` (load only, as Ray Serve's
             default router: a baseline for comparisons).
@@ -328,6 +333,7 @@ class ClusterConfig(_Table):
     max_replicas: PositiveInt | None = None
     target_ongoing_requests: Annotated[float, Field(gt=0)] = 16.0
     imbalance_threshold: Annotated[int, Field(ge=0)] = 4
+    imbalance_ratio: Annotated[float, Field(ge=1)] = 1.5
     routing: Literal["tartlet", "power-of-two"] = "tartlet"
 
     @model_validator(mode="after")
