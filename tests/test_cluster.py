@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -26,51 +24,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_harness import ROOT, TARTLET, add_users
+from server_harness import ServerProcess, add_users
 
 pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).with_name("cluster_probe.py")
 
 
-class ClusterProcess:
-    """``tartlet serve --replicas 2 --port 0`` in a new session (process group)."""
+class ClusterProcess(ServerProcess):
+    """``tartlet serve --replicas 2 --port 0`` (the config's ``[cluster]``) in
+    a session of its own: SIGTERM, then the group's leftovers killed."""
 
     def __init__(self, config: Path) -> None:
-        self.log_path = config.with_suffix(".stderr")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            TARTLET + ["serve", "--config", str(config), "--port", "0"],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"},
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        deadline = time.time() + 400
-        line = ""
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"serving on (http://[\d.]+:\d+)", line)
-            if m:
-                self.url = m.group(1)
-                return
-        self.stop()
-        raise RuntimeError(f"cluster did not start: {line!r}; {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # Ray's own processes, if any outlived the shutdown
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.log.close()
+        super().__init__(config, new_session=True, env={"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}, start_timeout=400, stop_timeout=120)
 
     def health(self) -> dict:
         r = httpx.get(self.url + "/health", timeout=60)

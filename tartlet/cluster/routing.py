@@ -17,7 +17,8 @@ the policy prefers, in order, the replica of the session, the one that
 holds the snapshot, and the one whose remembered prefixes match the longest
 run of the request's leading blocks (each block hash remembers the replicas
 it was routed to, so a system prompt shared by every conversation matches
-every replica equally and does not pull all of them onto one); ties and
+every replica equally once each has seen it, and does not pull all of them
+onto one); ties and
 requests with no affinity go to the least loaded replica (a random one among
 equals). What a replica holds is learnt from the routing decisions
 themselves (as Ray Serve LLM's ``PrefixCacheAffinityRouter`` does), not
@@ -214,8 +215,12 @@ class RoutingPolicy:
         ``imbalance_threshold`` requests *and* by more than
         ``imbalance_ratio`` times (SGLang's router uses the same two-sided
         rule, ``balance_abs_threshold`` and ``balance_rel_threshold``). An
-        idle replica beside a busy one always wins; two busy replicas a few
-        requests apart keep their affinity."""
+        idle replica takes the request from one holding more than
+        ``imbalance_threshold`` requests; two busy replicas a few requests
+        apart keep their affinity. So at low load affinity may put up to
+        ``imbalance_threshold`` + 1 requests on one replica while another
+        is idle (a system prompt that only one replica has seen yet
+        attracts new conversations until then)."""
         return n - floor > self.imbalance_threshold and n > self.imbalance_ratio * floor
 
     def _by_load(self, replicas: list[str], load: dict[str, int]) -> list[str]:

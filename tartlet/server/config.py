@@ -318,9 +318,9 @@ class ClusterConfig(_Table):
             the least loaded one and still be chosen for locality (prefix,
             session or snapshot affinity) ...
         imbalance_ratio: ... or the factor by which it may lead; past both
-            the least loaded wins (so an idle replica beside a busy one is
-            always used, and two busy ones a few requests apart keep their
-            affinity).
+            the least loaded wins (an idle replica takes the request from
+            one holding more than ``imbalance_threshold``; two busy ones a
+            few requests apart keep their affinity).
         routing: ``"tartlet"`` (load, then session, snapshot and prefix
             affinity) or ``"power-of-two"`` (load only, as Ray Serve's
             default router: a baseline for comparisons).
