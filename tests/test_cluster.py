@@ -154,6 +154,11 @@ def test_session_instances_stay_on_its_replica_and_list_sees_all(cluster):
             # attach from another connection reaches the instance on its replica
             inst = await b.attach(ids_a[0])
             assert (await inst.wait()).status == "finished"
+            from tartlet.client import TartletError
+
+            with pytest.raises(TartletError) as e:  # an id no replica ever had
+                await b.attach("nosuchreplica-0123456789ab")
+            assert e.value.code == "not_found"
         finally:
             await a.close()
             await b.close()

@@ -132,6 +132,7 @@ class Gateway:
         self.pending: dict[str, asyncio.Queue[Any]] = {}  # request key -> its events
         self.streams: dict[str, _Events] = {}  # replica -> its event stream to us
         self._tasks: set[asyncio.Task[None]] = set()
+        self.seen: set[str] = set()  # every replica id this gateway has seen running
 
     def _background(self, response: Any) -> None:
         """Await a Ray Serve call's response off the request's path (a
@@ -282,6 +283,7 @@ class Gateway:
             except Exception as e:
                 log.warning("no replica answered: %s", e)
             ids = self.live()
+        self.seen.update(ids)
         return ids
 
     async def call_replica(self, replica: str | None, method: str, path: str, query: bytes = b"") -> tuple[int, bytes]:
@@ -643,7 +645,9 @@ class WsMux:
                 route = {"snapshot": self.user_key + "/" + args["snapshot"]}
         t = await self.tunnel(replica, route, home=kind in ("launch", "upload"))
         if t is None:
-            if isinstance(iid, str):
+            if replica is not None and replica not in self.gw.seen:  # no replica ever had that id
+                await self.send_event({"type": "error", "id": rid, "code": "not_found", "message": f"no instance {iid!r} of yours"})
+            elif isinstance(iid, str):
                 await self.send_event({"type": "error", "id": rid, "code": REPLICA_LOST,
                                        "message": f"the replica running instance {iid!r} was lost"})  # fmt: skip
             else:
