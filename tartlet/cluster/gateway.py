@@ -633,7 +633,7 @@ class WsMux:
             return
         kind, rid, iid = req.get("type"), req.get("id"), req.get("instance")
         if kind == "list":
-            await self.list_all(rid, text)
+            await self.list_all(rid)
             return
         replica = None
         route: Route = {}
@@ -659,7 +659,7 @@ class WsMux:
             t.instances.add(iid)
         t.frames.put_nowait(text)
 
-    async def list_all(self, rid: Any, text: str) -> None:
+    async def list_all(self, rid: Any) -> None:
         """``list`` on every running replica, merged (oldest first)."""
         futs = []
         for replica in await self.gw.running():
