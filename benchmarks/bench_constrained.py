@@ -127,7 +127,7 @@ async def _bench(rt, prog, args_list):
 
 
 async def main_async(opts) -> dict:
-    from tartlet.engine.model_store import DEFAULT_MODEL
+    from tartlet.engine.loading.model_store import DEFAULT_MODEL
     from tartlet.host import grammar
     from tartlet.host.state import HostState
     from tartlet.runtime.native import NativeRuntime

@@ -78,7 +78,7 @@ def word_tokenizer(vocab: int) -> Any:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
 
-    from tartlet.engine.tokenizer import Tokenizer
+    from tartlet.engine.text.tokenizer import Tokenizer
 
     d = Path(tempfile.mkdtemp())
     tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
@@ -88,8 +88,8 @@ def word_tokenizer(vocab: int) -> Any:
 
 
 def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int) -> Any:
-    from tartlet.engine.config import ModelConfig
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.models.config import ModelConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     c = ModelConfig(architecture="llama", name="random", eos_token_ids=(), **shape)
     cfg = EngineConfig(model="random", device=DEVICE, dtype="bfloat16", kv_cache_mb=kv_cache_mb,
@@ -102,8 +102,8 @@ def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float
     request whose continuation feeds the sampled token back (as the host
     ``generate`` call runs); returns (wall seconds, seconds per decode step
     after the first token)."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     sch = eng.scheduler
     slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]

@@ -47,8 +47,8 @@ def main() -> None:
     import torch
 
     from common import report
-    from tartlet.engine import quant_kernels
-    from tartlet.engine.quant_formats import INTERLEAVED, interleave, quantize
+    from tartlet.engine.kernels import quant_kernels
+    from tartlet.engine.loading.quant_formats import INTERLEAVED, interleave, quantize
 
     qk = quant_kernels.load()
     if qk is None:

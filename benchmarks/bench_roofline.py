@@ -50,8 +50,8 @@ def read_bytes_per_token(model) -> int:
     """Weight bytes one decode step reads: every weight storage of the model,
     less the embedding's when the output head does not share it (a step reads
     one embedding row then)."""
-    from tartlet.engine.quant_formats import QuantWeight
-    from tartlet.engine.quant_linear import QuantLinear
+    from tartlet.engine.loading.quant_formats import QuantWeight
+    from tartlet.engine.models.quant_linear import QuantLinear
 
     total = model.weight_bytes()
     embed, head = model.embed, model.lm_head
@@ -176,7 +176,7 @@ def main() -> None:
 @contextlib.contextmanager
 def row_layout() -> Iterator[None]:
     """Engines loaded inside keep Q4/Q8 weights in the row layout."""
-    from tartlet.engine import quant_linear
+    from tartlet.engine.models import quant_linear
 
     quant_linear.INTERLEAVE = False
     try:

@@ -318,7 +318,7 @@ def main() -> None:
             print(f"{name}: {p}")
         return
     if a.model is None:
-        from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+        from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
 
         a.model = str(resolve(DEFAULT_MODEL))
     model = Path(a.model).resolve()

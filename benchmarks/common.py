@@ -26,7 +26,7 @@ def load_engine(**cfg: Any):
     """A started :class:`Engine` on the default model with ``EngineConfig``'s
     defaults (its GGUF weights kept quantized, float32 compute) unless ``cfg``
     says otherwise (``dtype="float32"``: the dequantized reference path)."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     return Engine.load(EngineConfig(**cfg))
 
@@ -36,7 +36,7 @@ def load_hf_reference(dtype: str = "float32"):
     import torch
     import transformers
 
-    from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+    from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
 
     path = resolve(DEFAULT_MODEL)
     kw = dict(gguf_file=path.name)

@@ -72,7 +72,7 @@ def build_stamp() -> str:
     and feature flags (a cache folder carried to another machine, e.g. a
     VM moved from Sapphire Rapids to Zen 4, would otherwise run code tuned
     for, or even illegal on, the new CPU)."""
-    from tartlet.engine.c_build import cpu_flags
+    from tartlet.engine.kernels.c_build import cpu_flags
 
     model = ""
     try:

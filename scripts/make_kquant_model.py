@@ -199,7 +199,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     llamacpp.ensure_built(log=lambda m: print(m, file=sys.stderr, flush=True))
 
-    from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+    from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
 
     smol = resolve(DEFAULT_MODEL)
     made: list[Path] = []

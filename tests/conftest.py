@@ -46,15 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """Path of the default model's GGUF file (SmolLM2-135M-Instruct Q4_1), downloaded if needed."""
-    from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+    from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
 
     return resolve(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")
 def loaded_model(gguf_path):
-    """Our :class:`~tartlet.engine.loader.LoadedModel` of the default model, float32 weights."""
-    from tartlet.engine.loader import load_model
+    """Our :class:`~tartlet.engine.loading.loader.LoadedModel` of the default model, float32 weights."""
+    from tartlet.engine.loading.loader import load_model
 
     return load_model(gguf_path)
 
@@ -62,8 +62,8 @@ def loaded_model(gguf_path):
 @pytest.fixture(scope="session")
 def tokenizer(gguf_path):
     """Our tokenizer of the default model, read from its GGUF (weights untouched)."""
-    from tartlet.engine.gguf_loader import open_gguf
-    from tartlet.engine.tokenizer import Tokenizer
+    from tartlet.engine.loading.gguf_loader import open_gguf
+    from tartlet.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(open_gguf(gguf_path))
 
@@ -87,9 +87,9 @@ def hf_model(gguf_path):
 
 @pytest.fixture(scope="session")
 def engine(loaded_model):
-    """A running :class:`~tartlet.engine.engine.Engine` on the default model
+    """A running :class:`~tartlet.engine.core.engine.Engine` on the default model
     (float32, 16-token pages, 256 MiB of KV pages), shared by the session."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = loaded_model
     eng = Engine(EngineConfig(kv_cache_mb=256), lm.config, dict(lm.weights), lm.tokenizer)
@@ -135,7 +135,7 @@ def quant_loaded(gguf_path):
     quantized engines below (a load is ~4 s of CPU, most of it parsing the
     GGUF's vocabulary): each engine gets its own copy of the weights dict,
     which an Engine empties, and only reads the tensors in it."""
-    from tartlet.engine.loader import load_model
+    from tartlet.engine.loading.loader import load_model
 
     return load_model(gguf_path, quantized=True)
 
@@ -143,7 +143,7 @@ def quant_loaded(gguf_path):
 @pytest.fixture(scope="session")
 def quant_engine(quant_loaded):
     """The default model run as users get it: quantized weights, float32 compute."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = quant_loaded
     eng = Engine(EngineConfig(kv_cache_mb=128), lm.config, dict(lm.weights), lm.tokenizer)
@@ -155,7 +155,7 @@ def quant_engine(quant_loaded):
 def q8_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, an int8 KV pool of 32 MiB
     (tests/test_kv_int8.py, tests/test_fused_decode.py)."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = quant_loaded
     eng = Engine(EngineConfig(model=str(gguf_path), kv_cache_mb=32, kv_dtype="int8"), lm.config, dict(lm.weights), lm.tokenizer)
@@ -167,7 +167,7 @@ def q8_engine(gguf_path, quant_loaded):
 def f16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, a float16 KV pool of 32 MiB
     (tests/test_fused_decode.py)."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = quant_loaded
     eng = Engine(EngineConfig(model=str(gguf_path), kv_cache_mb=32, kv_dtype="float16"), lm.config, dict(lm.weights), lm.tokenizer)
@@ -180,8 +180,8 @@ def bf16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, the panel GEMM in bfloat16
     (``matmul_dtype="bfloat16"``); skips on CPUs without AVX-512 and
     AVX512_BF16 (tests/test_fused_decode.py)."""
-    from tartlet.engine import quant_kernels
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.kernels import quant_kernels
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     kern = quant_kernels.load()
     if kern is None or kern.best_isa < 3 or not kern.has_bf16:
@@ -232,8 +232,8 @@ def kern():
     """The quantized CPU kernels (``quant_kernels.load()``), ISA reset after
     the module; test_cpu_kernels and test_kv_int8 define their own ``kern``
     (the float kernels)."""
-    from tartlet.engine import quant_kernels
-    from tartlet.engine.c_build import find_compiler
+    from tartlet.engine.kernels import quant_kernels
+    from tartlet.engine.kernels.c_build import find_compiler
 
     if not find_compiler():
         pytest.skip("no C compiler on this machine")

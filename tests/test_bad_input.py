@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from harness import assert_no_leaks, inline_program, run, run_ok
-from tartlet.engine.engine import Engine, EngineConfig
-from tartlet.engine.loader import ModelLoadError
-from tartlet.engine.model_store import DEFAULT_MODEL
+from tartlet.engine.core.engine import Engine, EngineConfig
+from tartlet.engine.loading.loader import ModelLoadError
+from tartlet.engine.loading.model_store import DEFAULT_MODEL
 from tartlet.host.api import HostApi
 from tartlet.errors import InvalidHandleError
 from tartlet.forward import OutputSlot

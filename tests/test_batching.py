@@ -230,9 +230,9 @@ def test_users_share_a_round_fairly(engine):
     request: with two users queued, each gets half of ``max_batch_tokens``
     per round, so the short one finishes in the first model call while the
     prefill is chunked over several, and both results equal solo runs."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.scheduler import ForwardRequest
-    from tartlet.engine.sequence import Sequence
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.sequence import Sequence
 
     sched = engine.scheduler
     tok = engine.tokenizer
@@ -271,7 +271,7 @@ def test_users_share_a_round_fairly(engine):
 def test_prompts_of_one_length_share_an_attention_group(engine):
     """Whole prompts of equal length in one batch form one attention group
     (B requests x Q queries), in row order or interleaved with others."""
-    from tartlet.engine.batch import BatchItem, build_batch
+    from tartlet.engine.core.batch import BatchItem, build_batch
 
     seqs = [engine.new_sequence() for _ in range(4)]
     items = []
@@ -298,8 +298,8 @@ def test_continuation_rearms_one_request(engine):
     the same greedy tokens and sequence length, one future resolved with
     the last pass's results. An exception raised by the continuation fails
     the future; the pass before it stays."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     sched = engine.scheduler
     prompt = engine.tokenizer.encode("The capital of France is")

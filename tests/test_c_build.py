@@ -1,5 +1,5 @@
 """The kernel build survives a hung compiler, a damaged cache file and
-concurrent builders (tartlet/engine/c_build.py)."""
+concurrent builders (tartlet/engine/kernels/c_build.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from tartlet.engine import c_build, cpu_kernels
+from tartlet.engine.kernels import c_build
+
+from tartlet.engine.kernels import cpu_kernels
 
 SOURCE = "int answer(void) { return 42; }\n"
 
@@ -61,7 +63,7 @@ def test_damaged_cache_file_is_rebuilt(cc, cache, tmp_path, damage, caplog):
     else:
         (lib.parent / (lib.name + ".sha256")).unlink()
     assert not c_build.cached_ok(lib)
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.c_build"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.c_build"):
         assert build(tmp_path) == lib
     assert "rebuilding" in caplog.text
     assert lib.stat().st_size == size and c_build.cached_ok(lib) and answer(lib) == 42
@@ -94,7 +96,7 @@ def test_file_the_loader_refuses_is_rebuilt_once(cc, monkeypatch, cache, tmp_pat
             return bad
         return build(tmp_path, rebuild=True)
 
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.c_build"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.c_build"):
         lib = c_build.open_library(fake_build, "TARTLET_TEST_KERNELS", "test kernels", "using nothing")
     assert lib is not None and lib.answer() == 42
     assert calls == [False, True] and "rebuilding it" in caplog.text
@@ -139,7 +141,7 @@ def test_hung_compiler_times_out(cache, tmp_path, hanging_cc):
 
 def test_hung_compiler_falls_back_to_pytorch(monkeypatch, cache, hanging_cc, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.c_build"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.c_build"):
         assert cpu_kernels.load() is None
     assert "fused CPU kernels unavailable, using the PyTorch path" in caplog.text and "did not finish" in caplog.text
 

@@ -40,7 +40,7 @@ def test_run_text_completion():
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "The capital of France is Paris."
     stats = flat(p.stderr)  # --stats: the weights as held and how they multiply, peak memory
-    from tartlet.engine import quant_kernels
+    from tartlet.engine.kernels import quant_kernels
 
     kern = quant_kernels.load()
     products = ("integer products at every row count (16-row layout)" if kern is not None and kern.best_isa == 3

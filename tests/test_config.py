@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tartlet.engine.engine import EngineConfig
+from tartlet.engine.core.engine import EngineConfig
 from tartlet.server.config import ConfigError, McpServerConfig, ServerConfig, ServedModel, config_from_dict, load_config, render_config
 
 

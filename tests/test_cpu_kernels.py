@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tartlet.engine import cpu_kernels
+from tartlet.engine.kernels import cpu_kernels
 
 NH, NKV, HD = 9, 3, 64
 SLOTS = 256 * 16
@@ -191,7 +191,7 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.cpu_kernels"):
         assert cpu_kernels.load() is None
     assert "fused CPU kernels unavailable" in caplog.text and "no-such-cc" in caplog.text
 
@@ -200,7 +200,7 @@ def test_broken_compile_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.cpu_kernels"):
         assert cpu_kernels.load() is None
     assert "failed to compile" in caplog.text
 
@@ -266,7 +266,7 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
 def test_greedy_sampler_uses_the_argmax_kernel(kern, monkeypatch):
     """SlotSampler with the kernel gives what PyTorch's argmax gives (a
     masked row included), and PyTorch's argmax is not called."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec, SlotSampler
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec, SlotSampler
 
     V = 3000
     logits = torch.randn(4, V, generator=gen(5))
@@ -284,7 +284,7 @@ def test_masked_greedy_slots_take_the_masked_argmax_kernel(kern, monkeypatch):
     the masked copy of the logits (no clone), with the tokens PyTorch's
     masked path gives; an empty mask fails that slot alone; a masked draw
     still takes the copy."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec, SlotSampler
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec, SlotSampler
     from tartlet.errors import SamplingError
 
     V = 3000

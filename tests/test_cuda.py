@@ -22,7 +22,7 @@ import torch
 triton = pytest.importorskip("triton", reason="the CUDA path needs Triton")
 transformers = pytest.importorskip("transformers")
 
-from tartlet.engine.cuda_attention import paged_decode_attention  # noqa: E402
+from tartlet.engine.cuda.attention import paged_decode_attention  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -89,7 +89,7 @@ def test_decode_kernel_matches_reference(dtype, nh, nkv, hd, B, L, masked):
 def test_rope_kv_kernel_matches_reference(dtype, nh, nkv, hd, T):
     """The fused RoPE + KV write equals rotate_half RoPE in float32 (queries
     rotated in place, keys and values in their pool rows, other rows untouched)."""
-    from tartlet.engine.cuda_rope import rope_qkv_store
+    from tartlet.engine.cuda.rope import rope_qkv_store
 
     torch.manual_seed(0)
     dev, S = KERNEL_DEVICE, 64
@@ -119,7 +119,7 @@ def test_rope_kv_kernel_matches_reference(dtype, nh, nkv, hd, T):
 @pytest.mark.parametrize("dtype,T,H", [(torch.float32, 3, 64), (torch.float32, 2, 100),
                                        (torch.bfloat16 if HAS_CUDA else torch.float16, 5, 4096)])
 def test_rms_norm_kernel_matches_torch(dtype, T, H):
-    from tartlet.engine.cuda_rms_norm import rms_norm
+    from tartlet.engine.cuda.rms_norm import rms_norm
 
     torch.manual_seed(0)
     x = (torch.randn(T, H + 8, device=KERNEL_DEVICE) * 3).to(dtype)[:, :H]  # rows with a stride, as slices are
@@ -173,8 +173,8 @@ def make_folder(family: str, root):
 
 
 def engine(path, dtype: str, graphs: bool = True, kv_cache_mb: int = 64):
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.loader import load_model
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.loading.loader import load_model
 
     cfg = EngineConfig(model=str(path), device="cuda", dtype=dtype, kv_cache_mb=kv_cache_mb, cuda_graphs=graphs)
     loaded = load_model(path, dtype=cfg.torch_dtype())
@@ -183,8 +183,8 @@ def engine(path, dtype: str, graphs: bool = True, kv_cache_mb: int = 64):
 
 def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
     """Logits at every prompt position, then after each of ``steps`` fed one at a time."""
-    from tartlet.engine.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     seq = eng.new_sequence()
     rows = eng.scheduler.submit(ForwardRequest(seq, prompt, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(len(prompt))])).result(60)
@@ -196,8 +196,8 @@ def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
 
 def greedy(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
     """``n`` greedy tokens for each prompt, all decoded together (one batch a step)."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     seqs = [eng.new_sequence() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -290,7 +290,7 @@ def test_batched_greedy_equals_alone_on_cuda(dtype, tmp_path):
 def test_sampling_and_masks_with_gpu_logits(tmp_path):
     """Seeded sampling, top-k/top-p and logit masks work on GPU logits and a
     seeded draw equals the CPU engine's choice from the same logits."""
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec, SlotSampler
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec, SlotSampler
 
     torch.manual_seed(4)
     logits = torch.randn(3, VOCAB, device="cuda") * 3

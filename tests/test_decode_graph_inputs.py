@@ -1,6 +1,6 @@
 """What a CUDA graph of a decode step replays, checked on the CPU (CI has no
 GPU; tests/test_cuda.py runs the graphs themselves on one): a decode step
-copied into larger static inputs (:func:`tartlet.engine.cuda_graphs.fill_static`:
+copied into larger static inputs (:func:`tartlet.engine.cuda.graphs.fill_static`:
 rows past the batch write to a scratch page and see nothing, columns past
 each request's slots are masked, stale values left in both) gives the
 logits of the step run as it is."""
@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow  # loads an engine of its own
 
 
 def test_padded_static_inputs_give_the_steps_logits(loaded_model):
-    from tartlet.engine.batch import BatchItem, build_batch
-    from tartlet.engine.cuda_graphs import fill_static, static_inputs
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.batch import BatchItem, build_batch
+    from tartlet.engine.cuda.graphs import fill_static, static_inputs
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     lm = loaded_model
     eng = Engine(EngineConfig(kv_cache_mb=16, device="cpu"), lm.config, dict(lm.weights), lm.tokenizer)

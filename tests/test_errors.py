@@ -15,7 +15,11 @@ from tartlet.errors import ERROR_CODES, error_code, error_from_code
 
 
 def test_engine_and_host_raise_the_sdk_classes():
-    from tartlet.engine import chat_template, kv_accounting, kv_cache, sampler, scheduler
+    from tartlet.engine.text import chat_template
+    from tartlet.engine.core import kv_accounting
+    from tartlet.engine.core import kv_cache
+    from tartlet.engine.core import sampler
+    from tartlet.engine.core import scheduler
     from tartlet.host import grammar, http, messaging, store
     from tartlet.runtime import program
 

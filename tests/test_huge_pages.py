@@ -1,4 +1,4 @@
-"""Weights on transparent huge pages (tartlet.engine.huge_pages)."""
+"""Weights on transparent huge pages (tartlet.engine.loading.huge_pages)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from tartlet.engine import huge_pages
-from tartlet.engine.huge_pages import HUGE_PAGE as H
+from tartlet.engine.loading import huge_pages
+from tartlet.engine.loading.huge_pages import HUGE_PAGE as H
 
 needs_thp = pytest.mark.skipif(huge_pages.thp_mode() not in ("madvise", "always"),
                                reason="transparent huge pages are off on this machine (or it is not Linux)")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import F16, INTERLEAVED, Q4, Q4I, Q5I, Q6I, Q8I, QuantWeight, from_gguf, interleave
-from tartlet.engine.quant_linear import QuantLinear
+from tartlet.engine.models import quant_linear
+from tartlet.engine.loading.quant_formats import F16, INTERLEAVED, Q4, Q4I, Q5I, Q6I, Q8I, QuantWeight, from_gguf, interleave
+from tartlet.engine.models.quant_linear import QuantLinear
 
 from test_quant_kernels import isa_levels, random_gguf, rel_err
 
@@ -141,8 +141,8 @@ def test_tied_head_keeps_one_copy(tmp_path, monkeypatch, type_name):
     stay within 1.2x of the file; logits of a prompt and 4 decode steps
     agree with the row layout's within the kernels' rounding, and the greedy
     tokens are equal."""
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.quant_kernels import load
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.kernels.quant_kernels import load
 
     k = load()
     if k is None or k.best_isa < 3:

@@ -12,8 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from tartlet.engine import c_build, cpu_kernels, quant_kernels
-from tartlet.engine.quant_formats import quantize
+from tartlet.engine.kernels import c_build
+
+from tartlet.engine.kernels import cpu_kernels
+
+from tartlet.engine.kernels import quant_kernels
+from tartlet.engine.loading.quant_formats import quantize
 
 NH, NKV, HD, S = 6, 2, 64, 512
 
@@ -166,7 +170,7 @@ def test_failed_scratch_allocation_is_memory_error(ck, tmp_path):
     script = textwrap.dedent("""
         import resource, torch
         torch.set_num_threads(1)
-        from tartlet.engine import cpu_kernels
+        from tartlet.engine.kernels import cpu_kernels
         k = cpu_kernels.load()
         nh, nkv, hd, L = 64, 1, 2, 1 << 21  # scratch: L * nh floats = 512 MiB
         q, kp = torch.randn(1, nh, hd), torch.randn(4, nkv, hd)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine.kv_cache import EMPTY_KEY, KvCacheFullError, PagePool, page_key
-from tartlet.engine.sequence import Sequence
+from tartlet.engine.core.kv_cache import EMPTY_KEY, KvCacheFullError, PagePool, page_key
+from tartlet.engine.core.sequence import Sequence
 
 PS = 4
 

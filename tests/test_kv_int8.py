@@ -1,4 +1,4 @@
-"""int8 KV pages (``kv_dtype = "int8"``, :mod:`tartlet.engine.kv_quant`).
+"""int8 KV pages (``kv_dtype = "int8"``, :mod:`tartlet.engine.core.kv_quant`).
 
 The quantizer and the C kernels against a numpy oracle of the row format;
 then the real default model (GGUF weights kept quantized, as users run it)
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tartlet.engine import cpu_kernels
-from tartlet.engine.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
+from tartlet.engine.kernels import cpu_kernels
+from tartlet.engine.core.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
 
 NH, NKV, HD = 9, 3, 64
 SLOTS = 256 * 16
@@ -176,7 +176,7 @@ PROMPTS = [
 def make_engine(gguf_path, lm, **cfg):
     """An engine on ``lm``, the default model loaded with quantized weights
     (the session's ``quant_loaded``); ``q8_engine``: tests/conftest.py."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(gguf_path), **cfg), lm.config, dict(lm.weights), lm.tokenizer)
 
@@ -188,8 +188,8 @@ def chat(eng, text: str) -> list[int]:
 
 def forward(eng, seq, chunk: list[int], rows: str = "all") -> torch.Tensor:
     """Logits of ``chunk`` appended to ``seq``: every row, or the last."""
-    from tartlet.engine.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     idx = range(len(chunk)) if rows == "all" else [len(chunk) - 1]
     out = eng.scheduler.submit(ForwardRequest(seq, chunk, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in idx]))
@@ -209,7 +209,7 @@ def prompt_logits(eng, ids: list[int], decode: int = 8) -> torch.Tensor:
 def test_pool_geometry_and_capacity(q8_engine, quant_engine):
     """int8 rows are head_dim + 4 bytes: 3.76x the tokens of float32 in the same budget (1.88x
     those of the default float16 pool of quantized weights)."""
-    from tartlet.engine.kv_cache import PagePool
+    from tartlet.engine.core.kv_cache import PagePool
 
     c, p = q8_engine.config, q8_engine.pool
     assert p.k.dtype == torch.int8 and p.k.shape == (c.num_hidden_layers, p.num_pages * 16, c.num_key_value_heads, c.head_dim + 4)
@@ -225,7 +225,7 @@ def test_pool_geometry_and_capacity(q8_engine, quant_engine):
 def test_fused_decode_takes_int8_pools(q8_engine):
     """Decode steps with an int8 pool run in the fused step too (its
     results: tests/test_fused_decode.py::test_int8_kv_pool_matches_op_by_op)."""
-    from tartlet.engine.batch import AttentionGroup, BatchInputs
+    from tartlet.engine.core.batch import AttentionGroup, BatchInputs
 
     one = torch.zeros(1, dtype=torch.long)
     batch = BatchInputs(one, one, one, [AttentionGroup(None, 0, 1, torch.zeros(1, 1, dtype=torch.long), None)], one)
@@ -306,7 +306,7 @@ def test_pytorch_path_matches_kernels(gguf_path, quant_loaded, q8_engine):
 def test_kv_dtype_option_is_validated():
     """A bad value fails before any model is resolved or loaded, naming the
     choices; the config file accepts int8 and refuses others by key path."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.server.config import ConfigError, config_from_dict
 
     with pytest.raises(ValueError, match=r"unknown kv_dtype 'int4' \(choose from auto, float32, bfloat16, float16, int8\)"):
@@ -378,7 +378,7 @@ async def test_int8_prefix_cache_shares_committed_pages(q8_runtime, q8_engine, t
 def q8_float_engine(loaded_model):
     """The default model with float32 weights (as ``test_batching`` runs it)
     and an int8 KV pool."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = loaded_model
     eng = Engine(EngineConfig(kv_cache_mb=32, kv_dtype="int8", gemv_copy=False), lm.config, dict(lm.weights), lm.tokenizer)

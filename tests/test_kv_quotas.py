@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine.kv_accounting import KvQuotaError, PageAccount
-from tartlet.engine.kv_cache import PagePool
-from tartlet.engine.sequence import Sequence
+from tartlet.engine.core.kv_accounting import KvQuotaError, PageAccount
+from tartlet.engine.core.kv_cache import PagePool
+from tartlet.engine.core.sequence import Sequence
 from tartlet.host.kv_quotas import KvAccounts, KvLimits
 
 PS = 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tartlet.engine.linear import Linear, onednn_packing_available
+from tartlet.engine.models.linear import Linear, onednn_packing_available
 
 CPU = torch.device("cpu")
 ROWS = [1, 2, 7, 16, 33]

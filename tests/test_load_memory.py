@@ -15,9 +15,11 @@ import pytest
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tartlet.engine import huge_pages, os_memory
-from tartlet.engine.quant_formats import INTERLEAVED, QuantWeight, from_gguf, interleave
-from tartlet.engine.quant_kernels import REPACK_TYPES
+from tartlet.engine.loading import huge_pages
+
+from tartlet.engine.loading import os_memory
+from tartlet.engine.loading.quant_formats import INTERLEAVED, QuantWeight, from_gguf, interleave
+from tartlet.engine.kernels.quant_kernels import REPACK_TYPES
 
 from test_quant_kernels import random_gguf
 
@@ -137,8 +139,8 @@ def test_model_consumes_the_loaded_weights_layer_by_layer(tmp_path):
     """Building the model drops each layer's loaded tensors once the layer
     is built (their converted copies replace them instead of piling up):
     when a tensor of layer i is read, none of layer i - 1 is left."""
-    from tartlet.engine.gguf_loader import load_gguf
-    from tartlet.engine.llama import LlamaModel
+    from tartlet.engine.loading.gguf_loader import load_gguf
+    from tartlet.engine.models.llama import LlamaModel
     from tiny_gguf import LAYERS, write_tiny_llama
 
     loaded = load_gguf(write_tiny_llama(tmp_path / "m.gguf", {"attn_v": "Q6_K", "ffn_down": "Q8_0"}), quantized=True)

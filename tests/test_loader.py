@@ -8,7 +8,7 @@ import gguf
 import pytest
 import torch
 
-from tartlet.engine.loader import ModelLoadError, expected_weight_names, load_model
+from tartlet.engine.loading.loader import ModelLoadError, expected_weight_names, load_model
 
 
 def test_config_of_default_model(loaded_model):
@@ -46,7 +46,7 @@ def test_weights_equal_transformers(loaded_model, hf_model):
 
 def test_qk_are_unpermuted(loaded_model, hf_model):
     # Guard that the previous test is meaningful: a wrong row order would differ.
-    from tartlet.engine.gguf_loader import unpermute_qk
+    from tartlet.engine.loading.gguf_loader import unpermute_qk
 
     q = loaded_model.weights["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(unpermute_qk(q, 9), hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
@@ -94,7 +94,7 @@ def test_unsupported_gguf_architecture(loaded_model, tmp_path):
 
 
 def test_unknown_model_name():
-    from tartlet.engine.model_store import DEFAULT_MODEL, resolve
+    from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
 
     with pytest.raises(ModelLoadError, match="unknown model 'no-such-model'") as e:
         resolve("no-such-model")
@@ -167,9 +167,9 @@ def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: boo
     """Float32 logits ``[len(ids), vocab]`` of a whole Engine on ``path``: a
     prefill of ``split`` tokens, then one token per forward pass
     (``cfg_kw``: more :class:`EngineConfig` fields)."""
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     cfg = EngineConfig(model=str(path), dtype=dtype, cpu_kernels=cpu_kernels, **{"kv_cache_mb": 8, **cfg_kw})
     loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=cfg.keeps_quantized())
@@ -209,7 +209,7 @@ def test_gguf_reader_reads_what_gguf_py_reads(gguf_path, tmp_path):
     import gguf
     import numpy as np
 
-    from tartlet.engine.gguf_loader import _reader_class
+    from tartlet.engine.loading.gguf_loader import _reader_class
     from tiny_gguf import write_tiny_llama
 
     fast = _reader_class()

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from tartlet.engine.loader import ModelLoadError, load_model
+from tartlet.engine.loading.loader import ModelLoadError, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,9 +85,9 @@ def run_engine(path, runs: dict, cpu_kernels: bool = True) -> dict:
     plus ``"fork"`` and ``"cached"`` (logits from the last prompt position on)
     and ``"reused"`` (prefix tokens taken from the cache).
     """
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.scheduler import ForwardRequest
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+    from tartlet.engine.core.scheduler import ForwardRequest
 
     def outs(n: int, first: int = 0) -> list:
         return [OutputSlot(i, ProbeSpec("logits")) for i in range(first, n)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tartlet.engine import model_store as store
-from tartlet.engine.loader import ModelLoadError
+from tartlet.engine.loading import model_store as store
+from tartlet.engine.loading.loader import ModelLoadError
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 MEMBER = "fake_pkg/fake-model.gguf"

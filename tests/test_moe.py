@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from test_model_families import DIMS, PROMPT, STEPS, check, reference, run_engine
 
-from tartlet.engine.loader import ModelLoadError, load_model
+from tartlet.engine.loading.loader import ModelLoadError, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,7 +111,7 @@ def test_fused_expert_checkpoint_loads(tokenizer, tmp_path):
 def test_dispatch_runs_each_chosen_expert_once():
     """Batched dispatch: one call per expert that received rows, over all its rows;
     the result is the per-token sum of HF's MixtralSparseMoeBlock."""
-    from tartlet.engine.moe import SparseMoe
+    from tartlet.engine.models.moe import SparseMoe
 
     torch.manual_seed(0)
     E, H, I, T, k = 6, 16, 8, 11, 2
@@ -246,11 +246,11 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
     and the logits are those of transformers with the same Q8_0-rounded experts."""
     import gguf.quants as gq
 
-    from tartlet.engine.engine import Engine, EngineConfig
-    from tartlet.engine.llama import LlamaModel
-    from tartlet.engine.moe import SparseMoe
-    from tartlet.engine.quant_formats import Q8, Q8I
-    from tartlet.engine.quant_linear import QuantLinear
+    from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.models.llama import LlamaModel
+    from tartlet.engine.models.moe import SparseMoe
+    from tartlet.engine.loading.quant_formats import Q8, Q8I
+    from tartlet.engine.models.quant_linear import QuantLinear
 
     ref, vocab = gguf_reference(family)
     with torch.no_grad():  # the reference gets the experts exactly as Q8_0 stores them
@@ -282,8 +282,8 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
     ids = torch.randint(3, vocab, (PROMPT + STEPS,), generator=g).tolist()
     eng = Engine(EngineConfig(model=str(path), kv_cache_mb=8), lm.config, lm.weights, lm.tokenizer)
     try:
-        from tartlet.engine.sampler import OutputSlot, ProbeSpec
-        from tartlet.engine.scheduler import ForwardRequest
+        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+        from tartlet.engine.core.scheduler import ForwardRequest
 
         seq = eng.new_sequence()
         got = list(eng.scheduler.submit(ForwardRequest(seq, ids[:PROMPT], outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(PROMPT)]))
@@ -299,9 +299,9 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
 def test_quantize_at_load_keeps_routers_float(tokenizer, tmp_path):
     """``--quantize q8_0`` on an HF MoE folder quantizes the experts and the
     shared expert but leaves the routers in float (llama.cpp keeps ``ffn_gate_inp`` so)."""
-    from tartlet.engine.llama import LlamaModel
-    from tartlet.engine.quant_formats import QuantWeight
-    from tartlet.engine.quant_linear import QuantLinear
+    from tartlet.engine.models.llama import LlamaModel
+    from tartlet.engine.loading.quant_formats import QuantWeight
+    from tartlet.engine.models.quant_linear import QuantLinear
 
     path = save_folder(make_model("qwen2_moe", tokenizer.vocab_size), tokenizer, tmp_path / "q")
     lm = load_model(path, quantize="q8_0")

@@ -16,7 +16,8 @@ def clean_env(monkeypatch):
 
 
 def test_cache_dir_moves_models_kernels_and_builds(clean_env, tmp_path):
-    from tartlet.engine import c_build, model_store
+    from tartlet.engine.kernels import c_build
+    from tartlet.engine.loading import model_store
     from tartlet.runtime import builder, wasm_engine
 
     clean_env.setenv("TARTLET_CACHE_DIR", str(tmp_path))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from tartlet.engine import llama
-from tartlet.engine.sampler import OutputSlot, ProbeSpec
-from tartlet.engine.scheduler import ForwardRequest
+from tartlet.engine.models import llama
+from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+from tartlet.engine.core.scheduler import ForwardRequest
 from test_kv_int8 import q8_float_engine  # noqa: F401 (fixture)
 
 #: Largest logit difference allowed between the two paths on a float32

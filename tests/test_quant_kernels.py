@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from tartlet.engine import quant_kernels
-from tartlet.engine import quant_linear
-from tartlet.engine.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, Q6, Q6I, QuantWeight, from_gguf, quantize
-from tartlet.engine.quant_linear import QuantLinear
+from tartlet.engine.kernels import quant_kernels
+from tartlet.engine.models import quant_linear
+from tartlet.engine.loading.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, Q6, Q6I, QuantWeight, from_gguf, quantize
+from tartlet.engine.models.quant_linear import QuantLinear
 
 BLOCK_TYPES = [t for t in GGUF_TYPES if t not in ("F16", "BF16")]
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -347,7 +347,7 @@ def test_quant_linear_float_gemm_path(kern, monkeypatch, isa):
     """Prefill-sized calls multiply in float (AVX-512: the panel GEMM from
     ``tq_set_panel_rows`` rows; below: dequantized tiles and PyTorch's GEMM
     from ``DEQUANT_ROWS``); same result as the integer kernel."""
-    from tartlet.engine import quant_linear
+    from tartlet.engine.models import quant_linear
 
     kern.set_isa(isa)
     raw = random_gguf("Q5_K", 300, 512)
@@ -373,7 +373,7 @@ def test_quant_linear_8bit_rows_do_not_depend_on_the_batch(kern, monkeypatch):
     blocks the integer kernel sees, so a row's result is the same whether it
     runs alone (kernel) or inside a prefill-sized batch (GEMM): equal up to
     float summation order, far below 8-bit rounding (~1e-2)."""
-    from tartlet.engine import quant_linear
+    from tartlet.engine.models import quant_linear
 
     raw = random_gguf("Q4_1", 96, 512)
     lin = QuantLinear([from_gguf(raw, "Q4_1", 96, 512)], None, kern, act_bits=8)
@@ -450,6 +450,6 @@ def test_disabled_or_unbuildable(monkeypatch, caplog, tmp_path):
     monkeypatch.delenv("TARTLET_QUANT_KERNELS")
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("TARTLET_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="tartlet.engine.quant_kernels"):
+    with caplog.at_level(logging.WARNING, logger="tartlet.engine.kernels.quant_kernels"):
         assert quant_kernels.load() is None
     assert "GGUF weights will be dequantized" in caplog.text

@@ -64,8 +64,8 @@ def chat_ids(engine, text: str) -> list[int]:
 def test_weights_stay_quantized_and_small(quant_engine, gguf_path):
     """Every projection is quantized (no float copy kept) and resident weight
     memory is within 1.2x of the file size."""
-    from tartlet.engine.quant_formats import Q4, Q4I, Q8, Q8I, QuantWeight
-    from tartlet.engine.quant_linear import QuantLinear
+    from tartlet.engine.loading.quant_formats import Q4, Q4I, Q8, Q8I, QuantWeight
+    from tartlet.engine.models.quant_linear import QuantLinear
 
     m = quant_engine.model
     il = m.quant.isa == 3  # interleaved by 16 rows for the AVX-512 VNNI kernel
@@ -140,7 +140,7 @@ def test_gguf_type_mixes_match_float_path(tmp_path, mix):
     gate/up of different formats, and un-permuted Q/K rows) give the float
     path's logits. Bound: 0.5% of the largest logit (measured up to 0.22% with
     random K-quant weights, whose sub-block scale and minimum products are
-    stored as float16: see :mod:`tartlet.engine.quant_formats`)."""
+    stored as float16: see :mod:`tartlet.engine.loading.quant_formats`)."""
     from test_loader import engine_logits
 
     path = write_tiny_llama(tmp_path / "tiny.gguf", mix)
@@ -156,7 +156,7 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
     import gguf
     import numpy as np
 
-    from tartlet.engine.loader import ModelLoadError, load_model
+    from tartlet.engine.loading.loader import ModelLoadError, load_model
 
     path = write_tiny_llama(tmp_path / "tiny.gguf", {})
     # rewrite the file with one tensor declared as Q8_1 (no dequantizer, no kernel)
@@ -193,7 +193,7 @@ def test_16bit_kv_cache(gguf_path, engine, kv_dtype):
     budget and changes the logits by rounding only (prefill, then decode
     through pages; measured on logits of ~38: bfloat16 0.24-0.32, float16,
     whose pages the C kernels and the fused step read, 0.04; bound 0.75)."""
-    from tartlet.engine.engine import EngineConfig
+    from tartlet.engine.core.engine import EngineConfig
 
     from test_loader import engine_logits
 
@@ -202,7 +202,7 @@ def test_16bit_kv_cache(gguf_path, engine, kv_dtype):
     assert half.torch_kv_dtype() == getattr(torch, kv_dtype) and f32.torch_kv_dtype() == torch.float32
     auto = EngineConfig()  # float16 pages for quantized weights, the compute dtype for float ones
     assert auto.torch_kv_dtype(quantized=True) == torch.float16 and auto.torch_kv_dtype() == torch.float32
-    from tartlet.engine.kv_cache import PagePool
+    from tartlet.engine.core.kv_cache import PagePool
 
     per = [PagePool.bytes_per_page(16, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cfg.torch_kv_dtype()) for cfg in (f32, half)]
     assert per[0] == 2 * per[1]
@@ -227,7 +227,7 @@ def test_mixed_activation_precision(gguf_path, engine):
     move; logits move by rounding only (~1.0 measured on logits of ~38,
     bound 2.5). Two of the 12 positions are near-ties (0.08 and 0.31
     apart), where that rounding may pick either token."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
 
     from test_loader import engine_logits
 
@@ -262,7 +262,7 @@ def test_bfloat16_matmul_close_to_float_path(gguf_path, engine):
     0.44 on logits of ~38 (bound 1.0; the float32 panel: 1.5e-4), and the
     argmax over the README answer equals the float32 path's. A bad value,
     or bfloat16 on a CPU without AVX512_BF16, is a clear error."""
-    from tartlet.engine import quant_kernels
+    from tartlet.engine.kernels import quant_kernels
 
     from test_loader import engine_logits
 

@@ -1,4 +1,4 @@
-"""RoPE angles (:class:`tartlet.engine.rope.Rotary`): the CPU tables that
+"""RoPE angles (:class:`tartlet.engine.models.rope.Rotary`): the CPU tables that
 serve ``cos_sin`` give the values of the direct computation bit for bit,
 for every scaling kind, across table growth."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine.rope import Rotary
+from tartlet.engine.models.rope import Rotary
 
 SCALINGS = [
     None,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tartlet
-from tartlet.engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError, SlotSampler
+from tartlet.engine.core.sampler import OutputSlot, ProbeSpec, SamplerSpec, SamplingError, SlotSampler
 
 V = 8
 #: probabilities 0.4, 0.2, 0.15, 0.1, 0.06, 0.05, 0.03, 0.01 at shuffled ids
@@ -248,7 +248,7 @@ def test_greedy_check_before_the_mask(use_c):
     without reading the mask; a forbidden one falls back to the masked
     argmax. Ties take the lowest id either way; filtered draws (top-p here)
     never call ``check`` and read the mask."""
-    from tartlet.engine.cpu_kernels import load as load_cpu_kernels
+    from tartlet.engine.kernels.cpu_kernels import load as load_cpu_kernels
 
     kern = load_cpu_kernels() if use_c else None
     sampler = SlotSampler(V, kern.argmax_rows if kern is not None else None)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from tartlet.engine.gguf_loader import open_gguf
-from tartlet.engine.tokenizer import Tokenizer
+from tartlet.engine.loading.gguf_loader import open_gguf
+from tartlet.engine.text.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: E402

@@ -132,7 +132,7 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def states(loaded_model, folder):
     """Two replicas' host states: their own engines, one snapshot folder."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.host.kv_quotas import KvLimits
     from tartlet.host.state import HostState
 
@@ -283,7 +283,7 @@ async def test_a_shared_save_returns_once_its_file_is_on_disk(replicas):
 
 async def test_close_writes_every_queued_save(loaded_model, tmp_path):
     """A normal shutdown writes what was queued (single-server mode)."""
-    from tartlet.engine.engine import Engine, EngineConfig
+    from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.host.kv_quotas import KvLimits
     from tartlet.host.state import HostState
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_model_families import DIMS, check, reference
 
-from tartlet.engine.kv_accounting import PageAccount, KvQuotaError
-from tartlet.engine.loader import load_model
+from tartlet.engine.core.kv_accounting import PageAccount, KvQuotaError
+from tartlet.engine.loading.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ class Runner:
     """An Engine over a saved model, with helpers that run on its scheduler."""
 
     def __init__(self, path, kernels: bool = True, max_batch_tokens: int = 512, kv_cache_mb: float = 1) -> None:
-        from tartlet.engine.engine import Engine, EngineConfig
+        from tartlet.engine.core.engine import Engine, EngineConfig
 
         cfg = EngineConfig(model=str(path), dtype="float32", kv_cache_mb=kv_cache_mb, page_size=PS, cpu_kernels=kernels,
                            max_batch_tokens=max_batch_tokens)
@@ -68,8 +68,8 @@ class Runner:
 
     def forward(self, seq, tokens: list[int], first_out: int = 0) -> torch.Tensor:
         """Logits ``[len(tokens) - first_out, vocab]`` of appending ``tokens`` to ``seq``."""
-        from tartlet.engine.sampler import OutputSlot, ProbeSpec
-        from tartlet.engine.scheduler import ForwardRequest
+        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+        from tartlet.engine.core.scheduler import ForwardRequest
 
         outs = [OutputSlot(i, ProbeSpec("logits")) for i in range(first_out, len(tokens))]
         return torch.tensor(list(self.sch.submit(ForwardRequest(seq, tokens, outputs=outs)).result(timeout=120)))
@@ -231,7 +231,7 @@ def test_snapshot_of_released_sequence_reads_back(mistral):
     """A snapshot file of a sequence with released pages holds only its live pages and decodes on after install."""
     from tartlet.host.snapshot_manager import _install
     from tartlet.host.snapshot_store import SnapshotFile
-    from tartlet.engine.sequence import Sequence
+    from tartlet.engine.core.sequence import Sequence
 
     path, ref = mistral
     ids = ids_for(40, 7, ref.config.vocab_size)
@@ -294,7 +294,7 @@ def test_quota_counts_released_pages(mistral):
     ids = ids_for(60, 9, ref.config.vocab_size)
     r = Runner(path)
     try:
-        from tartlet.engine.sequence import Sequence
+        from tartlet.engine.core.sequence import Sequence
 
         user = PageAccount("user 'u'", limit=None)
         acc = PageAccount("instance 'i'", limit=3, parent=user)

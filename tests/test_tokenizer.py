@@ -7,7 +7,7 @@ import json
 import gguf
 import pytest
 
-from tartlet.engine.tokenizer import DecodeStream, Tokenizer
+from tartlet.engine.text.tokenizer import DecodeStream, Tokenizer
 
 TEXTS = [
     "Hello world",

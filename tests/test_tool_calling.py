@@ -31,7 +31,7 @@ import pytest
 
 from harness import inline_program, run
 from tartlet import tools
-from tartlet.engine.chat_template import render_chat_template
+from tartlet.engine.text.chat_template import render_chat_template
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 MODEL = "smollm2-135m-instruct"

@@ -15,7 +15,7 @@ from rich.console import Console
 from .args import ArgsError, parse_inferlet_args
 
 if TYPE_CHECKING:  # imported where used: the engine imports torch, slow for the other commands
-    from ..engine.engine import Engine
+    from ..engine.core.engine import Engine
     from ..runtime.program import Program
 
 app = typer.Typer(help="Tartlet: a programmable LLM serving system.", no_args_is_help=True, add_completion=False)
@@ -52,7 +52,7 @@ def run(
 
     Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
     """
-    from ..engine.loader import ModelLoadError
+    from ..engine.loading.loader import ModelLoadError
     from ..errors import ProgramError
     from ..runtime.program import find_program
 
@@ -77,7 +77,7 @@ def run(
             program.load_main()  # fail fast on a broken inferlet, before loading the model
     except (ArgsError, ProgramError) as e:
         _fail(str(e))
-    from ..engine.engine import Engine, EngineConfig  # imports torch: only once the arguments are good
+    from ..engine.core.engine import Engine, EngineConfig  # imports torch: only once the arguments are good
 
     cfg = EngineConfig(
         model=model, dtype=dtype, quantize=quantize, device=device, kv_cache_mb=kv_cache_mb, kv_dtype=kv_dtype, page_size=page_size,
@@ -166,8 +166,8 @@ def _print_stats(engine: Engine) -> None:
 @model_app.command("download")
 def model_download(name: str = typer.Argument("smollm2-135m-instruct")) -> None:
     """Fetch a known model into the model cache (verifying its hash)."""
-    from ..engine.loader import ModelLoadError
-    from ..engine.model_store import download
+    from ..engine.loading.loader import ModelLoadError
+    from ..engine.loading.model_store import download
 
     try:
         with err.status(f"downloading {name}") as status:
@@ -182,7 +182,7 @@ def model_list() -> None:
     """Known models and whether they are downloaded."""
     from rich.table import Table
 
-    from ..engine.model_store import list_models
+    from ..engine.loading.model_store import list_models
     from ..paths import models_dir
 
     table = Table(title=f"models in {models_dir()}")
@@ -197,8 +197,8 @@ def model_list() -> None:
 @model_app.command("remove")
 def model_remove(name: str) -> None:
     """Delete a downloaded model from the cache."""
-    from ..engine.loader import ModelLoadError
-    from ..engine.model_store import remove
+    from ..engine.loading.loader import ModelLoadError
+    from ..engine.loading.model_store import remove
 
     try:
         removed = remove(name)

@@ -64,7 +64,7 @@ def serve(
     """Serve inferlets over WebSocket (/ws) and HTTP (/v1 OpenAI-compatible, /health, /metrics)."""
     from pydantic import ValidationError
 
-    from ..engine.loader import ModelLoadError
+    from ..engine.loading.loader import ModelLoadError
     from ..server.config import format_errors
     from ..server.app import serve as run_server
 

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import torch
 
-from ..engine.engine import Engine
-from ..engine.kv_accounting import PageAccount
-from ..engine.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
-from ..engine.scheduler import ForwardRequest
-from ..engine.sequence import Sequence
+from ..engine.core.engine import Engine
+from ..engine.core.kv_accounting import PageAccount
+from ..engine.core.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
+from ..engine.core.scheduler import ForwardRequest
+from ..engine.core.sequence import Sequence
 from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
 from ..forward import OutputSlot
 from ..sampler import step_seed
@@ -449,7 +449,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                  then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
                  matcher: Matcher | None = None) -> Future[list[object]]:  # fmt: skip
         """:meth:`forward`, and ``then(ctx)`` as the request's continuation
-        (:class:`~tartlet.engine.scheduler.ForwardRequest`), if given;
+        (:class:`~tartlet.engine.core.scheduler.ForwardRequest`), if given;
         ``matcher`` masks the slots that name a grammar instead of their
         handle's (see :meth:`_slot`)."""
         ctx = self._ctx(handle)

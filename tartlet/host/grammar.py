@@ -11,7 +11,7 @@ over xgrammar by measurement with this model's tokenizer (see
 worst case under 1 ms versus 13 ms.
 
 Tokenizer bridge: llguidance reads the HF ``tokenizers`` JSON of
-:attr:`tartlet.engine.tokenizer.Tokenizer.backend` (byte-level BPE; special
+:attr:`tartlet.engine.text.tokenizer.Tokenizer.backend` (byte-level BPE; special
 tokens are never produced by a grammar except the end-of-sequence ids, which
 are allowed exactly when the grammar accepts). The mask covers the model's
 ``vocab_size`` (49152 for SmolLM2), ids beyond the tokenizer are never allowed.
@@ -43,7 +43,7 @@ import numpy.typing as npt
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec, checkable
+from ..engine.core.sampler import OutputSlot, ProbeSpec, SamplerSpec, checkable
 from ..errors import GrammarError
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ _lock = threading.Lock()
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int) -> llg.LLTokenizer:
-    """The llguidance tokenizer for a :class:`tartlet.engine.tokenizer.Tokenizer`
+    """The llguidance tokenizer for a :class:`tartlet.engine.text.tokenizer.Tokenizer`
     (built once per tokenizer, ~0.3-0.7 s, then cached).
 
     Args:
@@ -421,7 +421,7 @@ class GrammarOutputSlot(OutputSlot):
     """An output slot whose logit mask comes from a matcher.
 
     A greedy slot, or a plain temperature draw (no top-k, top-p or min-p;
-    :func:`~tartlet.engine.sampler.checkable`), computes no mask up front:
+    :func:`~tartlet.engine.core.sampler.checkable`), computes no mask up front:
     the sampler picks from the unmasked logits and checks the token with the
     matcher (:attr:`OutputSlot.check`, :meth:`Matcher.accepts`); only when
     the grammar forbids it is the mask computed, then, while the sampler

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from ..engine.sampler import OutputSlot, ProbeSpec, SamplerSpec
+from ..engine.core.sampler import OutputSlot, ProbeSpec, SamplerSpec
 from ..errors import GrammarError, InvalidHandleError
 from .grammar import GRAMMAR_KINDS, GrammarOutputSlot, Matcher, bits_to_brle
 

@@ -5,7 +5,7 @@ distinct pages the user's live contexts and snapshots hold
 (``max_pages_per_user``) and, under it, an account of the user's snapshots
 (``max_snapshot_pages_per_user``). Each instance charges its contexts to an
 instance account (``max_pages_per_instance``) under its user's account. See
-:mod:`tartlet.engine.kv_accounting` for how pages are counted.
+:mod:`tartlet.engine.core.kv_accounting` for how pages are counted.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ..engine.kv_accounting import PageAccount
+from ..engine.core.kv_accounting import PageAccount
 
 
 @dataclass

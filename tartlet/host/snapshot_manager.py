@@ -54,8 +54,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.engine import Engine
-from ..engine.sequence import Sequence
+from ..engine.core.engine import Engine
+from ..engine.core.sequence import Sequence
 from ..errors import SnapshotError
 from .kv_quotas import KvAccounts
 from .snapshot_store import FileStamp, SnapshotFile, SnapshotStore, file_stamp

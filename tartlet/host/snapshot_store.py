@@ -4,7 +4,7 @@ One file per snapshot, in safetensors format (https://github.com/huggingface/saf
 tensors ``k`` and ``v`` of shape ``[num_layers, live_pages * page_size,
 num_kv_heads, head_dim]`` in the pool's dtype (the KV of the snapshot's live
 pages, in page-table order; an int8 pool's rows are ``head_dim + 4`` bytes,
-each row's quants then its float32 scale, see :mod:`tartlet.engine.kv_quant`),
+each row's quants then its float32 scale, see :mod:`tartlet.engine.core.kv_quant`),
 and string metadata:
 
 =============  ===========================================================
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.engine import Engine
+from ..engine.core.engine import Engine
 from ..errors import SnapshotError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.sequence import Sequence
+from ..engine.core.sequence import Sequence
 from ..errors import LimitError, SnapshotError
 
 #: prefix of names every user may list and open

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engine.engine import Engine
+from ..engine.core.engine import Engine
 from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import Bus, MessageBus

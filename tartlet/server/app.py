@@ -140,10 +140,10 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     ``[store] url`` is set, else the SQLite file ``store_path``) and HTTP fetcher.
 
     Raises:
-        tartlet.engine.loader.ModelLoadError: a model cannot be loaded.
+        tartlet.engine.loading.loader.ModelLoadError: a model cannot be loaded.
         tartlet.errors.StoreError: ``[store] url`` cannot be reached.
     """
-    from ..engine.engine import Engine
+    from ..engine.core.engine import Engine
     from ..host.state import HostState
     from ..host.store import Store
 

@@ -56,9 +56,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from .. import paths
-from ..engine.engine import EngineConfig
-from ..engine.quant_formats import QUANTIZE_TYPES
-from ..engine.quant_linear import MATMUL_DTYPES
+from ..engine.core.engine import EngineConfig
+from ..engine.loading.quant_formats import QUANTIZE_TYPES
+from ..engine.models.quant_linear import MATMUL_DTYPES
 from ..host.kv_quotas import KvLimits
 
 

@@ -99,7 +99,7 @@ from .service import Service, post
 from .ws import bearer
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine.core.engine import Engine
 
 log = logging.getLogger(__name__)
 

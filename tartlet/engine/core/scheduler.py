@@ -1,0 +1,509 @@
+"""The scheduler: one thread owns the model and runs every forward pass.
+
+Everything else submits work to it, from any thread:
+
+* **forward requests** (:class:`ForwardRequest`): tokens to append to a
+  sequence, with optional positions, attention masks and output slots;
+* **commands**: small KV edits (fork, truncate, mask, free, ...) that must be
+  ordered with respect to the forward passes of the sequences they touch.
+
+Both resolve a :class:`concurrent.futures.Future`, which native inferlets
+await through ``asyncio.wrap_future`` and sandboxed ones block on.
+
+Each round the loop drains the queue in FIFO order: commands run at once
+unless they touch a sequence that already has a forward pass in the batch
+being built (then the round stops there, which keeps per-sequence order);
+forward requests join the batch under a token budget (``max_batch_tokens``),
+long prefills being split into chunks across rounds (chunked prefill). The
+batch then runs as one model call and each request's future resolves with its
+slot results.
+
+Batching needs requests to arrive together: after a round, the loop waits up
+to ``batch_wait_s`` for the sequences it just served to submit their next
+step, so concurrent decoders land in the same batch.
+
+Pool pressure. A request that cannot get KV pages because the pool is full
+(not because of its owner's quota, which fails it at once) waits in the
+queue, with everything later that touches its sequence, while other
+sequences run and free pages; later work on other sequences goes past it.
+After ``kv_wait_s`` seconds of waiting it fails with ``KvCacheFullError``.
+
+Fairness. Requests carry their user. When several users have work queued,
+each user's tokens in one round are capped at an equal share of
+``max_batch_tokens`` (a long prefill of one user is chunked to its share, so
+other users' decode steps ride in the same round instead of waiting behind
+it); work past a share waits for the next round, in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+from .batch import BatchItem, build_batch
+from ...errors import ContextLengthError, KvCacheFullError, KvQuotaError, SequenceFreedError
+from .kv_cache import PagePool
+from ..models.llama import LlamaModel
+from .sampler import OutputSlot, SamplerSpec, SlotSampler
+from .sequence import Sequence
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardRequest:
+    """Tokens to run through the model for one sequence.
+
+    Attributes:
+        seq: the sequence the tokens are appended to.
+        tokens: input token ids (at least one).
+        positions: RoPE position per token; ``None`` = ``len(seq) + i``.
+        attention: per input token, a bool ``[len(seq) + i + 1]`` tensor of
+            the logical positions it may attend (True = may attend), or
+            ``None`` for causal attention. Positions hidden with
+            :meth:`Sequence.mask_range` stay hidden either way.
+        outputs: results wanted at given input indexes.
+        future: resolves to the list of slot results, in ``outputs`` order.
+        then: a continuation, called on the scheduler thread with the slot
+            results when the pass is done: it returns the next pass's
+            ``(tokens, outputs)`` for the same sequence, and the request is
+            queued again with them (same future, no new request object: a
+            host-side ``generate`` costs no submission per token), or
+            ``None`` to resolve the future with these results. An exception
+            it raises fails the future.
+    """
+
+    seq: Sequence
+    tokens: list[int]
+    positions: list[int] | None = None
+    attention: list[torch.Tensor] | None = None
+    outputs: list[OutputSlot] = field(default_factory=list)
+    future: Future[list[object]] = field(default_factory=Future)
+    # progress of a chunked prefill
+    started: bool = False
+    continued: bool = False  # queued again by ``then`` (its future runs already)
+    done: int = 0
+    start_len: int = -1
+    results: list[object] = field(default_factory=list)
+    enqueued_at: float = 0.0
+    #: when it first found the pool full (0: never), see Scheduler.kv_wait_s
+    waiting_since: float = 0.0
+    #: who the tokens count for in the per-user fair share of a round
+    user: str = ""
+    then: "Callable[[list[object]], tuple[list[int], list[OutputSlot]] | None] | None" = None
+
+
+def _check_pass(tokens: list[int], outputs: list[OutputSlot]) -> None:
+    """Raises ValueError: no input token, or an output index outside them."""
+    if not tokens:
+        raise ValueError("a forward pass needs at least one input token")
+    for s in outputs:
+        if not 0 <= s.index < len(tokens):
+            raise ValueError(f"output index {s.index} outside the {len(tokens)} input tokens")
+
+
+@dataclass
+class Command(Generic[T]):
+    fn: Callable[[], T]
+    touches: tuple[Sequence, ...]
+    future: Future[T] = field(default_factory=Future)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (monotonic; read without locking).
+
+    ``tokens_generated`` counts the tokens sampled: output slots with a
+    sampler that yielded a token (probes excluded; with speculative decoding
+    every verified position counts, accepted or not). ``decode_steps``
+    counts single-token request chunks, which differs from it whenever a
+    pass samples several positions or none.
+
+    Where the scheduler thread's time goes (seconds): ``forward_seconds``
+    in model calls (batch tensors, model, samplers); ``batch_wait_seconds``
+    waiting for last round's sequences to come back (``batch_wait_s``);
+    ``overhead_seconds`` in its own Python between model calls (draining
+    the queue into a batch, running commands, committing pages, resolving
+    futures). The rest is idle (an empty queue). ``mixed_calls``: model
+    calls holding both single-token (decode) and multi-token (prefill)
+    chunks.
+    """
+
+    model_calls: int = 0
+    batched_requests: int = 0
+    tokens_computed: int = 0
+    prefix_tokens_reused: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    mixed_calls: int = 0
+    forward_seconds: float = 0.0
+    queue_wait_seconds: float = 0.0
+    batch_wait_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class _Item(BatchItem):
+    """One chunk of a request in the batch being built."""
+
+    req: ForwardRequest = None  # type: ignore[assignment]
+    out_slots: list[tuple[int, OutputSlot]] = field(default_factory=list)  # (position in req.outputs, slot)
+
+
+class Scheduler:
+    """Owns ``model`` and ``pool``; runs submitted work on its own thread.
+
+    Args:
+        model: the model to run.
+        pool: its page pool.
+        max_batch_tokens: token budget of one model call (>= 1).
+        batch_wait_s: how long a round waits for last round's sequences to
+            come back before running without them (seconds).
+        max_seq_len: longest sequence allowed, in tokens.
+        kv_wait_s: how long a request may wait for pages when the pool is
+            full before it fails with ``KvCacheFullError`` (seconds).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: PagePool,
+        max_batch_tokens: int = 512,
+        batch_wait_s: float = 0.003,
+        max_seq_len: int | None = None,
+        kv_wait_s: float = 10.0,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
+        self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
+                                   kern.argmax_masked if kern is not None else None)
+        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.batch_wait_s = batch_wait_s
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.kv_wait_s = kv_wait_s
+        # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
+        self._indexes = getattr(model.config, "sliding_window", None) is not None
+        # every layer slides: sequences release the pages before the window (sequence.py)
+        pool.window = model.config.uniform_window()
+        self.stats = SchedulerStats()
+        self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
+        self._cond = threading.Condition()
+        self._expected: set[int] = set()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # -- submission (any thread) -------------------------------------------
+    def submit(self, req: ForwardRequest) -> Future[list[object]]:
+        """Queue a forward request; returns its future.
+
+        Raises:
+            ValueError: empty input, or an output index outside the input.
+        """
+        _check_pass(req.tokens, req.outputs)
+        req.enqueued_at = time.perf_counter()
+        self._put(req, req.seq)
+        return req.future
+
+    def command(self, fn: Callable[[], T], *touches: Sequence) -> Future[T]:
+        """Queue ``fn`` to run on the scheduler thread, ordered after earlier
+        forward passes of the sequences in ``touches``; returns a future of
+        its return value (or exception)."""
+        cmd = Command(fn, touches)
+        self._put(cmd, *touches)
+        return cmd.future
+
+    def _put(self, item: ForwardRequest | Command[Any], *seqs: Sequence) -> None:
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("the scheduler is not running")
+            self._queue.append(item)
+            for s in seqs:
+                self._expected.discard(id(s))
+            self._cond.notify()
+
+    def queued(self) -> int:
+        """Forward requests and commands queued and not yet run (those
+        deferred behind their sequence's earlier work count too)."""
+        with self._cond:  # _build holds it while deferred items are out of the queue
+            return len(self._queue)
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._running:
+                return
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tartlet-scheduler", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (a server's health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the loop; pending work fails with RuntimeError."""
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(RuntimeError("the engine stopped"))
+
+    # -- the loop (scheduler thread) ----------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._queue:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                t0 = time.perf_counter()
+                deadline = t0 + self.batch_wait_s
+                while self._running and self._expected:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                self._expected.clear()
+                t1 = time.perf_counter()
+                items = self._build()
+                self.stats.batch_wait_seconds += t1 - t0
+                self.stats.overhead_seconds += time.perf_counter() - t1
+                if not items and self._queue:
+                    # only requests waiting for pages are left: sleep until
+                    # new work (a free, say) arrives or a wait times out
+                    self._cond.wait(0.02)
+            if items:
+                self._run(items)
+
+    def _build(self) -> list[_Item]:
+        """Drain the queue into a batch (called with the condition held)."""
+        items: list[_Item] = []
+        busy: set[int] = set()
+        waiting: set[int] = set()  # sequences with a request waiting for pages
+        left: list[ForwardRequest | Command[Any]] = []  # what waits, in queue order
+        budget = self.max_batch_tokens
+        q = self._queue
+        try:
+            self._drain(q, items, busy, waiting, left, budget)
+        finally:
+            q.extendleft(reversed(left))
+        return items
+
+    def _drain(self, q: collections.deque[ForwardRequest | Command[Any]], items: list[_Item], busy: set[int], waiting: set[int],
+               left: list[ForwardRequest | Command[Any]], budget: int) -> None:  # fmt: skip
+        users = {r.user for r in q if isinstance(r, ForwardRequest)}
+        share = max(1, self.max_batch_tokens // len(users)) if len(users) > 1 else self.max_batch_tokens
+        used: dict[str, int] = {}  # tokens of each user in this round
+        while q and budget > 0:
+            head = q[0]
+            touched = head.touches if isinstance(head, Command) else (head.seq,)
+            if any(id(s) in waiting or id(s) in busy for s in touched):
+                # stays behind the earlier work of its sequence (next round)
+                left.append(q.popleft())
+                waiting.update(id(s) for s in touched)
+                continue
+            if isinstance(head, Command):
+                q.popleft()
+                if head.future.set_running_or_notify_cancel():
+                    try:
+                        head.future.set_result(head.fn())
+                    except BaseException as e:  # reported to the submitter
+                        head.future.set_exception(e)
+                continue
+            req = head
+            seq = req.seq
+            allowance = share - used.get(req.user, 0)
+            if allowance <= 0:  # this user had its share of the round
+                left.append(q.popleft())
+                waiting.add(id(seq))
+                continue
+            if not req.started:
+                # a request queued again by its continuation is running already
+                if not (req.continued or req.future.set_running_or_notify_cancel()):
+                    q.popleft()  # cancelled while queued
+                    continue
+                req.started = True
+                if seq.freed:
+                    q.popleft()
+                    req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
+                    continue
+                req.start_len = len(seq)
+                if len(seq) + len(req.tokens) > self.max_seq_len:
+                    q.popleft()
+                    req.future.set_exception(
+                        ContextLengthError(
+                            f"context would hold {len(seq) + len(req.tokens)} tokens, "
+                            f"more than the model's {self.max_seq_len}"
+                        )
+                    )
+                    continue
+                too_big = self._never_fits(seq, len(req.tokens))
+                if too_big is not None:
+                    q.popleft()
+                    req.future.set_exception(too_big)
+                    continue
+                if req.positions is None and req.attention is None:
+                    first_out = min((s.index for s in req.outputs), default=len(req.tokens))
+                    reused = seq.match_prefix(req.tokens, first_out)
+                    req.done = reused
+                    self.stats.prefix_tokens_reused += reused
+                    if reused == len(req.tokens):
+                        q.popleft()
+                        req.future.set_result([])
+                        continue
+            n = min(len(req.tokens) - req.done, budget, allowance)
+            lo, hi = req.done, req.done + n
+            start = len(seq)
+            positions = req.positions[lo:hi] if req.positions is not None else list(range(start, start + n))
+            try:
+                slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None)
+            except KvCacheFullError as e:
+                if not isinstance(e, KvQuotaError):  # the pool is full: wait for pages, up to kv_wait_s
+                    now = time.perf_counter()
+                    req.waiting_since = req.waiting_since or now
+                    if now - req.waiting_since < self.kv_wait_s:
+                        left.append(q.popleft())
+                        waiting.add(id(seq))
+                        continue
+                    e = KvCacheFullError(f"{e} (waited {self.kv_wait_s:g} s for pages to be freed)")
+                q.popleft()
+                self._rollback(req)
+                req.future.set_exception(e)
+                continue
+            outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
+            req.waiting_since = 0.0
+            chunk_mask = None if req.attention is None else req.attention[lo:hi]
+            items.append(_Item(seq, req.tokens[lo:hi], start, slots, [s.index - lo for _, s in outs], chunk_mask, req, outs))
+            busy.add(id(seq))
+            budget -= n
+            used[req.user] = used.get(req.user, 0) + n
+            req.done = hi
+            q.popleft()
+            if hi < len(req.tokens):  # the rest of this prefill goes in the next round
+                left.append(req)
+                waiting.add(id(seq))
+
+    def _continue(self, req: ForwardRequest, again: list[ForwardRequest]) -> bool:
+        """Run the continuation of ``req`` (its pass is done and succeeded):
+        re-arm ``req`` with the next pass it returns and add it to ``again``
+        (the caller queues them), or fail its future with what it raised.
+        False when it returns ``None`` (the caller resolves the future)."""
+        assert req.then is not None  # called for requests with a continuation
+        try:
+            nxt = req.then(req.results)
+            if nxt is None:
+                return False
+            tokens, outputs = nxt
+            _check_pass(tokens, outputs)
+            req.tokens, req.outputs = tokens, outputs
+            req.started, req.continued, req.done, req.start_len, req.results, req.waiting_since = False, True, 0, -1, [], 0.0
+            req.enqueued_at = time.perf_counter()
+            again.append(req)
+        except BaseException as e:  # reported to the submitter
+            req.future.set_exception(e)
+        return True
+
+    def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
+        """The error for appending ``n`` tokens to ``seq`` when the result
+        would need more live pages than the whole pool has (so it could never
+        run, even with every other sequence gone), else ``None``. Checked
+        before any compute, so such a prompt fails at once instead of after
+        prefilling (and evicting) the pool's worth of tokens. With a window
+        on every layer (``PagePool.window``) a sequence holds at most the
+        pages of one chunk and the ``W - 1`` tokens before it."""
+        ps = self.pool.page_size
+        end = len(seq) + n
+        if max(len(seq.pages), -(-end // ps)) <= self.pool.num_pages:  # a bound of `need` below: most calls stop here
+            return None
+        need = seq.live_pages() + max(0, -(-end // ps) - len(seq.pages))
+        w = self.pool.window
+        if w is not None:
+            need = min(need, -(-(w - 1 + min(n, self.max_batch_tokens)) // ps) + 1)
+        if need <= self.pool.num_pages:
+            return None
+        return KvCacheFullError(
+            f"KV cache too small: the context would hold {end} tokens in {need} page(s) of {ps} tokens, "
+            f"but the whole pool has {self.pool.num_pages} pages ({self.pool.num_pages * ps} tokens)"
+        )
+
+    def _rollback(self, req: ForwardRequest) -> None:
+        if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:
+            req.seq.truncate(req.start_len)
+
+    def _run(self, items: list[_Item]) -> None:
+        t0 = time.perf_counter()
+        try:
+            batch = build_batch(items, self._indexes).to(self.model.device)
+            logits = self.model.forward(batch, self.pool.k, self.pool.v)
+            slots = [s for it in items for _, s in it.out_slots]
+            results = self.sampler.run(logits, slots) if slots else []
+        except BaseException as e:  # a model failure fails this batch only
+            log.exception("forward pass failed")
+            for it in items:
+                self._rollback(it.req)
+                if not it.req.future.done():
+                    it.req.future.set_exception(e)
+            return
+        t1 = time.perf_counter()
+        st = self.stats
+        st.model_calls += 1
+        st.forward_seconds += t1 - t0
+        decodes = sum(1 for it in items if it.n == 1)
+        st.mixed_calls += 0 < decodes < len(items)
+        st.batched_requests += len(items)
+        st.batch_sizes[len(items)] += 1
+        st.tokens_computed += sum(it.n for it in items)
+        st.decode_steps += decodes
+        st.tokens_generated += sum(
+            1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
+        )
+        k = 0
+        finished: list[ForwardRequest] = []
+        for it in items:
+            req = it.req
+            req.seq.commit_full_pages()
+            if not req.results:
+                req.results = [None] * len(req.outputs)
+            for pos, _ in it.out_slots:
+                req.results[pos] = results[k]
+                k += 1
+            if req.done == len(req.tokens):
+                finished.append(req)
+        # Expect these sequences back before resolving, so a resubmission
+        # that races with this line is not waited for.
+        with self._cond:
+            self._expected = {id(r.seq) for r in finished}
+        again: list[ForwardRequest] = []  # re-armed by their continuation
+        for req in finished:
+            st.queue_wait_seconds += t0 - req.enqueued_at
+            err = next((r for r in req.results if isinstance(r, Exception)), None)
+            if err is not None:
+                self._rollback(req)
+                req.future.set_exception(err)
+            elif req.then is None or not self._continue(req, again):
+                req.future.set_result(req.results)
+        if again:  # queued together: one lock round for the whole batch
+            with self._cond:
+                if self._running:
+                    self._queue.extend(again)
+                    self._expected.difference_update(id(r.seq) for r in again)
+                    self._cond.notify()
+                    again = []
+            for req in again:  # the scheduler is stopping
+                req.future.set_exception(RuntimeError("the engine stopped"))
+        st.overhead_seconds += time.perf_counter() - t1

@@ -1,0 +1,1 @@
+"""Tartlet's C kernels (sources, headers), their ctypes wrappers and the compiler driver."""

@@ -1,0 +1,1 @@
+"""The model: the decoder stack, its projections, RoPE, mixture-of-experts, the family configuration."""

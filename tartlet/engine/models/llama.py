@@ -1,0 +1,620 @@
+"""The decoder of every supported family, over a paged KV cache.
+
+One decoder serves Llama (SmolLM, Llama 3.x), Mistral, Qwen2, Qwen3, Phi-3
+and Gemma 2/3; :class:`~tartlet.engine.models.config.ModelConfig` says what differs.
+The math follows Hugging Face ``modeling_llama.py``: RMSNorm (Zhang &
+Sennrich, 2019), rotary position embeddings in the ``rotate_half`` layout (Su
+et al., 2021; variants in :mod:`tartlet.engine.models.rope`), grouped-query attention
+(Ainslie et al., 2023), SwiGLU MLP (Shazeer, 2020), optional QKV bias (Qwen2),
+tied embeddings. Family options, each as in its HF modeling file:
+
+* QK-norm (``modeling_qwen3.py``, ``modeling_gemma3.py``): RMSNorm over each
+  query and key head (weight ``[head_dim]``) after the projection, before RoPE.
+* sliding-window attention (``modeling_mistral.py``; per layer in
+  ``modeling_gemma2.py``/``modeling_gemma3.py``/``modeling_qwen2.py``): a
+  sliding layer's query at token index ``i`` sees only indexes ``j > i - W``
+  (HF ``sliding_window_overlay``), on top of the usual mask. The scheduler
+  gives each attention group the token indexes of its queries and KV columns
+  (``AttentionGroup.q_index``/``kv_index``) when the model has a window;
+  each pass cuts every group once per distinct window to the columns the
+  window leaves (:meth:`LlamaModel._window_group`), so the attention
+  kernels of a sliding layer read ``O(W)`` keys per query however long the
+  sequence. When every layer slides, the engine also releases the pages
+  before the window (:mod:`tartlet.engine.core.sequence`); with global layers
+  too (Gemma) every page stays, as those layers read them all.
+* fused ``qkv_proj`` and ``gate_up_proj`` weights (``modeling_phi3.py``) are
+  used as they are (the other families' Q/K/V and gate/up are fused at load).
+* Gemma (``modeling_gemma2.py``, ``modeling_gemma3.py``): RMSNorm scaled by
+  ``1 + w``, embedding times ``sqrt(hidden_size)`` (rounded to the compute
+  dtype), norms after attention and after the MLP as well as before
+  (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+  ``post_feedforward_layernorm``), GeGLU (tanh GELU gate), attention scale
+  ``query_pre_attn_scalar ** -0.5``, soft-capping ``c * tanh(x / c)`` of
+  attention scores and final logits (Gemma 2), and a RoPE base of its own for
+  sliding layers (Gemma 3's ``rope_local_base_freq``).
+* sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE with its shared expert,
+  Qwen3-MoE) on the layers ``ModelConfig.is_sparse_layer`` names: the block
+  of :mod:`tartlet.engine.models.moe` (routing, batched expert dispatch).
+
+It differs in execution only: one call runs a ragged batch of many sequences,
+reads and writes K/V in the page pool, and computes logits just for the rows
+asked for. Q/K/V and gate/up projections are fused into one matrix each, so a
+layer costs four matrix multiplications, each a
+:class:`~tartlet.engine.models.linear.Linear` (prepacked for oneDNN on CPU, residual
+adds fused in) or :class:`~tartlet.engine.models.quant_linear.QuantLinear`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Required, TypedDict, cast
+
+import torch
+import torch.nn.functional as F
+
+from ..cuda import attention as cuda_attention
+from ..cuda import rms_norm as cuda_rms_norm
+from ..cuda import rope as cuda_rope
+from ..loading import os_memory
+from ..core.batch import AttentionGroup, BatchInputs
+from .config import ModelConfig
+from ..kernels.cpu_kernels import POOL_DTYPES
+from ..cuda.graphs import DecodeGraphs
+from ..kernels.fused_decode import FusedDecoder
+from ..core.kv_quant import from_pool, to_pool
+from .linear import Linear, onednn_packing_available
+from .moe import SparseMoe, build_sparse_moe
+from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
+from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
+from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
+
+#: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
+Projection = Linear | QuantLinear
+
+#: Most query-key scores per request (``num_queries * L``) of a multi-token
+#: group whose attention the C kernel runs query by query (each query a row
+#: with its request's KV slots and its mask row, as decode rows are); larger
+#: groups (long prompts, long chunks over a long context) take PyTorch's
+#: SDPA, whose blocked kernel reuses each key across queries. 128 x 128:
+#: measured on the default model, 2 threads, the kernel is 1.01-1.14x
+#: SDPA's speed up to 128-token prompts and 0.93-0.97x at 256 (docs/
+#: benchmarks.md, "Host token streams and prefill attention by the kernel").
+ROW_ATTENTION_MAX_SCORES = 128 * 128
+
+
+def row_attention(g: AttentionGroup) -> bool:
+    """Whether the C attention kernel can run group ``g`` query by query:
+    one query per request, or at most :data:`ROW_ATTENTION_MAX_SCORES`
+    query-key scores per request."""
+    return g.num_queries == 1 or g.num_queries * g.kv_slots.shape[1] <= ROW_ATTENTION_MAX_SCORES
+
+
+class GroupPlan(NamedTuple):
+    """One attention group of a pass as the layers use it.
+
+    Attributes:
+        group: the group.
+        bias: its mask as an additive float ``[B, 1, Q, L]`` mask (0 or
+            -inf), or None.
+        by_kernel: whether the C attention kernel runs it (one query per
+            kernel row; a prefill group's ``B * Q`` queries each a row).
+        slots, rows_bias: the kernel's arguments when ``by_kernel``: int64
+            ``[R, L]`` KV slots per kernel row and float32 ``[R, L]``
+            additive mask rows (or None: all visible), for the group's
+            ``R = B * Q`` rows of ``q`` (``group.rows``, or from
+            ``group.row_start``; request-major, so row ``b * Q + i`` is
+            query ``i`` of request ``b``).
+    """
+
+    group: AttentionGroup
+    bias: torch.Tensor | None
+    by_kernel: bool
+    slots: torch.Tensor
+    rows_bias: torch.Tensor | None
+
+
+class Layer(TypedDict, total=False):
+    """One decoder layer's weights (:attr:`LlamaModel.layers`): RMSNorm
+    scales and projections; the MLP is dense (``gate_up``, ``down``) or a
+    sparse MoE (``moe``)."""
+
+    ln1: Required[torch.Tensor]
+    qkv: Required[Projection]
+    o: Required[Projection]
+    ln2: Required[torch.Tensor]
+    gate_up: Projection
+    down: Projection
+    moe: SparseMoe
+    q_norm: torch.Tensor  # QK-norm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor
+    post_attn: torch.Tensor  # Gemma: norms after attention and MLP
+    post_ff: torch.Tensor
+
+
+class LlamaModel:
+    """Inference-only decoder of any supported family (see the module docstring).
+
+    Args:
+        config: architecture, family options included.
+        weights: Hugging Face-named tensors (``model.layers.{i}.self_attn.q_proj.weight``
+            ... ``[out, in]``; see :mod:`tartlet.engine.loading.loader` for each family's
+            set), as produced by :func:`tartlet.engine.loading.loader.load_model`.
+            Consumed: projections are fused and the dict is not kept.
+        dtype: compute dtype (float32 or bfloat16); logits are float32.
+        device: where weights live and the model runs.
+        gemv_copy: on CPU with prepacked weights, also keep each layer weight
+            transposed for single-row (batch-1 decode) steps: faster, at the
+            cost of a second copy of the layer weights (see
+            :mod:`tartlet.engine.models.linear`).
+        cpu_kernels: on CPU in float32, use the fused C kernels of
+            :mod:`tartlet.engine.kernels.cpu_kernels` (RMSNorm, RoPE + KV write,
+            paged decode attention) when they can be compiled.
+        act_bits: precision activations are quantized to before they meet
+            quantized weights (:class:`QuantLinear`): 8, 16, or ``"auto"``:
+            16 bits into the projections fed by an RMSNorm (QKV, gate/up,
+            the output head), whose norm weights scale a few channels to
+            100-470x the block median, and 8 bits into the output and down
+            projections (see :mod:`tartlet.engine.models.quant_linear`).
+        matmul_dtype: with quantized weights, the precision of the float GEMM
+            that calls of 8+ rows (prompts, decode batches) take on AVX-512
+            (the panel GEMM, ``panel_gemm_avx512.h``): ``"float32"``
+            (default), or ``"bfloat16"``: bfloat16-rounded activations and
+            weights with float32 sums (``panel_gemm_bf16.h``; needs
+            AVX512_BF16), ~1.8x faster products at 64 rows, but a row's
+            result then depends on whether its batch has 8+ rows (1-7 rows
+            keep the 16-bit integer kernel), so batching can change greedy
+            outputs at near-ties. Projections with 8-bit activations keep
+            their integer kernels at any row count. Q4/Q8 projections are
+            interleaved for the integer kernel of every row count only
+            with ``"float32"`` (see :mod:`tartlet.engine.models.quant_linear`);
+            ``"bfloat16"`` keeps them in the row layout for its panel.
+
+    Raises:
+        ValueError: a missing tensor, quantized weights off the CPU or not in
+            float32, a bad ``act_bits`` or ``matmul_dtype``, or
+            ``matmul_dtype="bfloat16"`` on a CPU without AVX512_BF16.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor | QuantWeight],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        gemv_copy: bool = True,
+        cpu_kernels: bool = True,
+        act_bits: int | str = 16,
+        matmul_dtype: str = "float32",
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+        def raw(name: str) -> "torch.Tensor | QuantWeight":
+            try:
+                return weights[name]
+            except KeyError:
+                raise ValueError(f"model weights lack tensor {name!r}") from None
+
+        self.quant = None  # the quantized kernels, when any weight is quantized
+        if any(isinstance(t, QuantWeight) for t in weights.values()):
+            if self.device.type != "cpu" or dtype != torch.float32:
+                raise ValueError("quantized weights run on the CPU in float32 only; load them dequantized "
+                                 f"for {self.device.type}/{dtype}")
+            from ..kernels import quant_kernels
+
+            self.quant = quant_kernels.load()
+            if self.quant is None:
+                raise ValueError("quantized weights need the quantized CPU kernels, which could not be built")
+
+        def w(name: str) -> torch.Tensor:
+            t = raw(name)
+            if isinstance(t, QuantWeight):
+                assert self.quant is not None  # loaded above when a weight is quantized
+                t = self.quant.dequantize(t)
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        pack = onednn_packing_available(self.device, dtype)
+
+        def float_part(t: torch.Tensor) -> QuantWeight:
+            # a float matrix beside quantized ones (e.g. an F32 tensor in a GGUF): kept as float16
+            # rather than float32 in its own kernel; exact for GGUF F16 tensors
+            return QuantWeight(F16, cast(tuple[int, int], tuple(t.shape)), t.to(torch.float16).contiguous(), source="F32")
+
+        if act_bits not in (8, 16, "auto"):
+            raise ValueError(f"act_bits must be 8, 16 or 'auto', got {act_bits!r}")
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+        bf16 = matmul_dtype == "bfloat16" and self.quant is not None  # the panel GEMM in bfloat16
+        if bf16 and self.quant is not None and not self.quant.has_bf16:
+            raise ValueError("matmul_dtype='bfloat16' needs a CPU with AVX512_BF16; this one has none")
+        #: the panel GEMM's precision in use ("float32" or "bfloat16"; None without quantized weights)
+        self.matmul_dtype = None if self.quant is None else ("bfloat16" if bf16 else "float32")
+
+        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy, normed: bool = True) -> "Linear | QuantLinear":
+            # normed: the input comes straight from an RMSNorm (see act_bits)
+            parts = [raw(n) for n in names]
+            if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
+                quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
+                bits = act_bits if isinstance(act_bits, int) else (16 if normed else 8)  # act_bits: 8, 16 or "auto"
+                return QuantLinear(quant, bias, self.quant, act_bits=bits,
+                                   bf16=bf16 and bits == 16 and quant[0].shape[1] % 2 == 0)
+            return Linear(torch.cat([w(n) for n in names]), bias, pack=pack, gemv_copy=copy)
+
+        def norm(name: str) -> torch.Tensor:
+            t = w(name)  # Gemma's RMSNorm scales by (1 + w): added once here (HF Gemma3RMSNorm, in float32)
+            return (t.float() + 1.0).to(dtype) if c.gemma_norms else t
+
+        def fused(p: str, whole: str, *parts: str, bias: torch.Tensor | None = None) -> "Linear | QuantLinear":
+            # one matrix: as stored when the checkpoint fuses it (Phi-3's qkv_proj, gate_up_proj), else concatenated
+            return linear(p + whole, bias=bias) if p + whole in weights else linear(*[p + x for x in parts], bias=bias)
+
+        embed = raw("model.embed_tokens.weight")
+        self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
+        # Gemma: embeddings times sqrt(H), the factor rounded to the compute dtype (HF Gemma3TextScaledWordEmbedding)
+        self.embed_scale = float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.gemma_norms else None
+        # the vocabulary projection needs no GEMV copy: packed is as fast at one row
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = linear(head, copy=False)
+        if c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear) and len(self.lm_head.parts) == 1 \
+                and self.lm_head.parts[0].kind in INTERLEAVED_KINDS:
+            self.embed = self.lm_head.parts[0]  # the head's interleaved copy serves the lookups too: one copy kept
+        del embed  # (the raw one goes with the dict's entry below)
+        self.norm = norm("model.norm.weight")
+        # Each loaded tensor is dropped from ``weights`` once its layer is built
+        # (the dict is consumed: cleared at the end), so that converted copies
+        # (fused, interleaved) replace the loaded ones as they are made instead
+        # of piling up beside them: a 4.2 GB Q4_K_M file peaked at 9.7 GB.
+        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            weights.pop(name, None)
+        self.layers: list[Layer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if c.attention_bias else None
+            layer = Layer(
+                ln1=norm(p + "input_layernorm.weight"),
+                qkv=fused(p, "self_attn.qkv_proj.weight", *[f"self_attn.{x}_proj.weight" for x in "qkv"], bias=bias),
+                o=linear(p + "self_attn.o_proj.weight", normed=False),
+                ln2=norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms else "post_attention_layernorm.weight")),
+            )
+            if c.is_sparse_layer(i):
+                layer["moe"] = build_sparse_moe(c, p, weights, linear, w, lambda g: self.act(g))
+            else:
+                layer.update({"gate_up": fused(p, "mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                              "down": linear(p + "mlp.down_proj.weight", normed=False)})
+            if c.qk_norm:
+                layer.update({"q_norm": norm(p + "self_attn.q_norm.weight"), "k_norm": norm(p + "self_attn.k_norm.weight")})
+            if c.gemma_norms:
+                layer.update({"post_attn": norm(p + "post_attention_layernorm.weight"),
+                              "post_ff": norm(p + "post_feedforward_layernorm.weight")})
+            self.layers.append(layer)
+            for name in [n for n in weights if n.startswith(p)]:
+                del weights[name]
+            os_memory.trim_heap()  # the loaded tensors' free pages back to the system
+        weights.clear()
+        # RoPE per layer: Gemma 3's sliding layers have their own base and no scaling
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(self.device)
+        self.inv_freq = self.rotary.inv_freq
+        local = None
+        if c.rope_local_theta is not None:
+            local = Rotary(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings).to(self.device)
+        self.windows = [c.layer_window(i) for i in range(c.num_hidden_layers)]
+        self.layer_rope = [local if (local is not None and self.windows[i] is not None) else self.rotary
+                           for i in range(c.num_hidden_layers)]
+        self.kernels = None
+        if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
+            from ..kernels import cpu_kernels as ck
+
+            self.kernels = ck.load()
+        self.scale = 1.0 / math.sqrt(self.hd) if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
+        self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+        #: the layer stack of decode batches in one C call, when this model's shape allows it
+        self.fused = FusedDecoder.build(self) if self.kernels is not None else None
+        #: on CUDA with Triton: decode groups read the page pool in a Triton kernel (cuda_attention.py)
+        self.cuda_decode = self.device.type == "cuda" and c.attn_logit_softcapping is None and cuda_attention.available()
+        #: CUDA graphs of decode steps (cuda_graphs.py), set by the engine when it enables them
+        self.graphs: DecodeGraphs | None = None
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of weight memory the model holds: embedding, norms,
+        projections (float, packed, transposed copies, or the values, scales
+        and minimums of quantized ones), biases, the head (a tied head adds
+        nothing: its tensors are the embedding's)."""
+        out: dict[int, torch.Tensor] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if t is not None:
+                out.setdefault(id(t), t)
+
+        def add_any(obj: object) -> None:
+            if isinstance(obj, torch.Tensor):
+                add(obj)
+            elif isinstance(obj, QuantWeight):
+                for t in (obj.q, obj.d, obj.m):
+                    add(t)
+            elif isinstance(obj, QuantLinear):
+                for p in obj.parts:
+                    add_any(p)
+                add(obj.bias)
+            elif isinstance(obj, Linear):
+                for t in (obj.weight, obj.packed, obj.weight_t, obj.bias):
+                    add(t)
+            elif isinstance(obj, SparseMoe):
+                for part in obj.parts():
+                    add_any(part)
+
+        add_any(self.embed)
+        add_any(self.lm_head)
+        add_any(self.norm)
+        for layer in self.layers:
+            for v in layer.values():
+                add_any(v)
+        return list(out.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight memory the model holds (each storage counted once:
+        a tied output head shares the embedding)."""
+        seen: dict[int, int] = {}
+        for t in self.weight_tensors():
+            if t.is_mkldnn:  # a oneDNN-packed weight has no storage to look at: count its elements
+                seen[id(t)] = t.numel() * t.element_size()
+            else:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def weight_summary(self) -> str:
+        """The weight formats held, e.g. ``"Q4_1 x 120, Q8_0 x 1"``: quantized
+        weight runs by source GGUF type, counted after fusing (Q/K/V of one
+        format is one run; the default model's 210 Q4_1 matrices are 120), or
+        the float dtype (``"float32"``)."""
+        from collections import Counter
+
+        kinds: Counter[str] = Counter()
+        for lin in self._quant_linears():
+            kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
+        if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, QuantLinear) or self.lm_head.parts[0].q is not self.embed.q):
+            kinds[self.embed.source] += 1
+        return ", ".join(f"{k} x {n}" for k, n in kinds.most_common()) or str(self.dtype).replace("torch.", "")
+
+    def products_summary(self) -> str:
+        """How the quantized projections multiply, for ``--stats``: the runs
+        interleaved by 16 rows take integer products at every row count,
+        the others the ``matmul_dtype`` panel GEMM from 8 rows (see
+        :mod:`tartlet.engine.models.quant_linear`); "" without quantized weights."""
+        if self.matmul_dtype is None:
+            return ""
+        runs = [p.kind for lin in self._quant_linears() for p in lin.parts]
+        interleaved = sum(k in INTERLEAVED_KINDS for k in runs)
+        panel = f"{self.matmul_dtype} products from 8 rows"
+        if interleaved == 0:
+            return panel
+        if interleaved == len(runs):
+            return "integer products at every row count (16-row layout)"
+        return f"integer products at every row count for {interleaved} of {len(runs)} runs, {panel} for the rest"
+
+    def _quant_linears(self) -> list[QuantLinear]:
+        """The quantized projections: the head, every layer's, MoE experts'."""
+        held = [v for layer in self.layers for v in layer.values()]
+        held += [p for v in held if isinstance(v, SparseMoe) for p in v.parts()]
+        return [lin for lin in [self.lm_head] + held if isinstance(lin, QuantLinear)]
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+        if self.cuda_decode and x.dim() == 2 and x.stride(1) == 1:  # the Triton kernel (cuda_rms_norm.py)
+            return cuda_rms_norm.rms_norm(x, weight, self.config.rms_norm_eps)
+        return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, Q, L]`` (True = may attend) as a float ``[B, 1, Q, L]``
+        additive mask: SDPA would otherwise convert it in every layer."""
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in the
+        ``rotate_half`` layout: ``x * cos + rotate_half(x) * sin``, with
+        ``rotate_half(x) = cat(-x2, x1)`` written as a roll of the halves
+        times ``sin`` with its first half negated (``sin`` arrives so)."""
+        return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
+
+    def _window_group(self, g: AttentionGroup, window: int) -> AttentionGroup:
+        """Group ``g`` as a sliding layer of ``window`` tokens sees it: its
+        mask narrowed to ``kv_index > q_index - window`` (HF
+        ``sliding_window_overlay``), and its KV columns cut to those some
+        query of their row still sees, so attention costs ``O(window)``
+        per query instead of ``O(L)`` (kept columns in their order, rows
+        padded to the longest with masked columns): ``kv_slots`` and
+        ``kv_index`` become ``[B, L']``, ``mask`` ``[B, Q, L']`` with ``L'
+        <= L``, or ``None`` when ``Q == 1`` and every column is visible.
+        Returns ``g`` itself when no key of the group is that far back.
+
+        Raises:
+            ValueError: ``g`` lacks ``q_index``/``kv_index``.
+        """
+        if g.q_index is None or g.kv_index is None:
+            raise ValueError("a sliding-window model needs the token indexes of each attention group")
+        if int((g.q_index.amax(1) - g.kv_index.amin(1)).max()) < window:
+            return g
+        qi, ki = g.q_index[:, :, None], g.kv_index[:, None, :]
+        base = (ki <= qi) if g.mask is None else g.mask
+        mask = base & (ki > qi - window)
+        keep = mask.any(1)  # [B, L]: columns some query of the row sees
+        B, L = g.kv_slots.shape
+        width = int(keep.sum(1).max())
+        kv_slots, kv_index = g.kv_slots, g.kv_index
+        if width < L:
+            cols = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]  # kept columns first
+            kv_slots, kv_index = kv_slots.gather(1, cols), kv_index.gather(1, cols)
+            mask = mask.gather(2, cols[:, None, :].expand(B, g.num_queries, width))
+        visible = None if g.num_queries == 1 and bool(mask.all()) else mask
+        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), visible, g.q_index, kv_index)
+
+    def _attend(
+        self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
+    ) -> None:
+        """Attention of one group's queries over its KV slots, written into
+        its rows of ``out`` ``[T, heads * head_dim]``; ``bias`` is the group's
+        mask as an additive ``[B, 1, Q, L]`` float mask (0 or -inf)."""
+        B, L = g.kv_slots.shape
+        Q = g.num_queries
+        if g.rows is None:
+            qg = q[g.row_start : g.row_start + B * Q].view(B, Q, self.nh, self.hd)
+        else:
+            qg = q.index_select(0, g.rows).view(B, Q, self.nh, self.hd)
+        flat = g.kv_slots.view(-1)
+        # [B, nkv, L, hd]; int8 rows are dequantized here (kv_quant.py)
+        k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        cap = self.config.attn_logit_softcapping
+        if cap is None:
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2),
+                k,
+                v,
+                attn_mask=bias,
+                is_causal=bias is None and Q > 1,
+                scale=self.scale,
+                enable_gqa=self.nkv != self.nh,
+            )
+        else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py)
+            rep = self.nh // self.nkv
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = torch.matmul(qg.transpose(1, 2), k.transpose(2, 3)) * self.scale
+            scores = torch.tanh(scores / cap) * cap
+            if bias is not None:
+                scores = scores + bias
+            elif Q > 1:
+                scores = scores.masked_fill(~torch.ones(Q, L, dtype=torch.bool, device=q.device).tril(L - Q), float("-inf"))
+            o = torch.matmul(torch.softmax(scores.float(), -1).to(v.dtype), v)
+        o = o.transpose(1, 2).reshape(B * Q, self.nh * self.hd)
+        if g.rows is None:
+            out[g.row_start : g.row_start + B * Q] = o
+        else:
+            out.index_copy_(0, g.rows, o)
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run one ragged batch: a decode step a CUDA graph covers is
+        replayed (:mod:`tartlet.engine.cuda.graphs`), anything else runs
+        op by op (:meth:`forward_eager`). Arguments and result as there."""
+        if self.graphs is not None and self.graphs.accepts(batch, k_cache):
+            return self.graphs.run(batch)
+        return self.forward_eager(batch, k_cache, v_cache)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run one ragged batch.
+
+        Args:
+            batch: flat inputs, ``T`` rows.
+            k_cache, v_cache: the pool's ``[num_layers, slots, num_kv_heads,
+                head_dim]`` tensors (int8 pools: ``head_dim + 4``, each row
+                quantized with its scale, :mod:`tartlet.engine.core.kv_quant`);
+                rows ``batch.write_slots`` are written.
+
+        Returns:
+            float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
+        """
+        c = self.config
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        # the C kernels read and write float32, float16 and int8 pages (kv_quant.py); a bfloat16 pool takes the PyTorch path
+        kern = self.kernels if k_cache.dtype in POOL_DTYPES else None
+        if isinstance(self.embed, QuantWeight):
+            assert self.quant is not None  # loaded with the quantized weights
+            x = embedding_rows(self.quant, self.embed, batch.input_ids)
+        else:
+            x = self.embed.index_select(0, batch.input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        # on CUDA the Triton kernels (RoPE + KV write, decode attention) run when the pool holds the compute dtype
+        triton_kv = self.cuda_decode and k_cache.dtype == self.dtype
+        ropes = {}  # per distinct Rotary: cos, sin
+        for rot in dict.fromkeys(self.layer_rope):
+            cos, sin = rot.cos_sin(batch.positions)
+            if kern is None and not triton_kv:  # [T, 1, hd], sin's first half negated (see _rope)
+                cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+            ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernels
+        T = x.shape[0]
+        # once per pass, not per layer: additive masks (as [B, L] rows for
+        # the decode kernel) and per-layer cache views; sliding layers get their own
+        soft = c.attn_logit_softcapping is not None  # the decode kernel does not soft-cap
+
+        def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> GroupPlan:
+            bias = None if mask is None else self._additive(mask)
+            B, L = g.kv_slots.shape
+            Q = g.num_queries
+            by_kernel = kern is not None and not soft and row_attention(g)
+            if not by_kernel or Q == 1:
+                rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
+                return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias)
+            # a prefill group query by query: row b * Q + i is query i of request b
+            if bias is None:  # plain causal over exactly L == Q fresh tokens
+                rows_bias = torch.full((Q, L), float("-inf"), dtype=self.dtype).triu_(1).repeat(B, 1)
+            else:
+                rows_bias = bias.reshape(B * Q, L).contiguous()
+            return GroupPlan(g, bias, True, g.kv_slots.repeat_interleave(Q, 0), rows_bias)
+
+        plans: dict[int | None, list[GroupPlan]] = {}
+        if None in self.windows:
+            plans[None] = [prepared(g, g.mask) for g in batch.groups]
+        for win in {w for w in self.windows if w is not None}:  # groups cut to the window's columns
+            plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
+        # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
+        cuda = {}
+        if triton_kv:
+            cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps if p.group.num_queries == 1}
+        if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
+            logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
+            if logits is not None:  # the head ran in the step too
+                return logits
+            layers = []  # done
+        else:
+            layers = self.layers
+        attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
+        for i, (layer, kc, vc) in enumerate(zip(layers, k_cache.unbind(0), v_cache.unbind(0))):
+            qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
+            if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
+                eps = c.rms_norm_eps
+                qh = qkv[:, : nh * hd].view(T, nh, hd)
+                kh = qkv[:, nh * hd : (nh + nkv) * hd].view(T, nkv, hd)
+                qh.copy_(F.rms_norm(qh, (hd,), layer["q_norm"], eps))
+                kh.copy_(F.rms_norm(kh, (hd,), layer["k_norm"], eps))
+            cos, sin = ropes[self.layer_rope[i]]
+            if triton_kv:
+                q = cuda_rope.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
+            elif kern is None:
+                # RoPE once over the query and key heads together
+                qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
+                q = qk[:, :nh]
+                kc.index_copy_(0, batch.write_slots, to_pool(qk[:, nh:], kc.dtype))
+                vc.index_copy_(0, batch.write_slots, to_pool(qkv[:, (nh + nkv) * hd :].view(T, nkv, hd), vc.dtype))
+            else:
+                q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
+            for plan in plans[self.windows[i]]:
+                g = plan.group
+                if plan.by_kernel and kern is not None:  # by_kernel: kern is not None
+                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, g.rows, g.row_start, attn_out, self.scale)
+                elif id(g) in cuda:
+                    rows, lens, mask2d = cuda[id(g)]
+                    cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)
+                else:
+                    self._attend(q, attn_out, g, plan.bias, kc, vc)
+            if c.gemma_norms:  # norms after attention and MLP too, before each residual add
+                x = x + self._rms_norm(layer["o"](attn_out), layer["post_attn"])
+                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = x + self._rms_norm(layer["down"](self.act(gate).mul_(up)), layer["post_ff"])
+            elif "moe" in layer:  # sparse MoE layer (moe.py)
+                x = layer["o"](attn_out, residual=x)
+                x = layer["moe"](self._rms_norm(x, layer["ln2"]), residual=x)
+            else:
+                x = layer["o"](attn_out, residual=x)
+                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = layer["down"](self.act(gate).mul_(up), residual=x)
+        h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
+        logits = self.lm_head(h).float()
+        if c.final_logit_softcapping is not None:  # Gemma 2: c * tanh(logits / c)
+            cap = c.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
