@@ -5,7 +5,7 @@ process, alternating round by round (the VM's speed drifts by 25% and more
 within minutes, so only ratios from one round are compared):
 
 * **inferlet, native**: the agent installed in the server (trusted Python,
-  asyncio); it calls the tools from inside the server (``tartlet.http``)
+  asyncio); it calls the tools from inside the server (``tartlet.sdk.http``)
   and keeps its KV cache across steps;
 * **inferlet, sandboxed**: the same source uploaded by the client, so run
   as a WASM component (the server's default for uploads);
@@ -83,7 +83,8 @@ SYSTEM = "You are an agent. Think, then call tools."
 #: calls (per step), call_tokens, chars (tool output size), drop, tool_url.
 AGENT = '''
 import asyncio
-from tartlet import Model, http
+from tartlet import Model
+from tartlet.sdk import http
 
 SYSTEM = "You are an agent. Think, then call tools."
 

@@ -6,7 +6,7 @@
 2. An agent workload: a ReAct-style loop with ``--steps`` tool calls per
    task (tools served by a local HTTP server with a fixed latency), run
    (a) as an inferlet that calls the tools from inside the server with
-   ``tartlet.http`` and keeps its KV cache across steps — installed and run
+   ``tartlet.sdk.http`` and keeps its KV cache across steps — installed and run
    natively, and uploaded by the client and so run sandboxed (WASM, the
    server's default for uploads) — and (b) orchestrated by the client over
    the OpenAI API (each step re-sends the conversation). Same prompts, same

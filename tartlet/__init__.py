@@ -1,87 +1,29 @@
-"""Tartlet inferlet SDK.
+"""Tartlet: a programmable LLM serving system.
 
-An inferlet is a Python file or package with ``async def main(args: dict)``.
-It drives generation itself through this SDK: :class:`Model`,
-:class:`Context` (fill, forward, generate, fork, truncate, snapshots, masks),
-:class:`Sampler`, stop conditions, and the client :mod:`~tartlet.session`.
+The package root re-exports the inferlet SDK (:mod:`tartlet.sdk`), so an
+inferlet writes ``from tartlet import Context, Model, Sampler``. The SDK's
+modules also answer to their short names (``tartlet.tools``,
+``tartlet.errors``, ``tartlet.constraint``, ...): each is registered in
+``sys.modules`` as the same module object as ``tartlet.sdk.<name>``, so
+``isinstance`` checks and ``except tartlet.errors.X`` see one class.
 
-The SDK imports nothing heavy (no torch, no numpy): it is bundled into WASM
-builds. It reaches the host only through :mod:`tartlet._binding`.
-
-The errors a host call raises (``KvCacheFullError``, ``SnapshotError``, ...)
-are the classes of :mod:`tartlet.errors`, exported here too; native and
-sandboxed inferlets see the same ones.
+The rest of the package is the server side, in layers (DESIGN.md):
+``engine`` (model, KV pages, scheduler), ``host`` (what an inferlet's host
+calls do), ``runtime`` (native and WASM instances), ``server``, ``cluster``,
+``client`` and ``cli``. A WASM build bundles this file and ``tartlet/sdk/``
+only.
 """
 
-from . import brle, errors, forward, session
-from . import children, http, mcp, messaging, store  # I/O: child inferlets, host HTTP, MCP, messaging, key-value store
-from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
-from .context import Context, ContextClosedError
-from .drafter import NgramDrafter
-from .errors import (  # what host calls raise (tartlet.errors)
-    ChatTemplateError,
-    ContextLengthError,
-    GrammarError,
-    HostError,
-    HttpError,
-    InvalidHandleError,
-    KvCacheFullError,
-    KvQuotaError,
-    LimitError,
-    MessagingError,
-    ProgramError,
-    SamplingError,
-    SequenceFreedError,
-    SnapshotError,
-    StoreError,
-)
-from .generator import Drafter, Generator, Step
-from .model import Model
-from .sampler import Sampler
-from .stop import EosTokens, MaxTokens, StopCondition, StopStrings
+import importlib as _importlib
+import sys as _sys
 
-__all__ = [
-    "AnyJson",
-    "Constraint",
-    "Grammar",
-    "JsonSchema",
-    "Regex",
-    "Context",
-    "ContextClosedError",
-    "Drafter",
-    "EosTokens",
-    "Generator",
-    "MaxTokens",
-    "NgramDrafter",
-    "Model",
-    "Sampler",
-    "Step",
-    "StopCondition",
-    "StopStrings",
-    "ChatTemplateError",
-    "ContextLengthError",
-    "GrammarError",
-    "HostError",
-    "HttpError",
-    "InvalidHandleError",
-    "KvCacheFullError",
-    "KvQuotaError",
-    "LimitError",
-    "MessagingError",
-    "ProgramError",
-    "SamplingError",
-    "SequenceFreedError",
-    "SnapshotError",
-    "StoreError",
-    "errors",
-    "brle",
-    "children",
-    "http",
-    "mcp",
-    "messaging",
-    "store",
-    "forward",
-    "session",
-]
+from .sdk import *  # noqa: F403
+from .sdk import __all__ as __all__
+
+for _name in ("_binding", "brle", "children", "constraint", "context", "drafter", "errors", "forward", "generator",
+              "http", "mcp", "messaging", "model", "sampler", "sandbox", "session", "stop", "store", "tools"):
+    _sys.modules[f"{__name__}.{_name}"] = _module = _importlib.import_module(f"{__name__}.sdk.{_name}")
+    globals()[_name] = _module
+del _name, _module
 
 __version__ = "0.1.0"

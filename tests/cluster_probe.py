@@ -10,7 +10,9 @@
 - ``long``: generate ``n`` tokens, sending each as it comes.
 """
 
-from tartlet import Context, Model, Sampler, messaging, session, store
+from tartlet import Context, Model, Sampler
+
+from tartlet.sdk import messaging, session, store
 
 
 async def main(args: dict) -> dict:

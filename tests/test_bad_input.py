@@ -13,8 +13,8 @@ from tartlet.engine.core.engine import Engine, EngineConfig
 from tartlet.engine.loading.loader import ModelLoadError
 from tartlet.engine.loading.model_store import DEFAULT_MODEL
 from tartlet.host.api import HostApi
-from tartlet.errors import InvalidHandleError
-from tartlet.forward import OutputSlot
+from tartlet.sdk.errors import InvalidHandleError
+from tartlet.sdk.forward import OutputSlot
 from tartlet.runtime.instance import Status
 
 
@@ -154,7 +154,8 @@ async def test_context_longer_than_max_seq_len(runtime, engine, tmp_path):
 async def test_generation_stops_being_allowed_at_max_seq_len(runtime, engine, tmp_path):
     """A context filled to exactly max_seq_len cannot take one more token."""
     code = """
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -185,7 +186,7 @@ async def test_sampler_parameters_out_of_range(runtime, args, name):
 async def test_bad_sampler_slot_on_the_host_path(runtime, tmp_path):
     code = """
     from tartlet import Model
-    from tartlet.forward import OutputSlot
+    from tartlet.sdk.forward import OutputSlot
 
     async def main(args):
         model = Model.load()
@@ -245,7 +246,8 @@ NEVER_ENDS = {
         await asyncio.sleep(3600)
     """,
     "receive": """
-    from tartlet import Model, session
+    from tartlet import Model
+    from tartlet.sdk import session
 
     async def main(args):
         ctx = Model.load().new_context()
@@ -326,7 +328,8 @@ async def test_token_ids_outside_the_vocabulary(runtime, engine, tmp_path):
 
 async def test_output_index_out_of_range(runtime, tmp_path):
     code = """
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -397,8 +400,8 @@ async def test_host_rejects_malformed_calls(runtime):
         (lambda: api.forward(h, [1, 2], positions=[0, -1]), "positions must be 2"),
         (lambda: api.forward(h, [1], attention=[[1], [1]]), "one mask per input token"),
         (lambda: api.forward(h, [1], attention=[[0, 5]]), "covers 5 positions"),
-        (lambda: api.forward(h, [1], outputs=["sample"]), "output slot is a tartlet.forward.OutputSlot"),
-        (lambda: api.forward(h, [1], outputs=[{"index": 0}]), "output slot is a tartlet.forward.OutputSlot, got dict"),
+        (lambda: api.forward(h, [1], outputs=["sample"]), "output slot is a tartlet.sdk.forward.OutputSlot"),
+        (lambda: api.forward(h, [1], outputs=[{"index": 0}]), "output slot is a tartlet.sdk.forward.OutputSlot, got dict"),
         (lambda: api.forward(h, [1], outputs=[OutputSlot(0, "magic")]), "unknown probe kind 'magic'"),
         (lambda: api.forward(h, [1], outputs=[OutputSlot(0, "distribution", k=0)]), "k >= 1"),
         (lambda: api.forward(h, [1], outputs=[OutputSlot(0, logit_mask=[-1])]), "logit mask"),

@@ -138,7 +138,8 @@ async def test_fork_of_flushed_prefix_shares_pages_and_decodes_like_fresh(runtim
 async def test_fork_pages_in_pool_stats(runtime, engine, tmp_path):
     """The same sharing seen from the engine's pool while the inferlet holds its contexts."""
     code = """
-    from tartlet import Model, session
+    from tartlet import Model
+    from tartlet.sdk import session
 
     async def main(args):
         model = Model.load()

@@ -1,4 +1,4 @@
-"""The host's code sandbox (``code-run``, ``tartlet.sandbox``): Python run
+"""The host's code sandbox (``code-run``, ``tartlet.sdk.sandbox``): Python run
 in a fresh WebAssembly instance with a time limit and a memory cap. Snippets
 that loop, allocate without end, or reach for files, sockets or processes
 end with a clear error in the result; the server and other inferlets go on.
@@ -123,7 +123,7 @@ async def test_inferlet_runs_code_while_another_inferlet_generates(runtime, host
     """Through the SDK: a snippet looping in the sandbox blocks neither the
     event loop nor the engine: a second inferlet generates meanwhile."""
     looper = inline_program(tmp_path, """
-        from tartlet import sandbox
+        from tartlet.sdk import sandbox
 
         async def main(args):
             r = await sandbox.run_python("while True:\\n    pass", time_limit_s=args["t"])
@@ -147,7 +147,7 @@ async def test_inferlet_runs_code_while_another_inferlet_generates(runtime, host
 
 async def test_bad_limits_raise_in_the_inferlet(runtime, tmp_path):
     prog = inline_program(tmp_path, """
-        from tartlet import sandbox
+        from tartlet.sdk import sandbox
 
         async def main(args):
             await sandbox.run_python("print(1)", time_limit_s=1e9)

@@ -20,7 +20,7 @@ pytest.importorskip("componentize_py")
 from harness import assert_no_leaks, run  # noqa: E402
 from tartlet.runtime.instance import Status  # noqa: E402
 from tartlet.runtime.program import find_program  # noqa: E402
-from tartlet.sandbox import STATUSES  # noqa: E402
+from tartlet.sdk.sandbox import STATUSES  # noqa: E402
 
 pytestmark = [pytest.mark.wasm]
 

@@ -32,7 +32,7 @@ LARK_KV = 'start: pair (";" pair){0,1}\npair: KEY "=" VALUE\nKEY: /[a-z]{1,6}/\n
 # grammar matchers the instance still holds (native host API).
 WRAP = """
 import importlib.util
-from tartlet import _binding
+from tartlet.sdk import _binding
 
 async def main(args):
     spec = importlib.util.spec_from_file_location("wrapped_inferlet", args["entry"])
@@ -85,7 +85,8 @@ async def test_best_of_n_and_beam_search_json_schema(runtime, tmp_path):
 
 
 CONSTRAINED_GREEDY = """
-from tartlet import JsonSchema, Model, Sampler, forward
+from tartlet import JsonSchema, Model, Sampler
+from tartlet.sdk import forward
 
 async def main(args):
     model = Model.load()

@@ -14,8 +14,8 @@ import json
 import pytest
 
 from harness import assert_no_leaks, inline_program, run, run_ok
-from tartlet.errors import GrammarError, InvalidHandleError
-from tartlet.forward import OutputSlot
+from tartlet.sdk.errors import GrammarError, InvalidHandleError
+from tartlet.sdk.forward import OutputSlot
 from tartlet.host.api import HostApi
 from tartlet.runtime.instance import Status
 

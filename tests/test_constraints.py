@@ -17,8 +17,8 @@ import pytest
 
 from harness import inline_program, run, run_ok
 from tartlet.host.api import HostApi
-from tartlet.errors import InvalidHandleError
-from tartlet.forward import OutputSlot
+from tartlet.sdk.errors import InvalidHandleError
+from tartlet.sdk.forward import OutputSlot
 from tartlet.host.grammar import GrammarError
 from tartlet.runtime.instance import Status
 
@@ -149,7 +149,8 @@ async def test_regex_and_grammar_outputs_match(runtime, tmp_path):
 
 
 ALLOW_ALL = """
-from tartlet import Model, Regex, Grammar, Sampler, brle
+from tartlet import Model, Regex, Grammar, Sampler
+from tartlet.sdk import brle
 
 class AllowAll:
     \"\"\"A custom Python constraint that allows every token.\"\"\"

@@ -285,7 +285,7 @@ def test_masked_greedy_slots_take_the_masked_argmax_kernel(kern, monkeypatch):
     masked path gives; an empty mask fails that slot alone; a masked draw
     still takes the copy."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec, SlotSampler
-    from tartlet.errors import SamplingError
+    from tartlet.sdk.errors import SamplingError
 
     V = 3000
     logits = torch.randn(4, V, generator=gen(6))

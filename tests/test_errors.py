@@ -1,4 +1,4 @@
-"""One error hierarchy (tartlet/errors.py) for the engine, the host and the SDK.
+"""One error hierarchy (tartlet/sdk/errors.py) for the engine, the host and the SDK.
 
 An inferlet catches the class a host call raises by importing it from the
 SDK; the engine and host modules raise that very object, and the WASM
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import tartlet
-from tartlet import errors
-from tartlet.errors import ERROR_CODES, error_code, error_from_code
+from tartlet.sdk import errors
+from tartlet.sdk.errors import ERROR_CODES, error_code, error_from_code
 
 
 def test_engine_and_host_raise_the_sdk_classes():
@@ -38,7 +38,7 @@ def test_engine_and_host_raise_the_sdk_classes():
 
 def test_the_sdk_exports_every_error_class():
     for cls in ERROR_CODES.values():
-        if cls.__module__ == "tartlet.errors":
+        if cls.__module__ == "tartlet.sdk.errors":
             assert getattr(tartlet, cls.__name__) is cls
             assert cls.__name__ in tartlet.__all__
 

@@ -21,7 +21,8 @@ async def test_output_slots_agree_with_each_other(runtime, tmp_path):
     log-probabilities, entropy and greedy sample all follow from the raw
     logits of the same position."""
     code = f"""
-    from tartlet import Model, Sampler, forward
+    from tartlet import Model, Sampler
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -56,7 +57,8 @@ async def test_output_slots_agree_with_each_other(runtime, tmp_path):
 
 async def test_explicit_positions_equal_to_default_change_nothing(runtime, tmp_path):
     code = f"""
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -80,7 +82,8 @@ async def test_custom_attention_mask_equals_masking_and_equals_a_shorter_context
     a BRLE attention mask per token of C, ``mask_token_range`` over B, and a
     context that never had B, with C at the same explicit positions."""
     code = """
-    from tartlet import Model, brle, forward
+    from tartlet import Model
+    from tartlet.sdk import brle, forward
 
     async def main(args):
         model = Model.load()
@@ -123,7 +126,8 @@ async def test_custom_attention_mask_equals_masking_and_equals_a_shorter_context
 
 async def test_logit_mask_restricts_sampling(runtime, tmp_path):
     code = f"""
-    from tartlet import Model, Sampler, brle, forward
+    from tartlet import Model, Sampler
+    from tartlet.sdk import brle, forward
 
     async def main(args):
         model = Model.load()
@@ -151,7 +155,8 @@ async def test_custom_sampler_and_reasoning_preset(runtime, tmp_path):
     is followed: always picking the second most likely token gives a
     different, reproducible generation whose every token was second."""
     code = """
-    from tartlet import Model, Sampler, forward
+    from tartlet import Model, Sampler
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -234,7 +239,8 @@ async def test_collect_json(runtime, tmp_path):
 
 async def test_bad_forward_input_is_rejected_and_leaves_the_context_usable(runtime, tmp_path):
     code = f"""
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -303,7 +309,7 @@ async def test_bad_forward_input_is_rejected_and_leaves_the_context_usable(runti
 
 
 def test_brle_excluding_bans_exactly_the_ids():
-    from tartlet import brle
+    from tartlet.sdk import brle
 
     assert brle.decode(brle.excluding(6, [4, 0, 4])) == [False, True, True, True, False, True]
     assert brle.decode(brle.excluding(3, [])) == [True, True, True]

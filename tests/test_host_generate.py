@@ -144,7 +144,8 @@ async def test_concurrent_generations_share_batches(runtime, host_state, tmp_pat
 
 async def test_bad_arguments_queue_nothing(runtime, tmp_path):
     prog = inline_program(tmp_path, """
-from tartlet import Model, _binding
+from tartlet import Model
+from tartlet.sdk import _binding
 
 async def main(args):
     model = Model.load()

@@ -89,7 +89,8 @@ async def test_best_of_n_scores_by_mean_logprob(runtime, tmp_path):
     # the recorded log-probabilities are the model's: recompute one candidate in one pass
     c = cands[res["best"]]
     code = """
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()
@@ -149,7 +150,8 @@ async def test_beam_search(runtime, tmp_path):
     assert len({tuple(b["tokens"]) for b in beams}) == len(beams)
     # a beam's log-probability is the model's: recompute it in one pass
     code = """
-    from tartlet import Model, forward
+    from tartlet import Model
+    from tartlet.sdk import forward
 
     async def main(args):
         model = Model.load()

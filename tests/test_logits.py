@@ -30,7 +30,8 @@ PROMPTS = {
 
 PROBE = """
 from array import array
-from tartlet import Model, forward
+from tartlet import Model
+from tartlet.sdk import forward
 
 async def main(args):
     model = Model.load()

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tartlet import _binding
+from tartlet.sdk import _binding
 from tartlet.server.service import post
 
 

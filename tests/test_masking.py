@@ -16,7 +16,8 @@ LONG = (
 )
 
 DROP = f"""
-from tartlet import Model, forward
+from tartlet import Model
+from tartlet.sdk import forward
 
 async def main(args):
     model = Model.load()

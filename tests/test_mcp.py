@@ -1,4 +1,4 @@
-"""The SDK's MCP client (tartlet.mcp) against a real MCP server (the
+"""The SDK's MCP client (tartlet.sdk.mcp) against a real MCP server (the
 official ``mcp`` package over Streamable HTTP on loopback, both reply
 styles: event streams and JSON bodies), from a native inferlet and from the
 same inferlet built into a WASM component; servers configured by name in
@@ -16,7 +16,7 @@ pytest.importorskip("mcp")
 from harness import run_ok  # noqa: E402
 from mcp_harness import start_mcp_server  # noqa: E402
 from tartlet.host.http import HttpPolicy  # noqa: E402
-from tartlet.mcp import parse_sse  # noqa: E402
+from tartlet.sdk.mcp import parse_sse  # noqa: E402
 from tartlet.server.config import config_from_dict  # noqa: E402
 from tartlet.runtime.program import load_program  # noqa: E402
 from tartlet.server.app import configure_http  # noqa: E402
@@ -24,10 +24,10 @@ from tartlet.server.app import configure_http  # noqa: E402
 SECRET = "Bearer s3cret-token"
 
 PROBE = textwrap.dedent('''\
-    """MCP probe: exercises tartlet.mcp against the server named in args."""
+    """MCP probe: exercises tartlet.sdk.mcp against the server named in args."""
     import asyncio
 
-    from tartlet import http, mcp
+    from tartlet.sdk import http, mcp
 
 
     async def main(args):
@@ -181,7 +181,7 @@ async def test_sandboxed_inferlet_uses_a_real_mcp_server(configured, mcp_servers
 async def test_mcp_url_not_allowed_is_refused_with_a_clear_error(configured, tmp_path, runtime):
     prog = tmp_path / "refused.py"
     prog.write_text(textwrap.dedent('''\
-        from tartlet import mcp
+        from tartlet.sdk import mcp
 
         async def main(args):
             try:

@@ -52,14 +52,14 @@ def test_bus_queue_broadcast_and_scoping(any_bus):
 
 async def test_inferlets_exchange_messages(runtime, tmp_path):
     pinger = inline_program(tmp_path, """
-        from tartlet import messaging
+        from tartlet.sdk import messaging
         async def main(args):
             with messaging.subscribe("pong") as sub:
                 messaging.push("ping", "hello")
                 return await sub.next()
     """, "pinger")
     ponger = inline_program(tmp_path, """
-        from tartlet import messaging
+        from tartlet.sdk import messaging
         async def main(args):
             msg = await messaging.pull("ping")
             return messaging.broadcast("pong", msg.upper())
@@ -71,7 +71,7 @@ async def test_inferlets_exchange_messages(runtime, tmp_path):
 
 async def test_an_ended_instance_drops_its_subscriptions_and_pulls(runtime, tmp_path, host_state):
     waiter = inline_program(tmp_path, """
-        from tartlet import messaging
+        from tartlet.sdk import messaging
         async def main(args):
             messaging.subscribe("never")
             await messaging.pull("nothing-here")

@@ -56,4 +56,6 @@ def test_platform_defaults(clean_env):
 def test_not_bundled_into_wasm_builds():
     from tartlet.runtime.builder import sdk_files
 
-    assert "paths.py" not in sdk_files() and "model.py" in sdk_files()
+    files = sdk_files()
+    assert "paths.py" not in files and "sdk/model.py" in files and "__init__.py" in files
+    assert all(name == "__init__.py" or name.startswith("sdk/") for name in files)

@@ -12,7 +12,7 @@ from concurrent.futures import Future, wait
 import psycopg
 import pytest
 
-from tartlet.errors import LimitError, MessagingError
+from tartlet.sdk.errors import LimitError, MessagingError
 from tartlet.host.messaging import Message
 from tartlet.host.pg_messaging import PgMessageBus
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 from server_harness import cli_in_process, write_config
 
-from tartlet.errors import StoreError
+from tartlet.sdk.errors import StoreError
 from tartlet.host.store import MAX_KEY_CHARS, MAX_VALUE_BYTES, Store
 
 pytestmark = pytest.mark.slow  # a PostgreSQL server per session (~2 s), a database per test
@@ -283,7 +283,7 @@ def test_auth_cli_reports_an_unreachable_database(tmp_path):
 
 
 STORE = """
-from tartlet import store
+from tartlet.sdk import store
 async def main(args):
     if args.get("set"):
         for k, v in args["set"].items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tartlet.errors import ProgramError
+from tartlet.sdk.errors import ProgramError
 from tartlet.runtime.program import load_program
 
 ENTRY = '''

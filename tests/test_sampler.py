@@ -201,7 +201,7 @@ def test_sdk_sampler_presets_validate():
         tartlet.Sampler(temperature=1.0, seed="x")
     with pytest.raises(ValueError, match="k >= 1"):
         tartlet.Sampler.custom(lambda ids, probs: ids[0], k=0)
-    assert tartlet.Sampler.top_k_top_p(5, 0.9).slot(3) == tartlet.forward.OutputSlot(
+    assert tartlet.Sampler.top_k_top_p(5, 0.9).slot(3) == tartlet.sdk.forward.OutputSlot(
         3, "sample", temperature=1.0, top_k=5, top_p=0.9, min_p=0.0)
 
 
@@ -211,7 +211,7 @@ def test_host_forward_rejects_bad_params(host_state, kw, name):
 
     api = HostApi(host_state)
     h = api.context_new(None)
-    slot = tartlet.forward.OutputSlot(0, "sample", **{"temperature": 1.0, **kw})
+    slot = tartlet.sdk.forward.OutputSlot(0, "sample", **{"temperature": 1.0, **kw})
     with pytest.raises(ValueError, match=name):
         api.forward(h, [1, 2, 3], outputs=[slot])
     assert api.context_len(h) == 0 and api.context_tokens(h) == []

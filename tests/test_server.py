@@ -24,7 +24,7 @@ MAX_PAGES = 24  # 16-token pages: 384 tokens per instance
 MAX_INSTANCES = 3
 
 ECHO = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     n = 0
     while True:
@@ -36,7 +36,7 @@ async def main(args):
         session.send(msg.upper())
 """
 WAITER = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     session.send("waiting")
     return await session.receive()
@@ -46,7 +46,7 @@ async def main(args):
 #: first one went away (a message sent to a connection in that window is
 #: lost with it: output is kept only while no client is attached).
 PARTS = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     parts = [f"part {i}; " for i in range(1, 6)]
     session.send(parts[0])
@@ -56,32 +56,32 @@ async def main(args):
     return {"text": "".join(parts)}
 """
 CONSUMER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     return [await messaging.pull(args["topic"]) for _ in range(args["n"])]
 """
 PRODUCER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     for m in args["msgs"]:
         messaging.push(args["topic"], m)
 """
 SUBSCRIBER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     with messaging.subscribe(args["topic"]) as sub:
         messaging.push(args["ready"], "ok")
         return [await sub.next() for _ in range(args["n"])]
 """
 BROADCASTER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     for _ in range(args["subscribers"]):
         await messaging.pull(args["ready"])
     return [messaging.broadcast(args["topic"], m) for m in args["msgs"]]
 """
 PARENT = """
-from tartlet import children
+from tartlet.sdk import children
 async def main(args):
     child = children.launch("text-completion", {"prompt": args["prompt"], "max_tokens": args["max_tokens"]})
     result = await child.wait()
@@ -91,7 +91,7 @@ async def main(args):
     return {"text": result["text"], "child_id": child.id, "cancelled": ended.status}
 """
 FETCHER = """
-from tartlet import http
+from tartlet.sdk import http
 async def main(args):
     r = await http.fetch(args["url"], method="POST", headers={"x-test": "yes"}, body="ping")
     try:

@@ -31,7 +31,7 @@ TOPICS = 16
 FRAME = 2 * MIB
 
 SENDER = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     sent, error = 0, None
     try:
@@ -45,14 +45,14 @@ async def main(args):
     return {"sent": sent, "error": error}
 """
 SILENT = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     session.send("ready")
     import asyncio
     await asyncio.sleep(3600)
 """
 FLOODER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     pushed, error = 0, None
     try:
@@ -70,7 +70,7 @@ async def main(args):
     return {"pushed": pushed, "error": error, "subscribed": len(subs), "topic_error": topic_error}
 """
 DRAINER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     n = 0
     for i in range(10):
@@ -80,20 +80,20 @@ async def main(args):
     return n
 """
 PRODUCER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     messaging.push(args["topic"], args["msg"])
     return await messaging.pull(args["reply"])
 """
 CONSUMER = """
-from tartlet import messaging
+from tartlet.sdk import messaging
 async def main(args):
     msg = await messaging.pull(args["topic"])
     messaging.push(args["reply"], msg.upper())
     return msg
 """
 ECHO = """
-from tartlet import session
+from tartlet.sdk import session
 async def main(args):
     return (await session.receive()).upper()
 """
@@ -375,7 +375,7 @@ async def test_data_dir_files_are_private(setup):
 
 
 def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
-    from tartlet.errors import LimitError
+    from tartlet.sdk.errors import LimitError
     from tartlet.host.messaging import MessageBus
 
     bus = MessageBus(max_user_bytes=10, max_user_topics=3)
@@ -400,7 +400,7 @@ def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
 
 
 def test_session_inbox_and_size_limits():
-    from tartlet.errors import LimitError
+    from tartlet.sdk.errors import LimitError
     from tartlet.host.session import ByteBudget, Session
 
     budget = ByteBudget(8, "max_backlog_bytes", "session messages waiting")

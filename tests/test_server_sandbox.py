@@ -23,7 +23,8 @@ MAX_PAGES = 24
 MAX_INSTANCES = 2
 
 PROBE = """
-from tartlet import Model, Sampler, children, session
+from tartlet import Model, Sampler
+from tartlet.sdk import children, session
 
 
 async def main(args):

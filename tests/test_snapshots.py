@@ -154,7 +154,7 @@ async def test_persisted_snapshots_restore_and_refuse_another_model(runtime, eng
     a fresh manager on the same dir (a restart) lists it, loads its pages on
     open and continues exactly as before. A file stamped with another
     model's identity is a clear error, and nothing leaks."""
-    from tartlet.errors import SnapshotError
+    from tartlet.sdk.errors import SnapshotError
     from tartlet.host.snapshot_manager import SnapshotManager
 
     slot = runtime.state.model(None)

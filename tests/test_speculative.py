@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness import inline_program, run_ok
-from tartlet.drafter import NgramDrafter
+from tartlet.sdk.drafter import NgramDrafter
 
 CODE_TASK = (
     "Rewrite this function with clearer variable names, keeping the logic:\n\n"
@@ -42,7 +42,7 @@ def test_ngram_drafter_rejects_bad_settings(kw):
 
 SPEC = """
 from tartlet import Model, Sampler
-from tartlet.drafter import NgramDrafter
+from tartlet.sdk.drafter import NgramDrafter
 
 
 class Garbage:

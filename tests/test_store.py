@@ -12,7 +12,7 @@ from tartlet.client import Client
 from tartlet.host.store import Store, StoreError
 
 STORE = """
-from tartlet import store
+from tartlet.sdk import store
 async def main(args):
     if args.get("set"):
         for k, v in args["set"].items():

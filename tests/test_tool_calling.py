@@ -1,4 +1,4 @@
-"""Model-native tool calling and reasoning (:mod:`tartlet.tools`).
+"""Model-native tool calling and reasoning (:mod:`tartlet.sdk.tools`).
 
 Unit: the tool-call parsers read what real chat templates write for a tool
 call (Qwen2.5 -> Hermes ``<tool_call>``, Llama 3.1 -> JSON with
@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from harness import inline_program, run
-from tartlet import tools
+from tartlet.sdk import tools
 from tartlet.engine.text.chat_template import render_chat_template
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -234,7 +234,7 @@ def test_bad_tools_name_the_param():
 AGENT = """
 import json
 from tartlet import Model
-from tartlet.tools import ForcedToolCall, render_chat
+from tartlet.sdk.tools import ForcedToolCall, render_chat
 
 TOOLS = json.loads(%r)
 

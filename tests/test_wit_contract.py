@@ -12,7 +12,7 @@ mapped to Python by :func:`py_type` (the few JSON-text parameters by
 :data:`JSON_TEXT`), must equal the annotations of the HostApi method and of
 the guest binding's method; the host's result mode (how wasmtime-py is
 handed the ``result``) must fit the WIT result type; and the ``error-code``
-enum must list :data:`tartlet.errors.ERROR_CODES` in order.
+enum must list :data:`tartlet.sdk.errors.ERROR_CODES` in order.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import inspect
 import re
 from pathlib import Path
 
-from tartlet.errors import ERROR_CODES
+from tartlet.sdk.errors import ERROR_CODES
 from tartlet.host.api import HostApi
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_host_imports_cover_the_wit():
 
 
 def test_guest_binding_covers_the_host_api():
-    tree = ast.parse((ROOT / "tartlet" / "_wasm_binding.py").read_text())
+    tree = ast.parse((ROOT / "tartlet" / "sdk" / "_wasm_binding.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "WasmHost")
     guest = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
     assert guest == host_methods() - NATIVE_ONLY
@@ -131,7 +131,7 @@ _SCALARS = {"u8": "int", "u16": "int", "u32": "int", "u64": "int", "s32": "int",
 #: WIT records and variants -> the Python type both HostApi and the guest
 #: binding use for them (the transports convert between the two).
 NAMED = {
-    "output-slot": "OutputSlot",  # tartlet.forward.OutputSlot
+    "output-slot": "OutputSlot",  # tartlet.sdk.forward.OutputSlot
     "sampler-params": "OutputSlot",  # a `sample` slot (Sampler.slot)
     "message": "str | bytes",
     "chat-message": "dict[str, Any]",
@@ -242,7 +242,7 @@ def test_host_api_types_match_the_wit():
 
 
 def test_guest_binding_types_match_the_host_api():
-    tree = ast.parse((ROOT / "tartlet" / "_wasm_binding.py").read_text())
+    tree = ast.parse((ROOT / "tartlet" / "sdk" / "_wasm_binding.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "WasmHost")
     for f in cls.body:
         if not isinstance(f, ast.FunctionDef) or f.name.startswith("_"):

@@ -25,7 +25,9 @@ Args:
 Returns ``{{"text": ...}}``.
 """
 
-from tartlet import Model, Sampler, session
+from tartlet import Model, Sampler
+
+from tartlet.sdk import session
 
 
 async def main(args: dict) -> dict:
@@ -60,7 +62,7 @@ def sandboxed_component(inferlet: str) -> tuple[Program, Path]:
     ``.wasm`` argument (building a folder, cached). Exits with a message on
     a bad inferlet or a failed build."""
     from ..runtime.builder import BuildError
-    from ..errors import ProgramError
+    from ..sdk.errors import ProgramError
     from ..runtime.wasm import WasmRuntime
 
     try:
@@ -78,7 +80,7 @@ def build_cmd(
 ) -> None:
     """Build an inferlet into a sandboxed WebAssembly component (offline, cached)."""
     from ..runtime.builder import BuildError, build
-    from ..errors import ProgramError
+    from ..sdk.errors import ProgramError
     from ..runtime.program import load_program
 
     try:

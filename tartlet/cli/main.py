@@ -53,7 +53,7 @@ def run(
     Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
     """
     from ..engine.loading.loader import ModelLoadError
-    from ..errors import ProgramError
+    from ..sdk.errors import ProgramError
     from ..runtime.program import find_program
 
     words = list(ctx.args)
@@ -210,7 +210,7 @@ def model_remove(name: str) -> None:
 @app.command("inferlets")
 def inferlets(name: Optional[str] = typer.Argument(None, help="Show this inferlet's arguments.")) -> None:
     """List the bundled inferlets, or document one (its arguments and result)."""
-    from ..errors import ProgramError
+    from ..sdk.errors import ProgramError
     from ..runtime.program import find_program, list_programs
 
     if name is not None:

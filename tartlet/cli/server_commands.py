@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from ..errors import StoreError
+from ..sdk.errors import StoreError
 
 if TYPE_CHECKING:
     from ..server.auth import ApiKeyStore
@@ -118,7 +118,7 @@ def install(
     Folders and .py files run as `[programs] installed_runtime` says; a .wasm
     component (from `tartlet build`) always runs sandboxed, named by its file stem.
     """
-    from ..errors import ProgramError
+    from ..sdk.errors import ProgramError
     from ..runtime.program import load_program
 
     cfg = _load(config)

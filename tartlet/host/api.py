@@ -1,9 +1,9 @@
 """The host API: every call an inferlet can make, implemented once.
 
 One :class:`HostApi` object serves one inferlet instance. The native runtime
-calls it directly (through :mod:`tartlet._binding`); the WASM runtime calls it
+calls it directly (through :mod:`tartlet.sdk._binding`); the WASM runtime calls it
 from its WIT host functions. Arguments are plain data (ints, strings, lists,
-dicts) and the SDK's typed records (:class:`tartlet.forward.OutputSlot`), so
+dicts) and the SDK's typed records (:class:`tartlet.sdk.forward.OutputSlot`), so
 the same calls map onto WIT types. Every argument is validated here, because
 a sandboxed caller is untrusted: a bad call raises a ``ValueError`` subclass
 naming the problem and changes nothing.
@@ -34,9 +34,9 @@ from ..engine.core.kv_accounting import PageAccount
 from ..engine.core.sampler import OutputSlot as EngineSlot, ProbeSpec, SamplerSpec
 from ..engine.core.scheduler import ForwardRequest
 from ..engine.core.sequence import Sequence
-from ..errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
-from ..forward import OutputSlot
-from ..sampler import step_seed
+from ..sdk.errors import InvalidHandleError, KvCacheFullError, LimitError, SamplingError
+from ..sdk.forward import OutputSlot
+from ..sdk.sampler import step_seed
 from .grammar import GrammarOutputSlot, Matcher
 from .grammar_api import GrammarHostMixin
 from .io_api import ChildLauncher, IoHostMixin
@@ -173,7 +173,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
                 message ``tool_call_id`` and ``name`` (str).
             add_generation_prompt: append the assistant header.
             tools: the template's ``tools`` variable (OpenAI shape, see
-                :mod:`tartlet.tools`), or None.
+                :mod:`tartlet.sdk.tools`), or None.
 
         Raises:
             ValueError: the model has no chat template, a message or the
@@ -425,7 +425,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
             attention: per token, a BRLE mask over the context's logical
                 positions after this pass (True = may attend); shorter masks
                 are padded with False. Default: causal.
-            outputs: :class:`tartlet.forward.OutputSlot` records: ``index``
+            outputs: :class:`tartlet.sdk.forward.OutputSlot` records: ``index``
                 (input token whose logits are used), ``kind`` (``sample``,
                 ``distribution``, ``logits``, ``logprobs``, ``entropy``), the
                 kind's parameters (``temperature``, ``top_k``, ``top_p``,
@@ -527,7 +527,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         Args:
             handle: the context.
             tokens: the pending input tokens of the first pass (>= 1).
-            sampler: a ``sample`` :class:`~tartlet.forward.OutputSlot`
+            sampler: a ``sample`` :class:`~tartlet.sdk.forward.OutputSlot`
                 (``Sampler.slot``): its ``temperature``, ``top_k``, ``top_p``,
                 ``min_p`` and ``seed`` apply; ``index`` is set here. With a ``seed``, step ``first_step + i`` samples
                 with the seed the SDK's ``Sampler.slot`` derives for it.
@@ -656,7 +656,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
             raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
         if not isinstance(sampler, OutputSlot) or sampler.kind != "sample":
-            raise ValueError(f"sampler is a `sample` tartlet.forward.OutputSlot (Sampler.slot), got {sampler!r}")
+            raise ValueError(f"sampler is a `sample` tartlet.sdk.forward.OutputSlot (Sampler.slot), got {sampler!r}")
         seed = sampler.seed
         stop = frozenset(int(t) for t in stop_ids)
         count = [0]  # tokens sampled so far
@@ -713,7 +713,7 @@ class HostApi(IoHostMixin, GrammarHostMixin):
         host-side generation's own copy of it, see :meth:`_decode`), else
         by the handle's matcher."""
         if not isinstance(o, OutputSlot):
-            raise ValueError(f"an output slot is a tartlet.forward.OutputSlot, got {type(o).__name__}")
+            raise ValueError(f"an output slot is a tartlet.sdk.forward.OutputSlot, got {type(o).__name__}")
         idx = o.index
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_inputs:
             raise ValueError(f"output index {idx!r} outside the {n_inputs} input tokens")

@@ -53,7 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypedDict
 
-from ..errors import LimitError
+from ..sdk.errors import LimitError
 from ..paths import cache_dir
 
 #: Seconds per epoch tick of the sandbox engine (the resolution of time limits).

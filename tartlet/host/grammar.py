@@ -20,7 +20,7 @@ Mask formats (all little-endian bit order: bit ``i % 8`` of byte ``i // 8`` is
 token ``i``, the llguidance bitmask layout):
 
 * packed bits, ``ceil(V / 8)`` bytes;
-* BRLE run lengths (:mod:`tartlet.brle`);
+* BRLE run lengths (:mod:`tartlet.sdk.brle`);
 * a bool ``[V]`` tensor for the sampler (:class:`GrammarOutputSlot`), computed
   on :data:`MASK_POOL` while the forward pass runs.
 """
@@ -44,7 +44,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ..engine.core.sampler import OutputSlot, ProbeSpec, SamplerSpec, checkable
-from ..errors import GrammarError
+from ..sdk.errors import GrammarError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # the stub's TypedDict, not exported at run time
@@ -409,7 +409,7 @@ def bits_to_tensor(packed: npt.NDArray[np.uint8], size: int) -> torch.Tensor:
 
 def bits_to_brle(packed: npt.NDArray[np.uint8], size: int) -> list[int]:
     """Packed little-endian bits -> BRLE run lengths (first run False) over
-    ``size`` bits (:mod:`tartlet.brle` format)."""
+    ``size`` bits (:mod:`tartlet.sdk.brle` format)."""
     bits = np.unpackbits(packed, count=size, bitorder="little")
     edges = np.flatnonzero(bits[1:] != bits[:-1]) + 1
     bounds = np.concatenate(([0], edges, [size]))

@@ -2,7 +2,7 @@
 state into a logit mask). Mixed into :class:`tartlet.host.api.HostApi`.
 
 The grammar engine (llguidance, see :mod:`tartlet.host.grammar`) is native
-code, so it lives on the host; the SDK's :mod:`tartlet.constraint` holds
+code, so it lives on the host; the SDK's :mod:`tartlet.sdk.constraint` holds
 only handles. A generation step names its matcher in the output slot
 (``{"grammar": handle}``) and the host computes the mask itself, in a worker
 thread, while the forward pass runs: no mask crosses the host boundary.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 
 from ..engine.core.sampler import OutputSlot, ProbeSpec, SamplerSpec
-from ..errors import GrammarError, InvalidHandleError
+from ..sdk.errors import GrammarError, InvalidHandleError
 from .grammar import GRAMMAR_KINDS, GrammarOutputSlot, Matcher, bits_to_brle
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
-from ..errors import HttpError
+from ..sdk.errors import HttpError
 
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 

@@ -18,7 +18,7 @@ import itertools
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
-from ..errors import HttpError, InvalidHandleError
+from ..sdk.errors import HttpError, InvalidHandleError
 
 if TYPE_CHECKING:
     from .code_sandbox import CodeSandbox, SandboxResult
@@ -173,7 +173,7 @@ class IoHostMixin:
     def mcp_servers(self) -> dict[str, str]:
         """The MCP servers configured on this host, ``{name: endpoint URL}``
         (``[mcp.servers.NAME] url``; each URL is on every instance's HTTP
-        allowlist). The SDK's :mod:`tartlet.mcp` speaks to them over
+        allowlist). The SDK's :mod:`tartlet.sdk.mcp` speaks to them over
         :meth:`http_fetch`."""
         return dict(self.state.mcp_servers)
 

@@ -12,7 +12,7 @@ subscriptions; a broadcast counts once per subscription that holds it) may
 take ``max_user_bytes`` in all, and ``max_user_topics`` topics may hold
 state at once (a queue topic with waiting messages or pullers, a broadcast
 topic with subscriptions). A push, broadcast, pull or subscribe past them
-raises :class:`~tartlet.errors.LimitError` naming the limit; nothing
+raises :class:`~tartlet.sdk.errors.LimitError` naming the limit; nothing
 else is affected. A topic with no state left is forgotten. Messages queued
 on a queue topic belong to the user, not to the instance that pushed them:
 they wait for a puller after their sender ended (within the byte limit);
@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import Future
 from typing import Protocol
 
-from ..errors import LimitError, MessagingError
+from ..sdk.errors import LimitError, MessagingError
 from .session import message_bytes
 
 Message = str | bytes

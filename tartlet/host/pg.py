@@ -2,7 +2,7 @@
 (``[store] url``: the key-value store, the API keys, messaging).
 
 Imported only when a URL is configured, so the single-process server never
-imports psycopg. Errors are :class:`tartlet.errors.StoreError`; their
+imports psycopg. Errors are :class:`tartlet.sdk.errors.StoreError`; their
 messages name the server with its password replaced by ``***``
 (:func:`redact`) and never echo the password.
 """
@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 import psycopg
 from psycopg.rows import TupleRow
 
-from ..errors import StoreError
+from ..sdk.errors import StoreError
 
 #: Seconds one connection attempt may take.
 CONNECT_TIMEOUT_S = 10

@@ -84,7 +84,7 @@ processes, whichever claims first wins. A broadcast reaches each
 subscription in send order of one sender.
 
 Errors: a database failure (unreachable, connection lost) raises
-:class:`~tartlet.errors.MessagingError` with a message that names the server
+:class:`~tartlet.sdk.errors.MessagingError` with a message that names the server
 without its password; the next call reconnects. PostgreSQL text cannot hold
 NUL characters, so a user or topic with one is a MessagingError here.
 """
@@ -104,7 +104,7 @@ from typing import LiteralString, TypeVar
 
 import psycopg
 
-from ..errors import LimitError, MessagingError, StoreError
+from ..sdk.errors import LimitError, MessagingError, StoreError
 from .messaging import MAX_BACKLOG, MAX_USER_BYTES, MAX_USER_TOPICS, Message, _Mailbox, check
 from .pg import Conn, connect, create_tables, describe, redact
 

@@ -14,7 +14,7 @@ PostgreSQL text cannot hold NUL characters: a key or value with one is a
 
 from __future__ import annotations
 
-from ..errors import StoreError
+from ..sdk.errors import StoreError
 from .pg import Conn, SharedConnection, create_tables
 from .store import _check_key, _check_prefix, _check_value
 

@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from ..errors import LimitError
+from ..sdk.errors import LimitError
 
 Message = str | bytes
 Listener = Callable[[Message], None]

@@ -56,7 +56,7 @@ import torch
 
 from ..engine.core.engine import Engine
 from ..engine.core.sequence import Sequence
-from ..errors import SnapshotError
+from ..sdk.errors import SnapshotError
 from .kv_quotas import KvAccounts
 from .snapshot_store import FileStamp, SnapshotFile, SnapshotStore, file_stamp
 from .snapshots import Snapshot, SnapshotRegistry, check_name

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ..engine.core.engine import Engine
-from ..errors import SnapshotError
+from ..sdk.errors import SnapshotError
 
 log = logging.getLogger(__name__)
 

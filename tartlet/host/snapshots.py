@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.core.sequence import Sequence
-from ..errors import LimitError, SnapshotError
+from ..sdk.errors import LimitError, SnapshotError
 
 #: prefix of names every user may list and open
 PUBLIC_PREFIX = "public/"

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import StoreError
+from ..sdk.errors import StoreError
 
 #: Longest key, characters.
 MAX_KEY_CHARS = 1024

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..host.api import HostApi
-from ..errors import LimitError, ProgramError
+from ..sdk.errors import LimitError, ProgramError
 from ..host.session import Session
 from .instance import Instance, Status, new_instance_id
 from .program import BUNDLED_DIR, Program, list_programs, load_program

@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any
 
-from .. import _binding
+from ..sdk import _binding
 from ..host.session import Session
 from .base import BaseRuntime
 from .instance import Instance, Status

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any, Callable
 
-from ..errors import ProgramError
+from ..sdk.errors import ProgramError
 
 #: The standard inferlets shipped with Tartlet.
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "inferlets"

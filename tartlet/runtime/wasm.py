@@ -43,7 +43,7 @@ from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Variant
 
-from ..errors import ProgramError
+from ..sdk.errors import ProgramError
 from ..host.session import Session
 from ..host.state import HostState
 from . import builder

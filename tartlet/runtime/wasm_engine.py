@@ -24,7 +24,7 @@ from pathlib import Path
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
 
-from ..errors import ProgramError
+from ..sdk.errors import ProgramError
 from ..paths import cache_dir
 from . import wasm_fastcall, wasm_fastlist
 

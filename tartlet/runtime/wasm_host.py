@@ -13,7 +13,7 @@ released while blocked).
 Host functions never raise into wasmtime (wasmtime-py would park the
 exception in a process-global): a failed call returns the ``result`` error
 ``call-error { code, message }``, ``code`` naming the exception's class
-(:func:`tartlet.errors.error_code`). The only exception is :class:`WasmtimeError`,
+(:func:`tartlet.sdk.errors.error_code`). The only exception is :class:`WasmtimeError`,
 raised on purpose to trap an instance that was aborted or ran out of CPU
 time; wasmtime passes it through as a trap of that instance alone.
 """
@@ -31,8 +31,8 @@ from wasmtime import WasmtimeError
 from wasmtime.component import Linker, Record, Variant
 
 from ..host.api import HostApi
-from ..errors import InvalidHandleError, error_code
-from ..forward import OutputSlot
+from ..sdk.errors import InvalidHandleError, error_code
+from ..sdk.forward import OutputSlot
 
 #: The WIT package the component imports its interfaces from, and its version.
 PACKAGE, VERSION = "tartlet:inferlet", "0.2.0"  # 0.2.0: the interfaces (0.1.0 had one `host`)

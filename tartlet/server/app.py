@@ -141,7 +141,7 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
 
     Raises:
         tartlet.engine.loading.loader.ModelLoadError: a model cannot be loaded.
-        tartlet.errors.StoreError: ``[store] url`` cannot be reached.
+        tartlet.sdk.errors.StoreError: ``[store] url`` cannot be reached.
     """
     from ..engine.core.engine import Engine
     from ..host.state import HostState
@@ -191,7 +191,7 @@ def configure_http(state: HostState, cfg: ServerConfig) -> None:
     ``[mcp.servers.NAME] url`` is allowed to every inferlet (that endpoint
     only, not its whole host), with the server's ``headers`` added by the
     host (inferlets never see them), and listed by name
-    (``tartlet.mcp.available_servers()``)."""
+    (``tartlet.sdk.mcp.available_servers()``)."""
     from ..host.http import HttpFetcher, HttpPolicy
 
     h, mcp = cfg.http, cfg.mcp.servers

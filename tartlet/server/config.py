@@ -214,7 +214,7 @@ class ProgramsConfig(_Table):
 
 class CodeConfig(_Table):
     """``[code]``: the code sandbox behind the ``code-run`` host call
-    (``tartlet.sandbox``, ``tartlet/host/code_sandbox.py``).
+    (``tartlet.sdk.sandbox``, ``tartlet/host/code_sandbox.py``).
 
     Attributes:
         enabled: let inferlets run Python snippets at all.

@@ -10,7 +10,7 @@ text_completion objects; ``data: ...`` SSE frames ending with
 ``data: [DONE]``).
 
 ``response_format`` (chat and completions) constrains the output with the
-SDK's constrained decoding (:mod:`tartlet.constraint`): ``{"type":
+SDK's constrained decoding (:mod:`tartlet.sdk.constraint`): ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}`` gives JSON valid
 against the schema, ``{"type": "json_object"}`` a JSON object, ``{"type":
 "text"}`` no constraint. The schema is compiled here, before the inferlet is
@@ -51,7 +51,7 @@ temperature 1 when greedy) in OpenAI's shapes, in stream chunks too (see
 
 Tool calling (chat): ``tools`` (OpenAI function tools) are rendered with
 the model's own chat template, or in the Hermes format for templates that
-ignore them (:mod:`tartlet.tools`); ``tool_choice`` ``auto`` (the default
+ignore them (:mod:`tartlet.sdk.tools`); ``tool_choice`` ``auto`` (the default
 with tools) parses calls out of the generated text in the model's format,
 ``none`` renders no tools and returns text, ``required`` and ``{"type":
 "function", "function": {"name"}}`` force one call whose arguments are
@@ -87,9 +87,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, TypedDi
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import GrammarError
+from ..sdk.errors import GrammarError
 from ..host.grammar import Matcher
-from ..tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
+from ..sdk.tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
 from ..runtime.instance import Instance, Status
 from ..runtime.program import load_program
 from .auth import AuthError
@@ -383,7 +383,7 @@ _tool_formats: dict[str, ToolFormat] = {}
 
 def chat_tool_format(tokenizer: Any) -> ToolFormat:
     """The tool format of ``tokenizer``'s chat template (probed once per
-    template text; see :func:`tartlet.tools.detect_format`)."""
+    template text; see :func:`tartlet.sdk.tools.detect_format`)."""
     src = tokenizer.chat_template or ""
     fmt = _tool_formats.get(src)
     if fmt is None:
@@ -545,7 +545,7 @@ def parse_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
 def prompt_length(tokenizer: Any, job: dict[str, Any]) -> int:
     """How many tokens the ``openai-completion`` inferlet fills for ``job``
     (its ``messages``, ``prompt`` or ``prompt_tokens``), computed the way
-    the SDK's :class:`~tartlet.context.Context` fills them: the chat template
+    the SDK's :class:`~tartlet.sdk.context.Context` fills them: the chat template
     rendered message by message (each new part tokenized on its own), then
     the assistant header; BOS first where the model asks for one."""
     if "prompt_tokens" in job:

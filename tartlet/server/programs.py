@@ -17,7 +17,7 @@ import tomllib
 import unicodedata
 from pathlib import Path
 
-from ..errors import ProgramError
+from ..sdk.errors import ProgramError
 from ..runtime.program import Program, load_program
 from ..protocol import ProtocolError, program_hash
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import LimitError, ProgramError
+from ..sdk.errors import LimitError, ProgramError
 from ..host.session import ByteBudget, Session, message_bytes
 from ..host.state import HostState
 from .config import ServerConfig

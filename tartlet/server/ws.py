@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..errors import LimitError
+from ..sdk.errors import LimitError
 from ..host.session import message_bytes
 from .auth import AuthError
 from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from ...errors import KvQuotaError
+from ...sdk.errors import KvQuotaError
 
 
 class PageAccount:

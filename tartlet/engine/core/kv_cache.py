@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import KvCacheFullError
+from ...sdk.errors import KvCacheFullError
 from .kv_quant import row_width
 
 EMPTY_KEY = b""

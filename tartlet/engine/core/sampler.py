@@ -24,8 +24,8 @@ from typing import cast
 
 import torch
 
-from ...errors import SamplingError
-from ...sampler import validate_sampler as _sdk_validate
+from ...sdk.errors import SamplingError
+from ...sdk.sampler import validate_sampler as _sdk_validate
 
 #: Candidates examined before falling back to a full sort for top-p.
 _TOP_P_CANDIDATES = 512
@@ -56,7 +56,7 @@ class SamplerSpec:
 
 def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p: float) -> None:
     """Raise :class:`SamplingError` naming the first out-of-range parameter
-    (the rules of :func:`tartlet.sampler.validate_sampler`)."""
+    (the rules of :func:`tartlet.sdk.sampler.validate_sampler`)."""
     _sdk_validate(temperature, top_k, top_p, min_p)  # raises SamplingError
 
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from .batch import BatchItem, build_batch
-from ...errors import ContextLengthError, KvCacheFullError, KvQuotaError, SequenceFreedError
+from ...sdk.errors import ContextLengthError, KvCacheFullError, KvQuotaError, SequenceFreedError
 from .kv_cache import PagePool
 from ..models.llama import LlamaModel
 from .sampler import OutputSlot, SamplerSpec, SlotSampler

@@ -22,7 +22,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ...errors import ChatTemplateError
+from ...sdk.errors import ChatTemplateError
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -16,7 +16,7 @@ import contextvars
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # the contract only; the SDK does not import the host at run time
-    from .host.api import HostApi
+    from ..host.api import HostApi
 
 T = TypeVar("T")
 

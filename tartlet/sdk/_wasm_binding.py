@@ -1,6 +1,6 @@
 """The SDK's single door to the host inside a WASM component.
 
-``tartlet build`` bundles this file as ``tartlet/_binding.py`` in place of
+``tartlet build`` bundles this file as ``tartlet/sdk/_binding.py`` in place of
 the native binding, so the SDK calls the same two functions in both modes:
 
 - :func:`host` returns an adapter whose methods have the names, arguments
@@ -44,7 +44,7 @@ from .forward import OUTPUT_KINDS, OutputSlot
 
 
 # -- errors ---------------------------------------------------------------------
-# WIT ``error-code`` case -> the SDK's class (tartlet/errors.py), the very one
+# WIT ``error-code`` case -> the SDK's class (tartlet/sdk/errors.py), the very one
 # the native host raises; componentize-py spells enum cases in UPPER_SNAKE.
 _CLASSES: dict[Any, type[Exception]] = {getattr(_wit_types.ErrorCode, c.upper().replace("-", "_")): cls for c, cls in ERROR_CODES.items()}
 
