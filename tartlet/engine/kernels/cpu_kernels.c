@@ -4,20 +4,20 @@
  * Each replaces a chain of small PyTorch ops whose per-call overhead, not
  * their arithmetic, dominates a decode step on a CPU:
  *
- *   rms_norm               RMSNorm (Zhang & Sennrich, 2019) as in HF Llama:
- *                          w * (x * rsqrt(mean(x^2) + eps)).
- *   rope_qkv_store         rotary embedding (Su et al., 2021; HF rotate_half
- *                          layout) of the query and key heads of a fused QKV
- *                          row, queries to a buffer, keys and values straight
- *                          into their page-pool slots.
- *   paged_decode_attention one query token per sequence attending to its
- *                          keys/values where they lie in the page pool (no
- *                          gather into a padded copy), grouped-query heads
- *                          sharing each key/value read.
- *   argmax_rows            greedy sampling: the first maximum of each row of
- *                          logits, as torch.argmax.
- *   argmax_masked          greedy sampling under a logit mask: the first
- *                          maximum over the allowed positions of one row.
+ *   tq_rms_norm                  RMSNorm (Zhang & Sennrich, 2019) as in HF Llama:
+ *                                w * (x * rsqrt(mean(x^2) + eps)).
+ *   tq_rope_qkv_store            rotary embedding (Su et al., 2021; HF rotate_half
+ *                                layout) of the query and key heads of a fused QKV
+ *                                row, queries to a buffer, keys and values straight
+ *                                into their page-pool slots.
+ *   tq_paged_decode_attention    one query token per sequence attending to its
+ *                                keys/values where they lie in the page pool (no
+ *                                gather into a padded copy), grouped-query heads
+ *                                sharing each key/value read.
+ *   tq_argmax_rows               greedy sampling: the first maximum of each row of
+ *                                logits, as torch.argmax.
+ *   tq_argmax_masked             greedy sampling under a logit mask: the first
+ *                                maximum over the allowed positions of one row.
  *
  * Layouts (all float32, row-major, contiguous unless a stride is given):
  *   KV pool layer  [slots, nkv, hd]
@@ -25,10 +25,10 @@
  *   slots          int64 [B, L] pool slot of each attended position
  *   bias           float [B, L] additive mask (0 or -inf), or NULL
  *
- * int8 pools (kv_int8.h): rope_qkv_store_q8 and paged_decode_attention_q8 are
+ * int8 pools (kv_int8.h): tq_rope_qkv_store_q8 and tq_paged_decode_attention_q8 are
  * the same two kernels over pool layers int8 [slots, nkv, hd + 4] (each row's
- * quants, then its float32 scale); float16 pools: rope_qkv_store_f16 and
- * paged_decode_attention_f16 over layers of IEEE binary16 [slots, nkv, hd]
+ * quants, then its float32 scale); float16 pools: tq_rope_qkv_store_f16 and
+ * tq_paged_decode_attention_f16 over layers of IEEE binary16 [slots, nkv, hd]
  * (keys and values rounded to nearest even as they are written).
  *
  * The kernels that need per-thread scratch (the attentions and the int8 and
@@ -45,10 +45,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "abi.h"
 #include "float_kernels.h"
 #include "kv_int8.h"
 
-void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t H, float eps)
+void tq_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t H, float eps)
 {
 #pragma omp parallel for if (T * H >= 65536) schedule(static)
     for (int64_t t = 0; t < T; t++)
@@ -71,9 +72,6 @@ static int team_alloc_failed(const void *p, size_t bytes, int *failed)
     return f;
 }
 
-/* Pool element kinds. */
-enum { POOL_F32 = 0, POOL_Q8 = 1, POOL_F16 = 2 };
-
 /* The RoPE + KV write of T rows into pools of `kind`; -1 when the scratch
  * row cannot be allocated (nothing written then). */
 static int rope_store(int kind, const float *qkv, const float *cos_, const float *sin_, float *q_out, void *k_pool,
@@ -83,16 +81,16 @@ static int rope_store(int kind, const float *qkv, const float *cos_, const float
     int failed = 0;
 #pragma omp parallel if (T >= 64)
     {
-        const size_t bytes = kind == POOL_F32 ? 0 : sizeof(float) * (size_t)hd;
+        const size_t bytes = kind == TQ_KV_F32 ? 0 : sizeof(float) * (size_t)hd;
         float *tmp = bytes ? malloc(bytes) : NULL;
         if (!team_alloc_failed(tmp, bytes, &failed)) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 const float *src = qkv + t * row, *c = cos_ + t * half, *s = sin_ + t * half;
                 float *q = q_out + t * nh * hd;
-                if (kind == POOL_Q8)
+                if (kind == TQ_KV_Q8)
                     rope_store_row_q8(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd, tmp);
-                else if (kind == POOL_F16)
+                else if (kind == TQ_KV_F16)
                     rope_store_row_f16(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd, tmp);
                 else
                     rope_store_row(src, c, s, q, k_pool, v_pool, write_slots[t], nh, nkv, hd);
@@ -105,29 +103,29 @@ static int rope_store(int kind, const float *qkv, const float *cos_, const float
 
 /* qkv [T, (nh + 2 nkv) hd]; cos, sin [T, hd/2]; q_out [T, nh, hd];
  * k_pool, v_pool [slots, nkv, hd]; write_slots int64 [T]. */
-void rope_qkv_store(const float *qkv, const float *cos_, const float *sin_, float *q_out, float *k_pool, float *v_pool,
+void tq_rope_qkv_store(const float *qkv, const float *cos_, const float *sin_, float *q_out, float *k_pool, float *v_pool,
                     const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
 {
-    rope_store(POOL_F32, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+    rope_store(TQ_KV_F32, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
 }
 
-/* rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
- * (kv_int8.h); the other arguments as rope_qkv_store. */
-int rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
+/* tq_rope_qkv_store writing int8 rows: k_pool, v_pool int8 [slots, nkv, hd + 4]
+ * (kv_int8.h); the other arguments as tq_rope_qkv_store. */
+int tq_rope_qkv_store_q8(const float *qkv, const float *cos_, const float *sin_, float *q_out, int8_t *k_pool,
                       int8_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
 {
-    return rope_store(POOL_Q8, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+    return rope_store(TQ_KV_Q8, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
 }
 
-/* rope_qkv_store writing float16 rows: k_pool, v_pool binary16 [slots, nkv,
- * hd]; the other arguments as rope_qkv_store. */
-int rope_qkv_store_f16(const float *qkv, const float *cos_, const float *sin_, float *q_out, uint16_t *k_pool,
+/* tq_rope_qkv_store writing float16 rows: k_pool, v_pool binary16 [slots, nkv,
+ * hd]; the other arguments as tq_rope_qkv_store. */
+int tq_rope_qkv_store_f16(const float *qkv, const float *cos_, const float *sin_, float *q_out, uint16_t *k_pool,
                        uint16_t *v_pool, const int64_t *write_slots, int64_t T, int64_t nh, int64_t nkv, int64_t hd)
 {
-    return rope_store(POOL_F16, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
+    return rope_store(TQ_KV_F16, qkv, cos_, sin_, q_out, k_pool, v_pool, write_slots, T, nh, nkv, hd);
 }
 
-/* Decode attention over pools of `kind` (see paged_decode_attention). Work
+/* Decode attention over pools of `kind` (see tq_paged_decode_attention). Work
  * is split over (sequence, KV head); each task keeps its g = nh / nkv heads'
  * scores in scratch. */
 static int paged_attention(int kind, const float *q, int64_t q_stride, const void *k_pool, const void *v_pool,
@@ -148,9 +146,9 @@ static int paged_attention(int kind, const float *q, int64_t q_stride, const voi
                     const int64_t r = rows ? rows[b] : row_start + b;
                     const float *qh = q + r * q_stride + kh * g * hd, *bb = bias ? bias + b * L : NULL;
                     float *oh = out + r * nh * hd + kh * g * hd;
-                    if (kind == POOL_Q8)
+                    if (kind == TQ_KV_Q8)
                         attend_kv_head_q8(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, nkv, kh, scale, p, oh);
-                    else if (kind == POOL_F16)
+                    else if (kind == TQ_KV_F16)
                         attend_kv_head_f16(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
                     else
                         attend_kv_head(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
@@ -163,31 +161,31 @@ static int paged_attention(int kind, const float *q, int64_t q_stride, const voi
 
 /* q: query b at q + (row_start + b or rows[b]) * q_stride, heads [nh, hd];
  * out: the same row of out, [nh * hd]; pools float32 [slots, nkv, hd]. */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
+int tq_paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
                            const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
                            float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
-    return paged_attention(POOL_F32, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+    return paged_attention(TQ_KV_F32, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
                            scale);
 }
 
-/* paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
- * (kv_int8.h); the other arguments as paged_decode_attention. */
-int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
+/* tq_paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
+ * (kv_int8.h); the other arguments as tq_paged_decode_attention. */
+int tq_paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
-    return paged_attention(POOL_Q8, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+    return paged_attention(TQ_KV_Q8, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
                            scale);
 }
 
-/* paged_decode_attention over float16 pools k_pool, v_pool [slots, nkv, hd];
- * the other arguments as paged_decode_attention. */
-int paged_decode_attention_f16(const float *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+/* tq_paged_decode_attention over float16 pools k_pool, v_pool [slots, nkv, hd];
+ * the other arguments as tq_paged_decode_attention. */
+int tq_paged_decode_attention_f16(const float *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
                                const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
                                float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
 {
-    return paged_attention(POOL_F16, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
+    return paged_attention(TQ_KV_F16, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
                            scale);
 }
 
@@ -254,7 +252,7 @@ static inline int64_t argmax_row(const float *r, const uint8_t *mask, int64_t V)
  * as torch.argmax gives it (argmax_row; a row of -inf gives 0). Greedy
  * sampling of a decode step's logits: PyTorch's reduction takes ~110 us for
  * one 49,152-value row and ~5.3 ms for 64 (docs/benchmarks.md). */
-void argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
+void tq_argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
 {
 #pragma omp parallel for if (S * V >= (1 << 20)) schedule(static)
     for (int64_t s = 0; s < S; s++) out[s] = argmax_row(x + s * ld, NULL, V);
@@ -263,4 +261,14 @@ void argmax_rows(const float *x, int64_t ld, int64_t S, int64_t V, int64_t *out)
 /* The first maximum of x [V] over the allowed positions (mask [V], nonzero
  * = allowed; argmax_row): greedy sampling under a logit mask (a grammar's)
  * without the masked copy of the row, one pass over the row and its mask. */
-int64_t argmax_masked(const float *x, const uint8_t *mask, int64_t V) { return argmax_row(x, mask, V); }
+int64_t tq_argmax_masked(const float *x, const uint8_t *mask, int64_t V) { return argmax_row(x, mask, V); }
+
+/* The boundary (abi.h; checked by abi.py): no structs cross it here, only
+ * the KV kinds the entry points are named after. */
+static const tq_abi_entry abi_table[] = {
+    {"version", TQ_ABI_VERSION},
+    TQ_ABI_ENUM(TQ_KV_F32), TQ_ABI_ENUM(TQ_KV_Q8), TQ_ABI_ENUM(TQ_KV_F16),
+    TQ_ABI_END,
+};
+
+const tq_abi_entry *tq_abi(void) { return abi_table; }

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from . import abi
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
 from .kernel_checks import F32, I64, bad_tensor
 from ..core.kv_quant import SCALE_BYTES
@@ -54,7 +55,7 @@ def _build(rebuild: bool = False) -> Path:
     flags = [*BASE_FLAGS, "-std=c11"]
     if {"avx2", "fma", "f16c"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    headers = tuple(_SOURCE.parent / h for h in ("float_kernels.h", "kv_int8.h"))
+    headers = tuple(_SOURCE.parent / h for h in ("abi.h", "float_kernels.h", "kv_int8.h"))
     return compile_library("cpu_kernels", _SOURCE, flags, headers, rebuild=rebuild)
 
 
@@ -101,23 +102,28 @@ class CpuKernels:
     rows) are not: the model builds them."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._rms = lib.rms_norm
+        """Raises:
+            KernelAbiError: the library's boundary differs from this wrapper's
+                (:mod:`.abi`)."""
+        abi.check(lib, "CPU kernels (cpu_kernels.c)", abi.kv_kind_entries())
+        self._lib = lib
+        self._rms = lib.tq_rms_norm
         self._rms.argtypes = [_P, _I, _P, _P, _I, _I, _F]
-        self._rope = lib.rope_qkv_store
+        self._rope = lib.tq_rope_qkv_store
         self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-        self._attn = lib.paged_decode_attention
+        self._attn = lib.tq_paged_decode_attention
         self._attn.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
-        self._rope_q8 = lib.rope_qkv_store_q8
+        self._rope_q8 = lib.tq_rope_qkv_store_q8
         self._rope_q8.argtypes = self._rope.argtypes
-        self._attn_q8 = lib.paged_decode_attention_q8
+        self._attn_q8 = lib.tq_paged_decode_attention_q8
         self._attn_q8.argtypes = self._attn.argtypes
-        self._rope_f16 = lib.rope_qkv_store_f16
+        self._rope_f16 = lib.tq_rope_qkv_store_f16
         self._rope_f16.argtypes = self._rope.argtypes
-        self._attn_f16 = lib.paged_decode_attention_f16
+        self._attn_f16 = lib.tq_paged_decode_attention_f16
         self._attn_f16.argtypes = self._attn.argtypes
-        self._argmax = lib.argmax_rows
+        self._argmax = lib.tq_argmax_rows
         self._argmax.argtypes = [_P, _I, _I, _I, _P]
-        self._argmax_masked = lib.argmax_masked
+        self._argmax_masked = lib.tq_argmax_masked
         self._argmax_masked.argtypes = [_P, _P, _I]
         self._argmax_masked.restype = ctypes.c_int64
         for f in (self._rms, self._rope, self._argmax):

@@ -28,9 +28,6 @@
 #include <omp.h>
 #include <sched.h>
 
-/* KV pool row kinds (tq_decoder_desc.kv_kind). */
-enum { TQ_KV_F32 = 0, TQ_KV_Q8 = 1, TQ_KV_F16 = 2 };
-
 /* One decoder layer: norm weights [H] and the four projections (descriptors
  * as tq_linear takes them); this layer's KV pool rows [slots, nkv, ...] of
  * the decoder's kv_kind. */

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .quant_kernels import KV_KINDS, DecoderDesc, LayerDesc, decoder_desc
+from .abi import KV_KINDS
+from .quant_kernels import DecoderDesc, LayerDesc, decoder_desc
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
 
 if TYPE_CHECKING:

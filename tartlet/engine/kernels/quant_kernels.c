@@ -52,6 +52,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
 #include "float_kernels.h"
 
 #define QK 32
@@ -603,3 +604,33 @@ void tq_matmul_half(int bf16, const uint16_t *w, int64_t N, int64_t K, const flo
 #include "kv_int8.h" /* int8 KV rows, for the fused step */
 #include "decode_step.h"
 #include "repack.h" /* GGUF blocks into the kinds at load, and the 16-row interleave */
+
+/* The boundary as the C compiler lays it out (abi.h; checked by abi.py). */
+static const tq_abi_entry abi_table[] = {
+    {"version", TQ_ABI_VERSION},
+    TQ_ABI_SIZE(tq_part), TQ_ABI_FIELD(tq_part, kind), TQ_ABI_FIELD(tq_part, n), TQ_ABI_FIELD(tq_part, q),
+    TQ_ABI_FIELD(tq_part, d), TQ_ABI_FIELD(tq_part, m),
+    TQ_ABI_SIZE(tq_linear_desc), TQ_ABI_FIELD(tq_linear_desc, nparts), TQ_ABI_FIELD(tq_linear_desc, bits),
+    TQ_ABI_FIELD(tq_linear_desc, k), TQ_ABI_FIELD(tq_linear_desc, n_total), TQ_ABI_FIELD(tq_linear_desc, bias),
+    TQ_ABI_FIELD(tq_linear_desc, parts), TQ_ABI_FIELD(tq_linear_desc, bf16),
+    TQ_ABI_SIZE(tq_layer_desc), TQ_ABI_FIELD(tq_layer_desc, ln1), TQ_ABI_FIELD(tq_layer_desc, ln2),
+    TQ_ABI_FIELD(tq_layer_desc, qkv), TQ_ABI_FIELD(tq_layer_desc, o), TQ_ABI_FIELD(tq_layer_desc, gate_up),
+    TQ_ABI_FIELD(tq_layer_desc, down), TQ_ABI_FIELD(tq_layer_desc, k_pool), TQ_ABI_FIELD(tq_layer_desc, v_pool),
+    TQ_ABI_SIZE(tq_attn_group), TQ_ABI_FIELD(tq_attn_group, rows), TQ_ABI_FIELD(tq_attn_group, row_start),
+    TQ_ABI_FIELD(tq_attn_group, B), TQ_ABI_FIELD(tq_attn_group, L), TQ_ABI_FIELD(tq_attn_group, kv_slots),
+    TQ_ABI_FIELD(tq_attn_group, bias),
+    TQ_ABI_SIZE(tq_decoder_desc), TQ_ABI_FIELD(tq_decoder_desc, n_layers), TQ_ABI_FIELD(tq_decoder_desc, hidden),
+    TQ_ABI_FIELD(tq_decoder_desc, nh), TQ_ABI_FIELD(tq_decoder_desc, nkv), TQ_ABI_FIELD(tq_decoder_desc, hd),
+    TQ_ABI_FIELD(tq_decoder_desc, ffn), TQ_ABI_FIELD(tq_decoder_desc, eps), TQ_ABI_FIELD(tq_decoder_desc, scale),
+    TQ_ABI_FIELD(tq_decoder_desc, layers), TQ_ABI_FIELD(tq_decoder_desc, final_norm),
+    TQ_ABI_FIELD(tq_decoder_desc, head), TQ_ABI_FIELD(tq_decoder_desc, kv_kind),
+    TQ_ABI_ENUM(TQ_MAX_PARTS),
+    TQ_ABI_ENUM(K_Q8), TQ_ABI_ENUM(K_Q4), TQ_ABI_ENUM(K_Q5), TQ_ABI_ENUM(K_Q6), TQ_ABI_ENUM(K_F16),
+    TQ_ABI_ENUM(K_BF16), TQ_ABI_ENUM(K_Q4I), TQ_ABI_ENUM(K_Q8I), TQ_ABI_ENUM(K_Q5I), TQ_ABI_ENUM(K_Q6I),
+    TQ_ABI_ENUM(TQ_KV_F32), TQ_ABI_ENUM(TQ_KV_Q8), TQ_ABI_ENUM(TQ_KV_F16),
+    TQ_ABI_ENUM(G_Q8_0), TQ_ABI_ENUM(G_Q4_0), TQ_ABI_ENUM(G_Q4_1), TQ_ABI_ENUM(G_Q5_0), TQ_ABI_ENUM(G_Q5_1),
+    TQ_ABI_ENUM(G_Q4_K), TQ_ABI_ENUM(G_Q5_K), TQ_ABI_ENUM(G_Q6_K),
+    TQ_ABI_END,
+};
+
+const tq_abi_entry *tq_abi(void) { return abi_table; }

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from ..loading import huge_pages
+from . import abi
+from .abi import KV_KINDS
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
 from ..loading.quant_formats import (BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, INTERLEAVED_KINDS, KIND_NAMES, Q4, Q5, Q6, Q8,
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
-_HEADERS = tuple(_DIR / h for h in ("quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
+_HEADERS = tuple(_DIR / h for h in ("abi.h", "quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
                                     "panel_gemm_bf16.h", "interleaved_avx512.h", "float_kernels.h", "kv_int8.h",
                                     "decode_step.h", "repack.h"))
 _lock = threading.Lock()
@@ -86,8 +88,23 @@ class DecoderDesc(ctypes.Structure):
 REPACK_TYPES = {"Q8_0": (0, Q8), "Q4_0": (1, Q4), "Q4_1": (2, Q4), "Q5_0": (3, Q5), "Q5_1": (4, Q5), "Q4_K": (5, Q4),
                 "Q5_K": (6, Q5), "Q6_K": (7, Q6)}
 
-#: ``DecoderDesc.kv_kind`` per pool dtype (``decode_step.h``'s TQ_KV_*)
-KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
+#: The C name of each structure above (``abi.h``'s table checks their layout).
+STRUCTS = {"tq_part": _Part, "tq_linear_desc": LinearDesc, "tq_layer_desc": LayerDesc, "tq_attn_group": AttnGroupDesc,
+           "tq_decoder_desc": DecoderDesc}
+
+def abi_entries() -> dict[str, int]:
+    """Everything this wrapper declares about ``quant_kernels.c``'s boundary,
+    as :func:`.abi.check` compares it: struct layouts, the kernel kinds
+    (``K_*``, :mod:`..loading.quant_formats`), KV kinds, GGUF repack codes
+    (``G_*``) and ``TQ_MAX_PARTS``."""
+    out: dict[str, int] = {}
+    for c_name, struct in STRUCTS.items():
+        out.update(abi.struct_entries(c_name, struct))
+    out.update({f"enum K_{KIND_NAMES[k].upper().replace('X16', 'I')}": k for k in KIND_NAMES})
+    out.update(abi.kv_kind_entries())
+    out.update({f"enum G_{name}": code for name, (code, _) in REPACK_TYPES.items()})
+    out["enum TQ_MAX_PARTS"] = MAX_PARTS
+    return out
 
 
 def load() -> "QuantKernels | None":
@@ -131,6 +148,10 @@ class QuantKernels:
     slots) and the weights' own tensors (built by :mod:`.quant_formats`) are not."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        """Raises:
+            KernelAbiError: the library's boundary differs from this wrapper's
+                (:mod:`.abi`)."""
+        abi.check(lib, "quant kernels (quant_kernels.c)", abi_entries())
         self._lib = lib
         lib.tq_quantize.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P]
         lib.tq_matmul.argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I]
