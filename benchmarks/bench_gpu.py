@@ -103,7 +103,7 @@ def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float
     ``generate`` call runs); returns (wall seconds, seconds per decode step
     after the first token)."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     sch = eng.scheduler
     slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]

@@ -41,7 +41,7 @@ def direct_tpot(engine, prompt_ids: list[int], n: int) -> float:
     """(a): prefill, then ``n`` greedy decode steps submitted straight to the
     scheduler; seconds per decode step."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     seq = engine.new_sequence()
     try:
@@ -61,7 +61,7 @@ def chained_tpot(engine, prompt_ids: list[int], n: int) -> float:
     next one, as ``generate`` does for an inferlet (no thread handoff
     between steps); seconds per decode step."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]
     done, start = [0], [0.0]

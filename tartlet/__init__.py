@@ -15,15 +15,19 @@ only.
 """
 
 import importlib as _importlib
+import pkgutil as _pkgutil
 import sys as _sys
 
+from . import sdk as _sdk
 from .sdk import *  # noqa: F403
 from .sdk import __all__ as __all__
 
-for _name in ("_binding", "brle", "children", "constraint", "context", "drafter", "errors", "forward", "generator",
-              "http", "mcp", "messaging", "model", "sampler", "sandbox", "session", "stop", "store", "tools"):
-    _sys.modules[f"{__name__}.{_name}"] = _module = _importlib.import_module(f"{__name__}.sdk.{_name}")
-    globals()[_name] = _module
-del _name, _module
+for _info in _pkgutil.iter_modules(_sdk.__path__):
+    if _info.name == "_wasm_binding":  # bundled as sdk/_binding.py in WASM builds; imports the component's bindings
+        continue
+    _module = _importlib.import_module(f"{__name__}.sdk.{_info.name}")
+    _sys.modules[f"{__name__}.{_info.name}"] = _module
+    globals()[_info.name] = _module
+del _info, _module
 
 __version__ = "0.1.0"

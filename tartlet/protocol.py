@@ -7,7 +7,9 @@ Host side only: WASM builds leave it out of the SDK they bundle.
 
 Every frame is a JSON object with a ``type``. Requests carry an ``id``
 (any JSON value chosen by the client) echoed in the reply. Authenticate with
-``Authorization: Bearer KEY`` on the upgrade request (or ``?key=KEY``).
+``Authorization: Bearer KEY`` on the upgrade request (or ``?key=KEY``, for
+browsers, which cannot set headers on a WebSocket; HTTP routes take the
+header only).
 
 Client -> server:
 
@@ -15,19 +17,26 @@ Client -> server:
 ``launch``            ``inferlet`` (a name) or ``program`` (``sha256:...`` of
                       an upload), ``args`` (object), ``attach`` (default
                       true), ``abort_on_disconnect`` (default false),
-                      ``time_limit_s`` (may lower the server's wall-time limit)
+                      ``logs`` (default false: send what it prints as
+                      ``log`` events), ``time_limit_s`` (a finite positive
+                      number; may lower the server's wall-time limit)
                       -> ``launched`` {``instance``}
 ``upload``            ``files`` {relative path: text} -> ``uploaded`` {``program``}
 ``send``              ``instance``, ``data`` (text) or ``data_b64`` (bytes)
 ``close_input``       ``instance``: the inferlet's next ``receive`` raises EOFError
 ``attach``/``detach`` ``instance``: start/stop streaming its output
-                      (``attach`` replays output buffered while detached)
+                      (``attach`` replays output buffered while detached;
+                      both answer ``not_found`` for an id that is not one
+                      of the user's instances)
 ``abort``             ``instance`` -> ``ok``
 ``list``              -> ``instances`` [{id, program, status, ...}]
 ``ping``              -> ``pong``
 ====================  =====================================================
 
 Server -> client: ``output`` {``instance``, ``data`` | ``data_b64``},
+``log`` {``instance``, ``stream`` (``stdout`` | ``stderr``), ``data``: one
+line without its newline; only for launches with ``logs``, at most 256 KiB
+per instance, then one ``[output truncated ...]`` line},
 ``exit`` {``instance``, ``status``, ``result``, ``error``}, and
 ``error`` {``id``, ``code``, ``message``} with codes ``bad_request``,
 ``unauthorized``, ``not_found``, ``unknown_program``, ``limit``,
@@ -39,8 +48,9 @@ Disconnect policy: an instance keeps running when its client disconnects
 reply's ``dropped`` counts messages lost to those limits) unless it was
 launched with ``abort_on_disconnect``. Its wall-time limit still applies.
 
-Frames are at most ``[limits] max_message_bytes`` (larger: the connection is
-closed with code 1009) and nest arrays and objects at most ``max_json_depth``
+Messages are at most ``[limits] max_message_bytes`` (one frame, or the
+frames of a fragmented message together; larger: the connection is closed
+with a close frame, code 1009) and nest arrays and objects at most ``max_json_depth``
 deep (deeper: ``bad_request``). A field of the wrong type is ``bad_request``
 naming the field.
 """

@@ -321,6 +321,8 @@ async def test_token_ids_outside_the_vocabulary(runtime, engine, tmp_path):
         api.forward(h, [1], outputs=[OutputSlot(0, "logprobs", token_ids=[v + 3])])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         api.detokenize(None, [v])
+    with pytest.raises(ValueError, match="at most 4096 output slots, got 4097"):  # bounded before any work
+        api.forward(h, [1], outputs=[OutputSlot(0, "sample")] * 4097)
     assert api.context_len(h) == 0
     api.close()
     await still_serving(runtime)

@@ -232,7 +232,7 @@ def test_users_share_a_round_fairly(engine):
     per round, so the short one finishes in the first model call while the
     prefill is chunked over several, and both results equal solo runs."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
     from tartlet.engine.core.sequence import Sequence
 
     sched = engine.scheduler
@@ -300,7 +300,7 @@ def test_continuation_rearms_one_request(engine):
     the last pass's results. An exception raised by the continuation fails
     the future; the pass before it stays."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     sched = engine.scheduler
     prompt = engine.tokenizer.encode("The capital of France is")

@@ -197,3 +197,94 @@ def test_code_config_table_is_checked_and_applied(host_state):
         if host_state.code_sandbox is not None:
             host_state.code_sandbox.close()
         host_state.code_sandbox = saved
+
+
+@pytest.mark.parametrize("code", [
+    "import time\ntime.sleep(60)",  # blocked in the host's WASI sleep: no epoch deadline fires there
+    "import select\nselect.select([], [], [], 60)",
+])  # fmt: skip
+def test_the_time_limit_holds_while_the_guest_is_blocked(sandbox, code):
+    t0 = time.monotonic()
+    r = go(sandbox, "print('before')\n" + code, time_limit_s=1)
+    assert r["status"] == "timeout" and "time limit of 1 s" in r["error"]
+    assert r["stdout"] == "before\n"  # the output so far comes back
+    assert time.monotonic() - t0 < 10 and r["elapsed_ms"] < 10_000  # not 60 s
+    assert go(sandbox, "print('next')")["stdout"] == "next\n"  # a new worker took over
+
+
+def _wait_running(sb: CodeSandbox, owner: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while sb.running(owner) != n:
+        assert time.monotonic() < deadline, f"{owner} has {sb.running(owner)} runs executing, expected {n}"
+        time.sleep(0.02)
+
+
+def test_cancelling_a_running_call_frees_its_worker_at_once():
+    sb = CodeSandbox(max_time_s=30, workers=1)
+    try:
+        blocked = sb.run("import time\ntime.sleep(60)", owner="alice")
+        _wait_running(sb, "alice", 1)
+        t0 = time.monotonic()
+        assert blocked.cancel()
+        after = sb.run("print('free again')", owner="bob").result(timeout=60)
+        assert after["stdout"] == "free again\n" and time.monotonic() - t0 < 10  # not the 30 s limit
+        assert sb.running("alice") == 0
+    finally:
+        sb.close()
+
+
+def test_each_user_gets_a_share_of_the_workers():
+    """Alice's two blocked runs hold one of the two workers (her share);
+    Bob's run takes the other at once instead of waiting for hers."""
+    sb = CodeSandbox(max_time_s=20, workers=2, max_running_per_user=1)
+    try:
+        slow = [sb.run("import time\ntime.sleep(60)", time_limit_s=4, owner="alice") for _ in range(2)]
+        _wait_running(sb, "alice", 1)
+        bob = sb.run("print('bob ran')", owner="bob").result(timeout=60)
+        assert bob["stdout"] == "bob ran\n"
+        assert not slow[0].done() and not slow[1].done()  # bob did not wait for alice's runs
+        assert sb.running("alice") == 1  # her second run waits for her first
+        assert [f.result(timeout=60)["status"] for f in slow] == ["timeout", "timeout"]
+    finally:
+        sb.close()
+
+
+@pytest.mark.parametrize("code, size", [
+    ("print('x' * 20000)", 20001),  # one large print
+    ("import os\nn = os.write(1, b'y' * 30000)", 30000),  # one large low-level write
+    ("import sys\nn = sys.stderr.write('z' * 12000)", 12000),
+])  # fmt: skip
+def test_large_writes_come_back_whole(sandbox, code, size):
+    r = go(sandbox, code)
+    assert r["status"] == "ok" and len(r["stdout"]) == size and not r["truncated"], (len(r["stdout"]), r["truncated"])
+
+
+def test_a_large_write_past_the_cap_says_truncated():
+    sb = CodeSandbox(max_time_s=5, max_output_bytes=1000)
+    try:
+        r = sb.run("print('x' * 20000)").result(timeout=60)
+    finally:
+        sb.close()
+    assert r["status"] == "ok" and r["truncated"] and r["stdout"] == "x" * 1000
+
+
+async def test_a_run_is_stopped_when_its_instance_ends(runtime, host_state, tmp_path):
+    """Aborting an inferlet that waits on a blocked snippet kills the
+    snippet's worker: the user has no run executing right after."""
+    prog = inline_program(tmp_path, """
+        from tartlet import sandbox
+
+        async def main(args):
+            await sandbox.run_python("import time\\ntime.sleep(60)", time_limit_s=10)
+    """, name="sleeper")
+    sb = host_state.code_sandbox
+    sb.prepare()
+    inst = runtime.launch(prog, {}, owner="carol")
+    await asyncio.to_thread(_wait_running, sb, "carol", 1)
+    inst.abort("test")
+    await inst.wait()
+    t0 = time.monotonic()
+    while sb.running("carol"):
+        assert time.monotonic() - t0 < 5, "the run still holds a worker after its instance ended"
+        await asyncio.sleep(0.02)
+    assert inst.status is Status.ABORTED

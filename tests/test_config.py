@@ -119,3 +119,17 @@ def test_render_round_trips(tmp_path):
 def test_missing_explicit_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_memory_warning_when_users_at_their_maxima_exceed_the_ram():
+    from tartlet.server.memory_budget import MIB, memory_warnings, per_user_bytes
+
+    cfg = config_from_dict({"limits": {"max_sandbox_memory_mb_per_user": 1024, "max_instances_per_user": 64}})
+    parts = per_user_bytes(cfg)
+    one = sum(n for n in parts.values() if n)
+    assert parts["sandboxed instances (max_sandbox_memory_mb_per_user)"] == 1024 * MIB  # smaller than 512 MiB x 64
+    assert memory_warnings(cfg, users=4, ram=4 * one) == []
+    (warning,) = memory_warnings(cfg, users=5, ram=4 * one)
+    assert warning.startswith("5 user(s) at their [limits] maxima") and "max_sandbox_memory_mb_per_user" in warning
+    unbounded = config_from_dict({"limits": {"max_sandbox_memory_mb_per_user": None, "max_instances_per_user": None}})
+    assert any("unbounded per user" in w for w in memory_warnings(unbounded, users=1, ram=2**40))

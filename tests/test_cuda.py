@@ -27,8 +27,9 @@ from tartlet.engine.cuda.attention import paged_decode_attention  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="needs a CUDA GPU or TRITON_INTERPRET=1")  # fmt: skip
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")]  # fmt: skip
 
 
 def reference_attention(q, kc, vc, slots, lens, mask, rows, scale) -> torch.Tensor:
@@ -184,7 +185,7 @@ def engine(path, dtype: str, graphs: bool = True, kv_cache_mb: int = 64):
 def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
     """Logits at every prompt position, then after each of ``steps`` fed one at a time."""
     from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     seq = eng.new_sequence()
     rows = eng.scheduler.submit(ForwardRequest(seq, prompt, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(len(prompt))])).result(60)
@@ -197,7 +198,7 @@ def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
 def greedy(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
     """``n`` greedy tokens for each prompt, all decoded together (one batch a step)."""
     from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     seqs = [eng.new_sequence() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]

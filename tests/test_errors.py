@@ -19,14 +19,14 @@ def test_engine_and_host_raise_the_sdk_classes():
     from tartlet.engine.core import kv_accounting
     from tartlet.engine.core import kv_cache
     from tartlet.engine.core import sampler
-    from tartlet.engine.core import scheduler
+    from tartlet.engine.core import admission, scheduler
     from tartlet.host import grammar, http, messaging, store
     from tartlet.runtime import program
 
     assert kv_cache.KvCacheFullError is errors.KvCacheFullError
     assert kv_accounting.KvQuotaError is errors.KvQuotaError
     assert scheduler.SequenceFreedError is errors.SequenceFreedError
-    assert scheduler.ContextLengthError is errors.ContextLengthError
+    assert admission.ContextLengthError is errors.ContextLengthError
     assert sampler.SamplingError is errors.SamplingError
     assert chat_template.ChatTemplateError is errors.ChatTemplateError
     assert http.HttpError is errors.HttpError

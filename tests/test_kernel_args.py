@@ -118,6 +118,7 @@ def test_paged_decode_attention_refuses(ck, change, match):
         ck.paged_decode_attention(**args)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_refused(ck):
     with pytest.raises(ValueError, match=r"rms_norm: x must be .* CPU tensor .* got a float32 CUDA tensor"):

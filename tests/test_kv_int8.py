@@ -189,7 +189,7 @@ def chat(eng, text: str) -> list[int]:
 def forward(eng, seq, chunk: list[int], rows: str = "all") -> torch.Tensor:
     """Logits of ``chunk`` appended to ``seq``: every row, or the last."""
     from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     idx = range(len(chunk)) if rows == "all" else [len(chunk) - 1]
     out = eng.scheduler.submit(ForwardRequest(seq, chunk, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in idx]))

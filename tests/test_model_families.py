@@ -87,7 +87,7 @@ def run_engine(path, runs: dict, cpu_kernels: bool = True) -> dict:
     """
     from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-    from tartlet.engine.core.scheduler import ForwardRequest
+    from tartlet.engine.core.requests import ForwardRequest
 
     def outs(n: int, first: int = 0) -> list:
         return [OutputSlot(i, ProbeSpec("logits")) for i in range(first, n)]

@@ -283,7 +283,7 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
     eng = Engine(EngineConfig(model=str(path), kv_cache_mb=8), lm.config, lm.weights, lm.tokenizer)
     try:
         from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-        from tartlet.engine.core.scheduler import ForwardRequest
+        from tartlet.engine.core.requests import ForwardRequest
 
         seq = eng.new_sequence()
         got = list(eng.scheduler.submit(ForwardRequest(seq, ids[:PROMPT], outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(PROMPT)]))

@@ -54,7 +54,8 @@ def test_prompt_longer_than_context_is_400_before_any_work(server, oa):
 def test_max_tokens_beyond_the_context_is_capped():
     # end to end this needs an 8k-token prefill (minutes on a CPU): the rule is checked here,
     # and generation ends with finish_reason "length" at max_tokens (test_openai.py's ignore_eos test)
-    from tartlet.server.openai_api import ApiError, fit_context
+    from tartlet.server.openai_errors import ApiError
+    from tartlet.server.openai_protocol import fit_context
 
     jobs = [{"max_tokens": 500}, {"max_tokens": 5}]
     fit_context(jobs, [8000, 100], 8192, chat=False)
@@ -158,7 +159,7 @@ def test_generation_error_mapping_hides_class_names(caplog):
     from types import SimpleNamespace
 
     from tartlet.runtime.instance import Status
-    from tartlet.server.openai_api import generation_error
+    from tartlet.server.openai_errors import generation_error
 
     q = generation_error(SimpleNamespace(error="KvQuotaError: user 'a' holds 10 pages", status=Status.FAILED, id="x", traceback=None))
     assert (q.status, q.code, q.kind) == (429, "kv_quota_exceeded", "rate_limit_error")

@@ -23,20 +23,20 @@ def pg_url(postgres) -> str:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def open_store(request, tmp_path):
-    """``open_store()`` -> a store on the same data each call (both backends)."""
+    """``open_store(**quota)`` -> a store on the same data each call (both backends)."""
     opened = []
     if request.param == "sqlite":
 
-        def factory():
-            opened.append(Store(tmp_path / "kv.sqlite"))
+        def factory(**kw):
+            opened.append(Store(tmp_path / "kv.sqlite", **kw))
             return opened[-1]
     else:
         from tartlet.host.pg_store import PgStore
 
         url = request.getfixturevalue("postgres").new_database()
 
-        def factory():
-            opened.append(PgStore(url))
+        def factory(**kw):
+            opened.append(PgStore(url, **kw))
             return opened[-1]
 
     yield factory
@@ -99,6 +99,54 @@ def test_bad_input_and_limits(open_store):
         s.set("u", "big", big + "x")
     assert s.get("u", "big") == big  # a refused set changes nothing
     assert s.keys("u") == ["big", "k" * MAX_KEY_CHARS]
+
+
+def test_per_user_bytes_and_keys_are_bounded(open_store):
+    """Issue 40: one inferlet wrote 400 values of 1 MB; now a user's store
+    holds at most max_bytes_per_user bytes and max_keys_per_user keys.
+    A refused set writes nothing; replacing or deleting gives room back;
+    other users are not affected."""
+    from tartlet.sdk.errors import LimitError
+
+    s = open_store(max_bytes_per_user=3000, max_keys_per_user=3)
+    s.set("alice", "a", "x" * 1000)  # 1 + 1000 bytes
+    s.set("alice", "b", "é" * 500)  # 1 + 1000 bytes of UTF-8
+    assert s.usage("alice") == (2002, 2)
+    with pytest.raises(LimitError, match=r"max_store_bytes_per_user = 3000"):
+        s.set("alice", "c", "y" * 1000)  # 2002 + 1001 > 3000
+    assert s.get("alice", "c") is None and s.usage("alice") == (2002, 2)
+    s.set("alice", "a", "x" * 1997)  # a replace counts the difference: 2999
+    s.set("alice", "a", "small")  # shrinking is always allowed
+    s.set("alice", "c", "z")
+    with pytest.raises(LimitError, match=r"max_store_keys_per_user = 3"):
+        s.set("alice", "d", "1")
+    s.set("alice", "c", "replacing an existing key is not a new key")
+    s.set("bob", "d", "y" * 2990)  # bob has his own budget
+    assert s.delete("alice", "b")
+    s.set("alice", "d", "room again")
+    assert s.usage("alice") == (1 + 5 + 1 + 42 + 1 + 10, 3)
+    s.close()
+    again = open_store(max_bytes_per_user=3000, max_keys_per_user=3)  # usage survives a restart
+    assert again.usage("alice") == (60, 3) and again.usage("bob") == (2991, 1) and again.usage("carol") == (0, 0)
+
+
+def test_usage_of_a_store_written_before_it_was_counted(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "old.sqlite")
+    db.execute("CREATE TABLE kv (user TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL, PRIMARY KEY (user, key))")
+    db.executemany("INSERT INTO kv VALUES (?, ?, ?)", [("alice", "k1", "v" * 100), ("alice", "k2", "日本"), ("bob", "k", "")])
+    db.commit()
+    db.close()
+    s = Store(tmp_path / "old.sqlite", max_keys_per_user=2)
+    try:
+        assert s.usage("alice") == (2 + 100 + 2 + 6, 2) and s.usage("bob") == (1, 1)
+        from tartlet.sdk.errors import LimitError
+
+        with pytest.raises(LimitError):
+            s.set("alice", "k3", "v")
+    finally:
+        s.close()
 
 
 # -- PostgreSQL only --------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Prefill attention by the C kernel, query by query
-(``llama.ROW_ATTENTION_MAX_SCORES``), against PyTorch's SDPA on the same
+(``attention_plan.ROW_ATTENTION_MAX_SCORES``), against PyTorch's SDPA on the same
 passes: plain causal prompts of several lengths in one batch, a prompt
 continued after a first chunk (its queries attend to the chunk through a
 mask), and queries with custom attention masks (holes), on a float32 and
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from tartlet.engine.models import llama
+from tartlet.engine.models import attention_plan, llama
 from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-from tartlet.engine.core.scheduler import ForwardRequest
+from tartlet.engine.core.requests import ForwardRequest
 from test_kv_int8 import q8_float_engine  # noqa: F401 (fixture)
 
 #: Largest logit difference allowed between the two paths on a float32
@@ -63,9 +63,9 @@ def passes(engine) -> list[torch.Tensor]:
 
 
 def compare(engine, monkeypatch, atol: float, min_top1: float) -> None:
-    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_SCORES", 0)  # every prefill group by SDPA
+    monkeypatch.setattr(attention_plan, "ROW_ATTENTION_MAX_SCORES", 0)  # every prefill group by SDPA
     ref = passes(engine)
-    monkeypatch.setattr(llama, "ROW_ATTENTION_MAX_SCORES", 128 * 128)
+    monkeypatch.setattr(attention_plan, "ROW_ATTENTION_MAX_SCORES", 128 * 128)
     ours = passes(engine)
     same = total = 0
     for k, (a, b) in enumerate(zip(ours, ref)):
@@ -90,7 +90,7 @@ def test_long_prompts_take_sdpa(engine, monkeypatch):
     group is not the kernel's (SDPA reuses each key across queries): a
     128-token prompt is (128 x 128), a 129-token one is not, and neither is
     a 100-token chunk after it (100 x 229)."""
-    assert llama.ROW_ATTENTION_MAX_SCORES == 128 * 128
+    assert attention_plan.ROW_ATTENTION_MAX_SCORES == 128 * 128
     calls, rows = [], []
     orig = llama.LlamaModel._attend
     monkeypatch.setattr(llama.LlamaModel, "_attend", lambda self, q, out, g, *a: calls.append(g.kv_slots.shape) or orig(self, q, out, g, *a))

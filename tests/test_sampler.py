@@ -205,6 +205,19 @@ def test_sdk_sampler_presets_validate():
         3, "sample", temperature=1.0, top_k=5, top_p=0.9, min_p=0.0)
 
 
+def test_sdk_sampler_optional_arguments_are_keyword_only():
+    """Pie's order is ``top_p(temperature, p)``: ``Sampler.top_p(0.6, 0.95)``
+    must not silently mean p=0.6 at temperature 0.95."""
+    S = tartlet.Sampler
+    for call in (lambda: S.top_p(0.6, 0.95), lambda: S.top_k(5, 0.7), lambda: S.min_p(0.1, 0.7),
+                 lambda: S.top_k_top_p(5, 0.9, 0.7), lambda: S.multinomial(0.7), lambda: S.top_p(0.9, 0.7, 1),
+                 lambda: S.reasoning(3), lambda: S.custom(lambda ids, probs: ids[0], 8), lambda: S(0.7)):
+        with pytest.raises(TypeError):
+            call()
+    s = S.top_p(0.6, temperature=0.95, seed=2)
+    assert (s.top_p, s.temperature, s.seed) == (0.6, 0.95, 2)
+
+
 @pytest.mark.parametrize(("kw", "name"), BAD_PARAMS + [({"seed": "abc"}, "seed")])
 def test_host_forward_rejects_bad_params(host_state, kw, name):
     from tartlet.host.api import HostApi

@@ -69,7 +69,7 @@ class Runner:
     def forward(self, seq, tokens: list[int], first_out: int = 0) -> torch.Tensor:
         """Logits ``[len(tokens) - first_out, vocab]`` of appending ``tokens`` to ``seq``."""
         from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-        from tartlet.engine.core.scheduler import ForwardRequest
+        from tartlet.engine.core.requests import ForwardRequest
 
         outs = [OutputSlot(i, ProbeSpec("logits")) for i in range(first_out, len(tokens))]
         return torch.tensor(list(self.sch.submit(ForwardRequest(seq, tokens, outputs=outs)).result(timeout=120)))

@@ -194,3 +194,51 @@ async def test_persisted_snapshots_restore_and_refuse_another_model(runtime, eng
         live.store, live._writer = None, None
     drain(runtime.state)
     assert engine.pool.stats().used == 0
+
+
+async def test_chat_on_an_opened_snapshot_needs_adopt_chat_and_then_renders_as_a_fresh_chat(runtime, tmp_path):
+    """A snapshot holds tokens, not messages: ``user()`` on an opened chat
+    snapshot without ``adopt_chat`` raises ChatNotAdoptedError (it used to
+    render the template's default system prompt mid-context). After
+    ``end_turn`` + save, ``adopt_chat`` of the same messages continues the
+    chat with exactly the text a fresh chat of those messages renders, and
+    fills only the new turn."""
+    code = """
+    from tartlet import ChatNotAdoptedError, Context, Model
+
+    async def main(args):
+        model = Model.load()
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        with model.new_context() as ctx:
+            ctx.user(msgs[0]["content"])
+            reply = await ctx.generate(max_tokens=8).collect_text()
+            ctx.end_turn()  # the closing markup now, so the snapshot is the rendering of the messages
+            await ctx.flush()
+            name = ctx.snapshot()
+        msgs.append({"role": "assistant", "content": reply})
+        opened = Context.open(model, name)
+        try:
+            opened.user("And another one?")
+            raised = None
+        except ChatNotAdoptedError as e:
+            raised = str(e)
+        held = opened.seq_len
+        opened.adopt_chat(msgs)
+        opened.user("And another one?")
+        new = opened.seq_len - held
+        with model.new_context() as fresh:
+            for m in msgs + [{"role": "user", "content": "And another one?"}]:
+                fresh.add_message(m)
+            fresh_text, fresh_tokens = fresh.text, fresh.seq_len
+        text = opened.text
+        opened.close()
+        Context.delete(model, name)
+        return {"raised": raised, "text": text, "fresh": fresh_text, "new": new, "fresh_tokens": fresh_tokens, "held": held}
+    """
+    import textwrap
+
+    out = await run_ok(runtime, inline_program(tmp_path, textwrap.dedent(code), "adopt"))
+    assert out["raised"] and "adopt_chat" in out["raised"]
+    assert out["text"] == out["fresh"]
+    assert "You are a helpful" not in out["text"].split("Name a colour.")[1]  # no system prompt mid-context
+    assert 0 < out["new"] < 20 and out["held"] + out["new"] <= out["fresh_tokens"] + 2

@@ -76,7 +76,7 @@ def test_wit_declares_package_interfaces_and_world():
     other interface takes with ``use types.{...}``; the world imports each
     interface that has functions and exports ``run``."""
     text = WIT.read_text()
-    assert "package tartlet:inferlet@0.2.0;" in text
+    assert "package tartlet:inferlet@0.3.0;" in text
     ifaces = wit_interfaces()
     assert list(ifaces) == ["types", *FUNCTION_INTERFACES]
     assert not re.search(r"func\(", ifaces["types"])

@@ -53,6 +53,10 @@ def _print_output(msg: str | bytes) -> None:
     sys.stdout.flush()
 
 
+def _print_log(stream: str, line: str) -> None:
+    print(f"[{stream}] {line}", file=sys.stderr, flush=True)
+
+
 async def _stream(inst: RemoteInstance, json_out: bool) -> int:
     streamed = False
     async for msg in inst.output():
@@ -80,6 +84,7 @@ def submit(
     send: list[str] = typer.Option([], "--send", help="Message to send to the inferlet after launch (repeatable)."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Print the instance id and exit; it keeps running."),
     json_out: bool = typer.Option(False, "--json", help="Print the return value as JSON."),
+    logs: bool = typer.Option(False, "--logs", help="Also print what the inferlet prints (stdout/stderr), to stderr."),
 ) -> None:
     """Launch an inferlet on a server, stream its output, exit with its status (0 finished, 1 otherwise)."""
     words = list(ctx.args)
@@ -98,12 +103,14 @@ def submit(
             local = Path(inferlet)
             target: str | Path = local if (local.suffix == ".py" or local.is_dir()) and local.exists() else inferlet
             try:
-                inst = await c.launch(target, args, attach=not detach)
+                inst = await c.launch(target, args, attach=not detach, logs=logs)
             except TartletError as e:
                 _fail(str(e))
             if detach:
                 print(inst.id)
                 return 0
+            if logs:
+                inst.on_log = _print_log
             for m in send:
                 await inst.send(m)
             if send:

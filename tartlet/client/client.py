@@ -22,7 +22,7 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..protocol import program_hash
 
@@ -88,6 +88,16 @@ def collect_files(path: Path) -> dict[str, str]:
     return files
 
 
+def _is_local_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder here (False for a name the file system
+    refuses, such as one longer than a file name may be: then it is sent
+    as a name, and the server answers for it)."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 class RemoteInstance:
     """An instance on the server, seen from this connection."""
 
@@ -96,6 +106,10 @@ class RemoteInstance:
         self.id = iid
         self.program = program
         self.exit: ExitInfo | None = None
+        #: ``(stream, line)`` of what the inferlet printed (launched with ``logs=True``), as read by :meth:`output`
+        self.logs: list[tuple[str, str]] = []
+        #: called with ``(stream, line)`` for each log line as :meth:`output` reads it
+        self.on_log: Callable[[str, str], None] | None = None
 
     async def send(self, data: str | bytes) -> None:
         """Send a message to the inferlet (its ``session.receive``)."""
@@ -116,6 +130,11 @@ class RemoteInstance:
             if ev["type"] == "exit":
                 self.exit = ExitInfo(ev["status"], ev.get("result"), ev.get("error"))
                 return
+            if ev["type"] == "log":
+                self.logs.append((ev.get("stream", "stdout"), ev.get("data", "")))
+                if self.on_log is not None:
+                    self.on_log(*self.logs[-1])
+                continue
             yield base64.b64decode(ev["data_b64"]) if "data_b64" in ev else ev["data"]
 
     async def recv(self) -> str | bytes:
@@ -216,7 +235,7 @@ class Client:
             async for raw in self.ws:
                 ev = json.loads(raw)
                 t = ev.get("type")
-                if t in ("output", "exit"):
+                if t in ("output", "exit", "log"):
                     self._inbox(ev["instance"]).put_nowait(ev)
                     continue
                 fut = self._pending.get(ev.get("id"))
@@ -252,9 +271,11 @@ class Client:
 
     async def launch(
         self, inferlet: str | Path, args: dict[str, Any] | None = None, *, attach: bool = True, abort_on_disconnect: bool = False,
-        time_limit_s: float | None = None,
+        time_limit_s: float | None = None, logs: bool = False,
     ) -> RemoteInstance:
         """Launch by name, or a local path (uploaded when the server lacks it).
+        ``logs``: what the inferlet prints comes too, one line per ``log``
+        event (:attr:`RemoteInstance.logs`, :attr:`RemoteInstance.on_log`).
 
         Raises:
             TartletError: ``not_found``, ``bad_request``, ``limit``, ``forbidden``.
@@ -262,8 +283,10 @@ class Client:
         msg: dict[str, Any] = {"type": "launch", "args": args or {}, "attach": attach, "abort_on_disconnect": abort_on_disconnect}
         if time_limit_s is not None:
             msg["time_limit_s"] = time_limit_s
+        if logs:
+            msg["logs"] = True
         p = Path(inferlet)
-        if isinstance(inferlet, Path) or p.suffix == ".py" or p.is_dir():
+        if isinstance(inferlet, Path) or p.suffix == ".py" or _is_local_folder(p):
             files = collect_files(p)
             h = program_hash(files)
             try:

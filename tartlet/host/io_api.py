@@ -83,6 +83,17 @@ class IoHostMixin:
         self._child_ids = itertools.count(1)
         self._code_runs: set[Future[SandboxResult]] = set()  # queued or running code_run calls
 
+    def _rate(self, kind: str) -> None:
+        """Take a token of the owner's ``kind`` rate (:mod:`.rate_limits`;
+        nothing when the host has no rate limits).
+
+        Raises:
+            LimitError: the owner goes past that rate.
+        """
+        rates = getattr(self.state, "rates", None)
+        if rates is not None:
+            rates.take(self.owner, kind)
+
     # -- messaging -------------------------------------------------------------------
     def messaging_push(self, topic: str, msg: str | bytes) -> None:
         """Queue ``msg`` on ``topic`` for exactly one puller.
@@ -90,8 +101,10 @@ class IoHostMixin:
         Raises:
             MessagingError: bad topic or message, full topic backlog.
             LimitError: the owner's waiting bytes or topics would pass
-                ``[limits] max_messaging_bytes_per_user`` / ``max_topics_per_user``.
+                ``[limits] max_messaging_bytes_per_user`` / ``max_topics_per_user``,
+                or the owner goes past ``max_messages_per_s`` (a rate).
         """
+        self._rate("message")
         self.state.bus.push(self.owner, topic, msg)
 
     def messaging_pull(self, topic: str) -> Future[Message]:
@@ -109,12 +122,21 @@ class IoHostMixin:
         Raises:
             MessagingError: bad topic or message.
             LimitError: the copies waiting in subscriptions would pass the
-                owner's ``max_messaging_bytes_per_user`` (none is delivered).
+                owner's ``max_messaging_bytes_per_user`` (none is delivered),
+                or the owner goes past ``max_messages_per_s`` (a rate).
         """
+        self._rate("message")
         return self.state.bus.broadcast(self.owner, topic, msg)
 
     def messaging_subscribe(self, topic: str) -> int:
-        """Open a subscription to ``topic``; returns its handle."""
+        """Open a subscription to ``topic``; returns its handle.
+
+        Raises:
+            MessagingError: bad topic.
+            LimitError: too many topics, or the owner goes past
+                ``[limits] max_messages_per_s`` (a rate).
+        """
+        self._rate("message")
         sid = self.state.bus.subscribe(self.owner, topic)
         self._subs.add(sid)
         return sid
@@ -194,7 +216,8 @@ class IoHostMixin:
             LimitError: the owner has ``[code] max_pending_per_user`` runs
                 queued or running.
 
-        Runs still queued when the instance ends are dropped.
+        Runs of the instance still queued or running when it ends are
+        stopped (a running one's worker process is killed).
         """
         sandbox: CodeSandbox | None = getattr(self.state, "code_sandbox", None)
         if sandbox is None:
@@ -214,7 +237,9 @@ class IoHostMixin:
         Raises:
             RuntimeError: no runtime can launch children here.
             tartlet.runtime.program.ProgramError: unknown name.
-            LimitError: the owner runs too many instances.
+            LimitError: the owner runs too many instances, or goes past
+                ``[limits] max_launches_per_s`` (a rate, checked by the
+                runtime once the name is found).
         """
         if self.runtime is None:
             raise RuntimeError("this host cannot launch child inferlets (no runtime)")
@@ -268,4 +293,4 @@ class IoHostMixin:
         for child in self._children.values():
             child.abort("its parent ended")
         for run in list(self._code_runs):
-            run.cancel()  # queued runs are dropped; a running one ends at its time limit
+            run.cancel()  # queued runs are dropped; a running one's worker process is killed

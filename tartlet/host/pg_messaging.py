@@ -5,6 +5,11 @@ errors and limits of the in-process :class:`~tartlet.host.messaging.MessageBus`;
 buses in different processes configured with one database share their
 topics. Imported only when a URL is configured (it imports psycopg).
 
+Longer than this package's 650-line bound on purpose: the queue claims, the
+broadcast log, the listener thread and the local waiters share one lock and
+one set of invariants (below), which one class in one file keeps checkable
+together; about a third of the file is this explanation.
+
 How it works
 ------------
 *Queue topics.* A push that finds no puller waiting in its own process

@@ -6,8 +6,9 @@ The same interface, checks and errors as the SQLite :class:`~tartlet.host.store.
 
     tartlet_kv (owner TEXT, key TEXT COLLATE "C", value TEXT, PRIMARY KEY (owner, key))
 
-Every call is one autocommit statement, durable when it returns; a lost
-connection is reopened once (:class:`tartlet.host.pg.SharedConnection`).
+Every call is one autocommit statement (a ``set`` under a per-user quota:
+one transaction holding the user's advisory lock), durable when it
+returns; a lost connection is reopened once (:class:`tartlet.host.pg.SharedConnection`).
 PostgreSQL text cannot hold NUL characters: a key or value with one is a
 ``StoreError`` here (SQLite stores it).
 """
@@ -16,13 +17,22 @@ from __future__ import annotations
 
 from ..sdk.errors import StoreError
 from .pg import Conn, SharedConnection, create_tables
-from .store import _check_key, _check_prefix, _check_value
+from .store import StoreQuota, _check_key, _check_prefix, _check_value, entry_bytes
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS tartlet_kv (
     owner TEXT COLLATE "C" NOT NULL,
     key TEXT COLLATE "C" NOT NULL,
     value TEXT NOT NULL,
     PRIMARY KEY (owner, key))"""
+
+
+def _usage(c: Conn, user: str) -> tuple[int, int]:
+    """``(bytes, keys)`` of ``user`` (``octet_length`` reads a stored
+    value's size from its header, not the value)."""
+    row = c.execute(
+        "SELECT COALESCE(SUM(octet_length(key) + octet_length(value)), 0), COUNT(*) FROM tartlet_kv WHERE owner = %s", (user,)
+    ).fetchone()
+    return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
 
 def _no_nul(what: str, s: str) -> None:
@@ -44,8 +54,9 @@ class PgStore:
             a NUL character, and a database unreachable even after one reconnect.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_bytes_per_user: int | None = None, max_keys_per_user: int | None = None) -> None:
         self._db = SharedConnection(url, "key-value store", lambda c: create_tables(c, _SCHEMA))
+        self.quota = StoreQuota(max_bytes_per_user, max_keys_per_user)
 
     def get(self, user: str, key: str) -> str | None:
         """The value of ``key`` for ``user``, or None."""
@@ -63,16 +74,38 @@ class PgStore:
 
         Raises:
             StoreError: bad key, non-str value, value over 1 MiB, a NUL character.
+            LimitError: the user's keys or bytes would pass the quota
+                (``max_keys_per_user`` / ``max_bytes_per_user``; nothing is written).
         """
         _check_key(key)
         _check_value(value)
         _no_nul("key", key)
         _no_nul("value", value)
-        self._db.run(lambda c: c.execute(
+        upsert = (
             "INSERT INTO tartlet_kv (owner, key, value) VALUES (%s, %s, %s) "
-            "ON CONFLICT (owner, key) DO UPDATE SET value = EXCLUDED.value",
-            (user, key, value),
-        ))  # fmt: skip
+            "ON CONFLICT (owner, key) DO UPDATE SET value = EXCLUDED.value"
+        )
+        if self.quota.max_bytes is None and self.quota.max_keys is None:
+            self._db.run(lambda c: c.execute(upsert, (user, key, value)))
+            return
+        size = entry_bytes(key, value)
+
+        def q(c: Conn) -> None:
+            with c.transaction():  # replicas write concurrently: one writer per user at a time
+                c.execute("SELECT pg_advisory_xact_lock(hashtext('tartlet_kv'), hashtext(%s))", (user,))
+                used, keys = _usage(c, user)
+                row = c.execute(
+                    "SELECT octet_length(key) + octet_length(value) FROM tartlet_kv WHERE owner = %s AND key = %s", (user, key)
+                ).fetchone()
+                old = 0 if row is None else int(row[0])
+                self.quota.check(user, used, keys, used + size - old, keys + (0 if row else 1))
+                c.execute(upsert, (user, key, value))
+
+        self._db.run(q)
+
+    def usage(self, user: str) -> tuple[int, int]:
+        """``(bytes, keys)`` the user's entries hold (bytes of UTF-8)."""
+        return self._db.run(lambda c: _usage(c, user))
 
     def delete(self, user: str, key: str) -> bool:
         """Remove ``key``; whether it existed."""

@@ -501,7 +501,8 @@ class SnapshotManager:
         rows = (torch.tensor(live, dtype=torch.long)[:, None] * ps + torch.arange(ps)).reshape(-1)
         return SnapshotFile(
             owner=snap.owner, name=snap.name, tokens=list(seq.tokens), positions=list(seq.positions),
-            masked=bytes(seq.masked), live=[int(p is not None) for p in pages], pure=seq.pure,
+            # a snapshot with tokens of a LoRA adapter is read back impure: its page keys name the adapter, which the file does not keep
+            masked=bytes(seq.masked), live=[int(p is not None) for p in pages], pure=seq.pure and not seq.adapted,
             k=pool.k[:, rows].cpu(), v=pool.v[:, rows].cpu(),
         )  # fmt: skip
 

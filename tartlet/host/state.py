@@ -10,6 +10,7 @@ from ..engine.core.engine import Engine
 from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import Bus, MessageBus
+from .rate_limits import RateLimits
 from .snapshot_manager import SnapshotManager
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class HostState:
         self.kv_limits = KvLimits()
         #: runs Python snippets in WASM for inferlets (``code-run``); builds nothing until first used
         self.code_sandbox: CodeSandbox | None = CodeSandbox()
+        #: per-user rates of launches, builds, allocating calls and messaging (None: unlimited)
+        self.rates: RateLimits | None = None
 
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
         name = name or engine.name

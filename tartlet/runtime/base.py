@@ -17,7 +17,7 @@ from ..host.api import HostApi
 from ..sdk.errors import LimitError, ProgramError
 from ..host.session import Session
 from .instance import Instance, Status, new_instance_id
-from .program import BUNDLED_DIR, Program, list_programs, load_program
+from .program import BUNDLED_DIR, Program, find_in, list_programs
 
 if TYPE_CHECKING:
     from ..host.state import HostState
@@ -99,18 +99,15 @@ class BaseRuntime:
         the bundled inferlets.
 
         Raises:
-            ProgramError: a name with a path separator, or unknown.
+            ProgramError: a name that is not plain (see
+                :func:`~.program.check_name`: too long, a path separator),
+                unknown, or unreadable; the message names no server path.
         """
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
-            raise ProgramError(f"an inferlet name is a plain name like 'text-completion', got {name!r}")
-        for d in self.program_dirs + [BUNDLED_DIR]:
-            cand = Path(d) / name
-            if cand.is_dir():
-                return load_program(cand)
-            if cand.with_suffix(".py").is_file():
-                return load_program(cand.with_suffix(".py"))
+        found = find_in(name, self.program_dirs + [BUNDLED_DIR])
+        if found is not None:
+            return found
         known = ", ".join(sorted(list_programs(self.program_dirs))) or "none"
-        raise ProgramError(f"unknown inferlet {name!r} (known: {known})")
+        raise ProgramError(f"unknown inferlet {name!r:.80} (known: {known})")
 
     def prepare(self, program: Program) -> Program:
         """Do the slow, blocking part of launching ``program`` (here: check
@@ -130,9 +127,13 @@ class BaseRuntime:
         WASM parent: the build runs on that thread, the launch on the loop).
 
         Raises:
-            ProgramError: unknown name; LimitError: too many instances.
+            ProgramError: unknown name; LimitError: too many instances, or
+                the owner goes past ``[limits] max_launches_per_s`` (a rate).
         """
         program = self.find_program(name)
+        rates = getattr(self.state, "rates", None)
+        if rates is not None:
+            rates.take(parent.owner, "launch")
         on_loop = self.loop is None or _on_loop(self.loop)
         if not on_loop:
             program = self.prepare(program)

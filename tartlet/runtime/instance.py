@@ -11,6 +11,7 @@ from typing import Any
 
 from ..host.api import HostApi
 from ..host.session import Session
+from .stdio import InstanceStdio
 from .program import Program
 
 
@@ -82,6 +83,11 @@ class Instance:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     parent: str | None = None
     output: list[str] = field(default_factory=list)
+    #: what it prints (stdout/stderr): to the server log, and to ``stdio.sink`` when set
+    stdio: InstanceStdio = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stdio = InstanceStdio(self.id, self.owner)
 
     def abort(self, reason: str = "aborted") -> None:
         """Cancel the inferlet; its pages are freed when it unwinds."""

@@ -23,12 +23,21 @@ from ..host.session import Session
 from .base import BaseRuntime
 from .instance import Instance, Status
 from .program import Program
+from . import stdio
 
 log = logging.getLogger(__name__)
 
 
 class NativeRuntime(BaseRuntime):
-    """Launches programs in-process (arguments: :class:`~.base.BaseRuntime`)."""
+    """Launches programs in-process (arguments: :class:`~.base.BaseRuntime`).
+
+    Set :attr:`capture_stdio` (the server does) to route what each instance
+    prints to its :attr:`Instance.stdio` (:mod:`tartlet.runtime.stdio`);
+    otherwise ``print`` writes to the process's stdout (``tartlet run``).
+    """
+
+    #: route instances' print() to their stdio (server mode)
+    capture_stdio = False
 
     def launch(
         self,
@@ -76,6 +85,9 @@ class NativeRuntime(BaseRuntime):
 
     async def _run(self, inst: Instance, main: Any, limit: float | None) -> None:
         _binding.bind(inst.api)
+        if self.capture_stdio:
+            stdio.install()  # print() of this task (and the tasks it starts) goes to inst.stdio
+            stdio.bind(inst.stdio)
         try:
             coro = main(inst.args)
             inst.result = await (asyncio.wait_for(coro, limit) if limit else coro)
@@ -92,6 +104,7 @@ class NativeRuntime(BaseRuntime):
             inst.traceback = traceback.format_exc()
             log.debug("inferlet %s failed", inst.id, exc_info=True)
         finally:
+            inst.stdio.flush()
             inst.api.close_io()
             inst.api.close()
             inst.session.close()

@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import inspect
 import itertools
-import sys
 import threading
 import tomllib
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from types import CodeType, ModuleType
 from typing import Any, Callable
 
 from ..sdk.errors import ProgramError
+from .sibling_import import SiblingImporter
 
 #: The standard inferlets shipped with Tartlet.
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "inferlets"
@@ -105,7 +105,10 @@ class Program:
     def load_main(self) -> Callable[[dict[str, Any]], Any]:
         """Import the entry file (a fresh module each call, so instances share
         no module state; its code compiled once per version of its text) and
-        return its ``main``.
+        return its ``main``. Modules beside the entry file are imported
+        privately for this load (:mod:`.sibling_import`): ``sys.path`` and
+        ``sys.modules`` are left alone, so loads on several threads never
+        disturb each other or other readers of those.
 
         Raises:
             ProgramError: import fails, or no ``async def main(args)``.
@@ -113,18 +116,13 @@ class Program:
         mod_name = f"_tartlet_inferlet_{next(_module_ids)}"
         spec = importlib.util.spec_from_file_location(mod_name, self.entry, submodule_search_locations=None)
         if spec is None or spec.loader is None:
-            raise ProgramError(f"cannot import inferlet {self.name!r} from {self.entry}")
+            raise ProgramError(f"cannot import inferlet {self.name!r}")
         module: ModuleType = importlib.util.module_from_spec(spec)
-        added = str(self.root) not in sys.path
-        if added:  # let the inferlet import its sibling modules
-            sys.path.insert(0, str(self.root))
+        module.__dict__["__builtins__"] = SiblingImporter(self.root, _compiled).builtins()
         try:
             exec(_compiled(self.entry), module.__dict__)  # what the loader's exec_module does, minus compiling
         except Exception as e:
             raise ProgramError(f"inferlet {self.name!r} failed to import: {type(e).__name__}: {e}") from e
-        finally:
-            if added:
-                sys.path.remove(str(self.root))
         main = getattr(module, "main", None)
         if main is None or not inspect.iscoroutinefunction(main):
             raise ProgramError(f"inferlet {self.name!r} ({self.entry.name}) must define `async def main(args: dict)`")
@@ -168,23 +166,73 @@ def load_program(path: Path) -> Program:
     return Program(name, path, entry, manifest)
 
 
+#: Longest inferlet name looked up by name, characters (names longer than
+#: a file name may be, 255 bytes, used to reach the file system and fail there
+#: with an ``OSError`` naming the server's folder).
+MAX_NAME_CHARS = 128
+
+
+def check_name(name: object) -> str:
+    """``name`` if it is a plain inferlet name: a non-empty ``str`` of at
+    most :data:`MAX_NAME_CHARS` characters, no path separator, no leading
+    ``.``, no NUL or other control character.
+
+    Raises:
+        ProgramError: anything else (the message quotes at most 80 characters).
+    """
+    if not isinstance(name, str) or not name:
+        raise ProgramError(f"an inferlet name is a non-empty string like 'text-completion', got {name!r:.80}")
+    if len(name) > MAX_NAME_CHARS:
+        raise ProgramError(f"an inferlet name has at most {MAX_NAME_CHARS} characters, got {len(name)}: {name!r:.80}")
+    if "/" in name or "\\" in name or name.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ProgramError(f"an inferlet name is a plain name like 'text-completion' (no path), got {name!r:.80}")
+    return name
+
+
+def find_in(name: str, dirs: list[Path]) -> Program | None:
+    """The inferlet ``name`` (checked with :func:`check_name`) in the first
+    of ``dirs`` that has it as a folder or a ``.py`` file, else None.
+
+    Raises:
+        ProgramError: a bad name, or a folder that holds it but cannot be
+            read (the message names no server path).
+    """
+    check_name(name)
+    for d in dirs:
+        cand = Path(d) / name
+        try:
+            if cand.is_dir():
+                return load_program(cand)
+            if cand.with_suffix(".py").is_file():
+                return load_program(cand.with_suffix(".py"))
+        except OSError as e:
+            raise ProgramError(f"cannot look up inferlet {name!r:.80}: {e.strerror or type(e).__name__}") from None
+    return None
+
+
 def find_program(name_or_path: str, search: list[Path] | None = None) -> Program:
     """Resolve an inferlet by path, or by name in ``search`` folders and the
     bundled ones.
 
     Raises:
-        ProgramError: nothing matches; the message lists the known names.
+        ProgramError: nothing matches (the message lists the known names), or
+            the path cannot be read.
     """
     p = Path(name_or_path).expanduser()
-    if p.exists():
+    try:
+        exists = p.exists()
+    except OSError as e:  # a name too long for the file system
+        raise ProgramError(f"cannot read inferlet {name_or_path!r:.80}: {e.strerror or type(e).__name__}") from None
+    if exists:
         return load_program(p)
-    dirs = list(search or []) + [BUNDLED_DIR]
-    for d in dirs:
-        cand = d / name_or_path
-        if cand.is_dir() or cand.with_suffix(".py").is_file():
-            return load_program(cand if cand.is_dir() else cand.with_suffix(".py"))
+    try:
+        found = find_in(name_or_path, list(search or []) + [BUNDLED_DIR])
+    except ProgramError:
+        found = None
+    if found is not None:
+        return found
     known = ", ".join(sorted(list_programs(search))) or "none"
-    raise ProgramError(f"unknown inferlet {name_or_path!r} (known: {known})")
+    raise ProgramError(f"unknown inferlet {name_or_path!r:.80} (known: {known})")
 
 
 def list_programs(search: list[Path] | None = None) -> dict[str, Program]:

@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
@@ -49,7 +49,9 @@ from ..host.state import HostState
 from . import builder
 from .base import BaseRuntime
 from .instance import Instance, Status
+from .stdio import InstanceStdio
 from .program import Program, find_program
+from .reservations import UserReservations
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
 from .wasm_host import PACKAGE, VERSION, InstanceHost, add_host_imports
 
@@ -96,6 +98,10 @@ class WasmRuntime(BaseRuntime):
         time_limit_s: default wall-time limit per instance (None: none).
         limits: default sandbox limits.
         engine: the wasmtime engine (default: the process's shared one).
+        max_memory_mb_per_user: linear memory, MiB, one user's running
+            instances may reserve together: each reserves its memory cap
+            (``limits.memory_mb``) at launch, until it ends; a launch past it
+            raises ``LimitError`` (None: unbounded).
         **kw: ``max_pages``, ``max_instances_per_user``, ``program_dirs``,
             ``instances``, as for :class:`~.base.BaseRuntime`.
     """
@@ -108,10 +114,12 @@ class WasmRuntime(BaseRuntime):
         time_limit_s: float | None = None,
         limits: WasmLimits | None = None,
         engine: WasmEngine | None = None,
+        max_memory_mb_per_user: int | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(state, time_limit_s, **kw)
         self.limits = limits or WasmLimits()
+        self.memory = UserReservations(max_memory_mb_per_user, "[limits] max_sandbox_memory_mb_per_user", "MiB")
         self.wasm = engine or shared_engine()
         self.linker = Linker(self.wasm.engine)
         self.linker.add_wasip2()
@@ -169,7 +177,8 @@ class WasmRuntime(BaseRuntime):
             WasmInstanceError: it does not fit the ``inferlet`` world, or
                 its initial memory exceeds the memory cap.
             ProgramError, BuildError: an inferlet folder that cannot be built.
-            LimitError: ``owner`` already runs ``max_instances_per_user``.
+            LimitError: ``owner`` already runs ``max_instances_per_user``, or
+                its instances' memory caps would pass ``max_memory_mb_per_user``.
             TypeError: ``args`` is not a dict.
         """
         if args is None:
@@ -181,12 +190,23 @@ class WasmRuntime(BaseRuntime):
         prog, path = self.resolve(program)
         component = self.wasm.load(path)
         lim = limits or self.limits
+        self.memory.reserve(owner, lim.memory_mb)  # released when the instance ends (_run) or fails to start
+        try:
+            return self._start(prog, path, component, args, args_json, session, owner, time_limit_s, lim)
+        except BaseException:
+            self.memory.release(owner, lim.memory_mb)
+            raise
+
+    def _start(
+        self, prog: Program, path: Path, component: Any, args: dict[str, Any], args_json: str, session: Session | None,
+        owner: str, time_limit_s: float | None, lim: WasmLimits,
+    ) -> Instance:  # fmt: skip
         session = session or Session()
         inst = self.new_instance(prog, args, session, owner)
         host = InstanceHost(inst.api)
         output = bytearray()
         scratch = Path(tempfile.mkdtemp(prefix=f"tartlet-scratch-{inst.id}-")) if lim.scratch else None
-        store = self._store(lim, output, scratch)
+        store = self._store(lim, output, scratch, inst.stdio)
         try:
             instance = self.linker.instantiate(store, component)
             run = instance.get_func(store, "run")
@@ -202,24 +222,31 @@ class WasmRuntime(BaseRuntime):
             raise
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         ctx = _Run(inst, host, store, run, args_json, lim, output, scratch)
+        ctx.release_memory = _once(lambda: self.memory.release(owner, lim.memory_mb))
         self.loop = asyncio.get_running_loop()
         inst.task = self.loop.create_task(self._run(ctx, limit), name=f"inferlet-wasm-{inst.id}")
+        inst.task.add_done_callback(lambda _t: ctx.release_memory())  # also when cancelled before it ran
         self.instances[inst.id] = inst
         return inst
 
-    def _store(self, lim: WasmLimits, output: bytearray, scratch: Path | None) -> Store:
+    def _store(self, lim: WasmLimits, output: bytearray, scratch: Path | None, stdio: InstanceStdio | None = None) -> Store:
         store = Store(self.wasm.engine)
         wasi = WasiConfig()  # no args, no env, no preopens, no network
         lock = threading.Lock()
 
-        def capture(data: bytes) -> None:  # called on wasmtime's worker threads
-            with lock:
-                output.extend(data)
-                if len(output) > 2 * _OUTPUT_TAIL:
-                    del output[:-_OUTPUT_TAIL]
+        def capture(stream: str) -> Callable[[bytes], None]:
+            def take(data: bytes) -> None:  # called on wasmtime's worker threads
+                with lock:
+                    output.extend(data)
+                    if len(output) > 2 * _OUTPUT_TAIL:
+                        del output[:-_OUTPUT_TAIL]
+                if stdio is not None:  # the server log, and the client when it asked (bounded there)
+                    stdio.write(stream, data)
 
-        wasi.stdout_custom = capture
-        wasi.stderr_custom = capture
+            return take
+
+        wasi.stdout_custom = capture("stdout")
+        wasi.stderr_custom = capture("stderr")
         if scratch is not None:
             wasi.preopen_dir(str(scratch), "/scratch")
         store.set_wasi(wasi)
@@ -260,6 +287,8 @@ class WasmRuntime(BaseRuntime):
             inst.api.close()
             inst.session.close()
             ctx.release()
+            ctx.release_memory()
+            inst.stdio.flush()
             inst.finished_at = time.time()
             inst.done.set()
 
@@ -299,6 +328,7 @@ class _Run:
         self.inst, self.host, self.store, self.run = inst, host, store, run
         self.args_json, self.limits, self.output, self.scratch = args_json, limits, output, scratch
         self._keep: tuple[object, ...] = ()  # the epoch callbacks, alive as long as the store
+        self.release_memory: Callable[[], None] = lambda: None  # gives back the owner's memory reservation (once)
 
     def thread_main(self, report: Any) -> None:
         host = self.host
@@ -350,6 +380,20 @@ class _Run:
             store.close()
         self._keep = ()
         _drop_scratch(self.scratch)
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` that runs on the first call only (any thread)."""
+    lock, done = threading.Lock(), [False]
+
+    def call() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        fn()
+
+    return call
 
 
 def _drop_scratch(scratch: Path | None) -> None:

@@ -13,7 +13,8 @@ released while blocked).
 Host functions never raise into wasmtime (wasmtime-py would park the
 exception in a process-global): a failed call returns the ``result`` error
 ``call-error { code, message }``, ``code`` naming the exception's class
-(:func:`tartlet.sdk.errors.error_code`). The only exception is :class:`WasmtimeError`,
+(:func:`tartlet.sdk.errors.error_code`; server paths in its message replaced
+by placeholders, :mod:`tartlet.host.redact`). The only exception is :class:`WasmtimeError`,
 raised on purpose to trap an instance that was aborted or ran out of CPU
 time; wasmtime passes it through as a trap of that instance alone.
 """
@@ -31,20 +32,21 @@ from wasmtime import WasmtimeError
 from wasmtime.component import Linker, Record, Variant
 
 from ..host.api import HostApi
+from ..host.redact import redact
 from ..sdk.errors import InvalidHandleError, error_code
 from ..sdk.forward import OutputSlot
 
 #: The WIT package the component imports its interfaces from, and its version.
-PACKAGE, VERSION = "tartlet:inferlet", "0.2.0"  # 0.2.0: the interfaces (0.1.0 had one `host`)
+PACKAGE, VERSION = "tartlet:inferlet", "0.3.0"  # 0.2.0: the interfaces (0.1.0 had one `host`); 0.3.0: LoRA adapters
 
 #: The interfaces of the WIT package (``wit/tartlet.wit``) and their
 #: functions, each imported by world ``inferlet`` as
-#: ``tartlet:inferlet/NAME@0.2.0`` (their shared types are interface
+#: ``tartlet:inferlet/NAME@0.3.0`` (their shared types are interface
 #: ``types``, which has no function); tests/test_wit_contract.py checks
 #: this table against the WIT.
 INTERFACES: dict[str, tuple[str, ...]] = {
     "model": (
-        "model-names", "model-info", "tokenize", "detokenize", "apply-chat-template", "decoder-new",
+        "model-names", "model-info", "adapter-names", "tokenize", "detokenize", "apply-chat-template", "decoder-new",
         "decoder-push", "decoder-free", "kv-stats",
     ),
     "context": (
@@ -261,20 +263,22 @@ def _future_payload(kind: str, v: Any) -> Any:
 
 
 # -- the imports -----------------------------------------------------------------------
-def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list[Any]) -> int:
+def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list[Any],
+             adapter: str | None) -> int:
     slots = [_slot(o) for o in outputs]
-    return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots))
+    return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots, adapter))
 
 
 def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, grammar: int | None, first_step: int,
-              max_steps: int, stop: list[int]) -> int:
-    fut = h.api.generate(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop))
+              max_steps: int, stop: list[int], adapter: str | None) -> int:
+    fut = h.api.generate(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop), adapter)
     return h.add_future("forward", fut)  # one slot-result::token per sampled token
 
 
 def _generate_stream(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, grammar: int | None,
-                     first_step: int, max_steps: int, stop: list[int]) -> int:
-    return h.api.generate_stream(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop))
+                     first_step: int, max_steps: int, stop: list[int], adapter: str | None) -> int:
+    return h.api.generate_stream(handle, list(tokens), _sampler(sampler), grammar, first_step, max_steps, list(stop),
+                                 adapter)
 
 
 def _future_take(h: InstanceHost, handle: int) -> Any:
@@ -334,6 +338,7 @@ def _json_arg(text: str, what: str) -> Any:
 #   (tests/test_wit_contract.py checks each mode against the WIT)
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
+    "adapter-names": (lambda h, m: h.api.adapter_names(m), "untagged"),
     "model-info": (_model_info, "tagged"),
     "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
     "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged"),
@@ -409,7 +414,7 @@ def _wrap(name: str, fn: Any, mode: str) -> Any:
             if mode == "plain":
                 return None
             code, msg = error_code(e)
-            err = _record(code=code, message=msg)
+            err = _record(code=code, message=redact(msg))  # no server paths to the guest
             return Variant("err", err) if mode == "tagged" else err
         if mode == "unit" or (mode == "plain" and name not in ("model-names", "mcp-servers")):
             return None

@@ -16,9 +16,10 @@ sandboxed inferlets see the same ones.
 from . import brle, errors, forward, session
 from . import children, http, mcp, messaging, store  # I/O: child inferlets, host HTTP, MCP, messaging, key-value store
 from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
-from .context import Context, ContextClosedError
+from .context import ChatNotAdoptedError, Context, ContextClosedError
 from .drafter import NgramDrafter
 from .errors import (  # what host calls raise (tartlet.errors)
+    AdapterError,
     ChatTemplateError,
     ContextLengthError,
     GrammarError,
@@ -36,17 +37,21 @@ from .errors import (  # what host calls raise (tartlet.errors)
     StoreError,
 )
 from .generator import Drafter, Generator, Step
+from .adapter import Adapter
 from .model import Model
 from .sampler import Sampler
 from .stop import EosTokens, MaxTokens, StopCondition, StopStrings
 
 __all__ = [
+    "Adapter",
+    "AdapterError",
     "AnyJson",
     "Constraint",
     "Grammar",
     "JsonSchema",
     "Regex",
     "Context",
+    "ChatNotAdoptedError",
     "ContextClosedError",
     "Drafter",
     "EosTokens",

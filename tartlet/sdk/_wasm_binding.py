@@ -76,8 +76,14 @@ def _call(fn: Any, *args: Any) -> Any:
 _U32 = 1 << 32
 
 
+def _adapter(v: Any) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise TypeError(f"adapter is an adapter name (str) or None, got {type(v).__name__}")
+    return v
+
+
 def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, grammar: int | None, first_step: int,
-                 max_steps: int, stop_ids: list[int]) -> tuple[Any, ...]:
+                 max_steps: int, stop_ids: list[int], adapter: str | None) -> tuple[Any, ...]:
     """``generate`` / ``generate_stream`` arguments checked and lowered to WIT values."""
     if not isinstance(tokens, list) or not tokens:
         raise ValueError(f"{call} needs a non-empty list of input tokens")
@@ -89,7 +95,8 @@ def _decode_args(call: str, handle: int, tokens: list[int], sampler: Any, gramma
     if sampler.grammar is not None:
         raise ValueError(f"a {call} sampler slot carries no grammar: pass the matcher handle as `grammar`")
     g = None if grammar is None else _handle(grammar, "grammar matcher")
-    return (handle, _u32s(tokens, "input tokens"), params, g, first_step, max_steps, _u32s(stop_ids, "stop token ids"))
+    return (handle, _u32s(tokens, "input tokens"), params, g, first_step, max_steps, _u32s(stop_ids, "stop token ids"),
+            _adapter(adapter))
 
 
 def _handle(v: Any, what: str = "context") -> int:
@@ -302,6 +309,9 @@ class WasmHost:
     def model_names(self) -> list[str]:
         return _call(_wit_model.model_names)
 
+    def adapter_names(self, model: str | None) -> list[str]:
+        return _call(_wit_model.adapter_names, _model(model))
+
     def model_info(self, model: str | None) -> dict[str, Any]:
         m = _call(_wit_model.model_info, _model(model))
         return {
@@ -400,6 +410,7 @@ class WasmHost:
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
         outputs: list[OutputSlot] | None = None,
+        adapter: str | None = None,
     ) -> HostFuture:
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("forward needs a non-empty list of input tokens")
@@ -408,21 +419,21 @@ class WasmHost:
         slots = [_output_slot(o) for o in (outputs or [])]
         pos = None if positions is None else _u32s(positions, "positions")
         attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
-        return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots))
+        return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots, _adapter(adapter)))
 
     def generate(
         self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int, max_steps: int,
-        stop_ids: list[int],
+        stop_ids: list[int], adapter: str | None = None,
     ) -> HostFuture:
         return HostFuture(_call(_wit_inference.generate, *_decode_args("generate", handle, tokens, sampler, grammar,
-                                                                         first_step, max_steps, stop_ids)))
+                                                                         first_step, max_steps, stop_ids, adapter)))
 
     def generate_stream(
         self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int, max_steps: int,
-        stop_ids: list[int],
+        stop_ids: list[int], adapter: str | None = None,
     ) -> int:
         return _call(_wit_inference.generate_stream, *_decode_args("generate_stream", handle, tokens, sampler, grammar,
-                                                                     first_step, max_steps, stop_ids))
+                                                                     first_step, max_steps, stop_ids, adapter))
 
     def stream_next(self, handle: int, count: int) -> HostFuture:
         _handle(handle, "token stream")

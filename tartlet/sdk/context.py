@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from . import _binding, brle, tools as _tools
 from .forward import OutputSlot
 from .generator import Generator
+from .adapter import Adapter, adapter_name
+from .chat_transcript import ChatTranscript
 from .sampler import Sampler
 from .stop import StopCondition
 
@@ -27,6 +29,15 @@ if TYPE_CHECKING:
 
 class ContextClosedError(ValueError):
     """A call on a context after :meth:`Context.close`."""
+
+
+class ChatNotAdoptedError(ValueError):
+    """A chat helper (``system``/``user``/``assistant``/``tool``/
+    ``add_message``) on a context opened from a snapshot that holds tokens,
+    before :meth:`Context.adopt_chat` said which messages they are.
+    Snapshots keep tokens, not messages: rendering the new turn as the
+    start of a chat would put the template's preamble (e.g. a default system
+    prompt) in the middle of the context."""
 
 
 class Context:
@@ -42,13 +53,12 @@ class Context:
         self._h = _binding.host().context_new(model.name) if _handle is None else _handle
         self._pending: list[int] = []
         self._messages: list[dict[str, Any]] = []
-        self._rendered = ""
         self._tools: list[dict[str, Any]] | None = None
-        # (length of self._rendered, seq_len) after each chat fill: where to
-        # cut back to when the template rewrites an earlier part
-        self._marks: list[tuple[int, int]] = []
+        self._transcript = ChatTranscript()  # the template's text filled so far, and where each fill ended
         self._turn_start = 0
         self._closed = False
+        #: opened from a non-empty snapshot and not yet adopted (see ChatNotAdoptedError)
+        self._needs_adopt = False
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -85,6 +95,23 @@ class Context:
     def pending(self) -> list[int]:
         """Filled tokens not yet run through the model."""
         return list(self._pending)
+
+    def _take_pending(self) -> list[int]:
+        """Hand the pending tokens to a pass about to be queued: returns
+        them, and none are pending after. If the pass then fails to queue
+        or to run, :meth:`_restore_pending` puts them back."""
+        tokens, self._pending = self._pending, []
+        return tokens
+
+    def _restore_pending(self, tokens: list[int]) -> None:
+        """Put back ``tokens`` taken by a pass that did not run, before any
+        filled since."""
+        self._pending = list(tokens) + self._pending
+
+    def _set_pending(self, tokens: list[int]) -> None:
+        """Make ``tokens`` the pending ones (a generation leaves its last
+        sampled token pending: its KV is computed by the next pass)."""
+        self._pending = list(tokens)
 
     @property
     def text(self) -> str:
@@ -180,6 +207,7 @@ class Context:
         """
         if not isinstance(message, dict):
             raise TypeError(f"a chat message is a dict, got {type(message).__name__}")
+        self._check_adopted()
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"message role must be system, user, assistant or tool, got {role!r}")
@@ -209,15 +237,42 @@ class Context:
             raise ValueError("adopt_chat: the context's tokens are not the chat template rendering of these messages")
         self._messages = [dict(m) for m in messages]
         self._tools = tools
-        self._rendered = rendered
-        self._marks = [(len(rendered), self.seq_len)]
+        self._transcript.adopt(rendered, self.seq_len)
+        self._needs_adopt = False
+
+    def end_turn(self, message: dict[str, Any] | None = None) -> None:
+        """Fill now what the chat template writes after the last message
+        (its closing markup, e.g. ``<|im_end|>\n``), which the next chat
+        helper would otherwise fill; with ``message``, first record the
+        assistant turn just generated as ``message`` (OpenAI shape, e.g.
+        with the ``tool_calls`` parsed out of the text): where the template
+        renders it differently from the generated text, the context is cut
+        back to the assistant header and the rendering filled. Afterwards
+        :attr:`text` is the template's rendering of the messages, so a
+        snapshot saved then (after ``flush``) reopens with
+        :meth:`adopt_chat` of the same messages. A no-op outside a chat.
+
+        Raises:
+            ValueError: ``message`` is not an assistant message, or there is
+                no assistant turn to record it as.
+            ChatNotAdoptedError: see :meth:`open`.
+        """
+        self._check_adopted()
+        if message is not None:
+            if not isinstance(message, dict) or message.get("role") != "assistant":
+                raise ValueError("end_turn(message): message must be an assistant message (OpenAI shape)")
+            if not self._messages or self._messages[-1]["role"] != "assistant":
+                raise ValueError("end_turn(message): there is no assistant turn to record")
+            self._messages[-1] = {k: v for k, v in message.items() if v is not None or k == "content"}
+        if self._messages:
+            self._fill_rendered(self._render(False))
 
     @property
     def chat_text(self) -> str:
         """The chat template's text of the conversation so far (what the
         chat helpers filled, in the template's own spelling), ``""`` outside
         a chat; e.g. to see whether the prompt opens ``<think>``."""
-        return self._rendered
+        return self._transcript.rendered
 
     def begin_assistant(self) -> None:
         """Append the chat template's generation prompt (the assistant
@@ -230,7 +285,16 @@ class Context:
     def _render(self, add_generation_prompt: bool) -> str:
         return _tools.render_chat(self.model, self._messages, add_generation_prompt, self._tools)
 
+    def _check_adopted(self) -> None:
+        if self._needs_adopt:
+            raise ChatNotAdoptedError(
+                "this context was opened from a snapshot holding tokens, not chat messages: call "
+                "ctx.adopt_chat(messages) with the messages the snapshot holds before adding chat turns "
+                "(or ctx.fill(text) for raw text)"
+            )
+
     def _chat(self, role: str, content: str | None) -> None:
+        self._check_adopted()
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
         self._messages.append({"role": role, "content": content})
@@ -242,29 +306,17 @@ class Context:
         rendered with other spacing than generated, consecutive tool results
         merged into one turn), cut the context back to the last chat fill
         before the first difference and fill the rendering from there."""
-        if not self._marks:
-            self._marks = [(0, self.seq_len)]
-        if rendered.startswith(self._rendered):
-            self.fill(rendered[len(self._rendered) :])
-        else:
-            same = 0
-            for a, b in zip(rendered, self._rendered):
-                if a != b:
-                    break
-                same += 1
-            while len(self._marks) > 1 and self._marks[-1][0] > same:
-                self._marks.pop()
-            at, n = self._marks[-1]
-            self._truncate(n)
-            self.fill(rendered[at:])
-        self._rendered = rendered
-        self._marks.append((len(rendered), self.seq_len))
+        keep, text = self._transcript.refill(rendered, self.seq_len)
+        if keep != self.seq_len:
+            self._truncate(keep)
+        self.fill(text)
+        self._transcript.filled(rendered, self.seq_len)
 
     def _begin_assistant_turn(self) -> None:
         if self._messages and self._messages[-1]["role"] != "assistant":
             self._fill_rendered(self._render(True))
             self._messages.append({"role": "assistant", "content": None})
-            self._turn_start = len(self._rendered)
+            self._turn_start = len(self._transcript.rendered)
 
     def _end_assistant_turn(self, text: str, stopped_on_eos: bool) -> None:
         """Record the reply. What the template adds after it (the rest of
@@ -274,8 +326,7 @@ class Context:
         if not self._messages or self._messages[-1] != {"role": "assistant", "content": None}:
             return
         self._messages[-1] = {"role": "assistant", "content": text}
-        self._rendered += text + (self.model.detokenize(self._pending[-1:]) if stopped_on_eos else "")
-        self._marks.append((len(self._rendered), self.seq_len))
+        self._transcript.extend(text + (self.model.detokenize(self._pending[-1:]) if stopped_on_eos else ""), self.seq_len)
 
     def _replace_assistant_turn(self, message: dict[str, Any], text: str) -> None:
         """Record the open (or just ended) assistant turn as ``message``,
@@ -283,19 +334,18 @@ class Context:
         if not self._messages or self._messages[-1]["role"] != "assistant":
             raise ValueError("no assistant turn to record")
         self._messages[-1] = message
-        self._rendered = self._rendered[: self._turn_start] + text
-        while self._marks and self._marks[-1][0] > self._turn_start:
-            self._marks.pop()
-        self._marks.append((len(self._rendered), self.seq_len))
+        self._transcript.replace_from(self._turn_start, text, self.seq_len)
 
     # -- forward passes -------------------------------------------------------------
-    async def flush(self) -> None:
-        """Run pending tokens through the model (prefill), sampling nothing."""
+    async def flush(self, *, adapter: Adapter | str | None = None) -> None:
+        """Run pending tokens through the model (prefill), sampling nothing;
+        with ``adapter`` (:meth:`Model.adapter`), through that LoRA adapter."""
         self._check_open("flush")
+        name = adapter_name(self.model, adapter)
         if self._pending:
             tokens, self._pending = self._pending, []
             try:
-                await _binding.wait(_binding.host().forward(self._h, tokens, None, None, []))
+                await _binding.wait(_binding.host().forward(self._h, tokens, None, None, [], name))
             except BaseException:
                 self._pending = tokens + self._pending
                 raise
@@ -307,6 +357,7 @@ class Context:
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
         outputs: Sequence[OutputSlot] = (),
+        adapter: Adapter | str | None = None,
     ) -> list[Any]:
         """One explicit forward pass over pending tokens followed by ``tokens``.
 
@@ -321,11 +372,16 @@ class Context:
                 :mod:`tartlet.forward`); their ``index`` counts
                 within ``tokens`` (or within the pending tokens when
                 ``tokens`` is empty).
+            adapter: a LoRA adapter (:meth:`Model.adapter`, or its name)
+                the whole pass runs with, pending tokens included; None:
+                the base model.
 
         Returns:
             One result per output slot (see :mod:`tartlet.forward`).
 
         Raises:
+            AdapterError: the model serves no such adapter, or it is
+                another model's.
             ValueError: no input at all; a position outside
                 ``[0, model.max_seq_len)``; the pass would outgrow the
                 model's context; positions, masks or slots that do not match
@@ -333,6 +389,7 @@ class Context:
             ContextClosedError: the context was closed.
         """
         self._check_open("forward")
+        name = adapter_name(self.model, adapter)
         tokens = list(tokens or [])
         pending = self._pending
         if not pending and not tokens:
@@ -368,11 +425,11 @@ class Context:
                 where = "`tokens`" if tokens else "the pending tokens"
                 raise ValueError(f"output index {i!r} outside {where} (0..{n_out - 1})")
             slots.append(replace(o, index=i + shift))
-        self._pending = []
+        self._take_pending()
         try:
-            fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots)
+            fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots, name)
         except BaseException:
-            self._pending = pending
+            self._restore_pending(pending)
             raise
         return await _binding.wait(fut)
 
@@ -387,6 +444,7 @@ class Context:
         constraint: Any = None,
         overlap: bool = False,
         chunk: int | None = None,
+        adapter: Adapter | str | None = None,
     ) -> Generator:
         """Generate from the context: ``async for step in ctx.generate(...)``
         or ``await ctx.generate(...).collect_text()``.
@@ -414,15 +472,20 @@ class Context:
                 nothing to do between tokens (otherwise one token a step as
                 without it). Same tokens and text; the code between steps
                 runs once per chunk. None: one token a step.
+            adapter: a LoRA adapter (:meth:`Model.adapter`, or its name)
+                every pass of the generation runs with (the pending prompt
+                tokens too); None: the base model.
 
         Raises:
+            AdapterError: an :class:`Adapter` of another model (an unknown
+                name fails the first step).
             ContextClosedError: the context was closed.
             ValueError: the context is empty (nothing to condition on),
                 ``overlap`` with a ``drafter``, or ``chunk`` not an int >= 1.
         """
         self._check_open("generate")
         return Generator(self, sampler or Sampler.greedy(), max_tokens=max_tokens, stop=stop, eos=eos, drafter=drafter,
-                         constraint=constraint, overlap=overlap, chunk=chunk)
+                         constraint=constraint, overlap=overlap, chunk=chunk, adapter=adapter_name(self.model, adapter))
 
     # -- KV management -----------------------------------------------------------------
     def fork(self) -> "Context":
@@ -437,10 +500,10 @@ class Context:
         child = Context(self.model, _handle=_binding.host().context_fork(self._h))
         child._pending = list(self._pending)
         child._messages = [dict(m) for m in self._messages]
-        child._rendered = self._rendered
         child._tools = self._tools
-        child._marks = list(self._marks)
+        child._transcript = self._transcript.copy()
         child._turn_start = self._turn_start
+        child._needs_adopt = self._needs_adopt
         return child
 
     def truncate(self, n: int) -> None:
@@ -451,7 +514,9 @@ class Context:
             ValueError: ``n`` outside ``[0, seq_len]``.
         """
         self._truncate(n)
-        self._messages, self._rendered, self._marks = [], "", []
+        self._messages = []
+        self._transcript.reset()
+        self._needs_adopt = False
 
     def _truncate(self, n: int) -> None:
         kv = self.kv_len
@@ -511,19 +576,29 @@ class Context:
     def open(cls, model: "Model", name: str) -> "Context":
         """A new context forked from snapshot ``name`` (which stays).
 
+        A snapshot keeps tokens, not chat messages: to continue a chat on
+        it, call :meth:`adopt_chat` with the messages it holds first; chat
+        helpers before that raise :class:`ChatNotAdoptedError` (``fill``,
+        ``fill_tokens`` and ``generate`` need nothing).
+
         Raises:
             ValueError: no snapshot of that name.
         """
-        return cls(model, _handle=_binding.host().snapshot_open(model.name, name))
+        return cls(model, _handle=_binding.host().snapshot_open(model.name, name))._opened()
 
     @classmethod
     def take(cls, model: "Model", name: str) -> "Context":
         """A context that takes over snapshot ``name``; the name disappears.
+        Chat helpers need :meth:`adopt_chat` first, as after :meth:`open`.
 
         Raises:
             ValueError: no snapshot of that name.
         """
-        return cls(model, _handle=_binding.host().snapshot_take(model.name, name))
+        return cls(model, _handle=_binding.host().snapshot_take(model.name, name))._opened()
+
+    def _opened(self) -> "Context":
+        self._needs_adopt = self.kv_len > 0
+        return self
 
     @staticmethod
     def delete(model: "Model", name: str) -> None:

@@ -95,6 +95,14 @@ class StoreError(ValueError):
     store database (``[store] url``) that cannot be reached."""
 
 
+class AdapterError(ValueError):
+    """A LoRA adapter that cannot be loaded or used: a bad or unsupported
+    file (``modules_to_save``, DoRA, ...), one made for another base model
+    (other layer count, other shapes), a module the model has no projection
+    for, or an adapter name the model does not serve. The message names the
+    file and the module."""
+
+
 class ProgramError(ValueError):
     """An inferlet that cannot be found, read or loaded (e.g. an unknown name
     given to ``children.launch``)."""
@@ -120,6 +128,7 @@ ERROR_CODES: dict[str, type[Exception]] = {
     "messaging-error": MessagingError,
     "store-error": StoreError,
     "program-error": ProgramError,
+    "adapter-error": AdapterError,
     "value-error": ValueError,
     "type-error": TypeError,
     "key-error": KeyError,
@@ -164,6 +173,7 @@ def error_from_code(code: str, message: str) -> Exception:
 
 __all__ = [
     "ERROR_CODES",
+    "AdapterError",
     "ChatTemplateError",
     "ContextLengthError",
     "GrammarError",

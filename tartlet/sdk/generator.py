@@ -126,12 +126,15 @@ class Generator:
         constraint: Any,
         overlap: bool = False,
         chunk: int | None = None,
+        adapter: str | None = None,
     ) -> None:
         if overlap and drafter is not None:
             raise ValueError("overlap=True cannot be combined with a drafter (a step's draft depends on the last)")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be an int >= 1 or None, got {chunk!r}")
         self.ctx = ctx
+        #: the LoRA adapter (its host name) every pass runs with, or None
+        self.adapter = adapter
         self.overlap = overlap
         #: most tokens per step decoded host-side (chunked streaming), or None
         self.chunk = chunk
@@ -193,14 +196,14 @@ class Generator:
         self._started = True
         ctx = self.ctx
         ctx._begin_assistant_turn()
-        if not ctx._pending:
+        if not ctx.pending:
             n = ctx.kv_len
             if n == 0:
                 raise ValueError("generate on an empty context: fill a prompt first")
             # re-run the last token to get its logits
             last = ctx.tokens[-1]
             ctx._truncate(n - 1)
-            ctx._pending = [last]
+            ctx._set_pending([last])
         if self.drafter is not None:
             self.drafter.update(ctx.tokens)
         cmodel = getattr(self.constraint, "model", None)
@@ -231,20 +234,20 @@ class Generator:
             draft: list[int] = []
             kv0 = -1  # not needed: without a draft nothing is truncated
         else:
-            inputs = ctx._pending
+            inputs = ctx.pending
             draft = self._draft()
             # the KV length only matters for truncating rejected drafts; without a
             # draft it is not read (a host call per token less)
             kv0 = ctx.kv_len if draft else -1
             slots = self._slots(len(inputs) - 1, len(draft) + 1)
-            ctx._pending = []
+            ctx._take_pending()
             fut = None
         try:
             if fut is None:
-                fut = _binding.host().forward(ctx._h, inputs + draft, None, None, slots)
+                fut = _binding.host().forward(ctx._h, inputs + draft, None, None, slots, self.adapter)
             results = await _binding.wait(fut)
         except BaseException:
-            ctx._pending = inputs
+            ctx._restore_pending(inputs)
             raise
         self.stats.steps += 1
         accepted: list[int] = []
@@ -264,7 +267,7 @@ class Generator:
         # keep the KV of the inputs and the used drafts; the last token is pending
         if used - 1 < len(draft):
             ctx._truncate(kv0 + len(inputs) + used - 1)
-        ctx._pending = [accepted[used - 1]]
+        ctx._set_pending([accepted[used - 1]])
         if self.drafter is not None:
             self.drafter.update(accepted[:used])
         if self.overlap and self.finish_reason is None:
@@ -275,12 +278,12 @@ class Generator:
         pending token where it was: the next step submits it again and
         raises then, where the caller expects errors."""
         ctx = self.ctx
-        inputs = ctx._pending
+        inputs = ctx.pending
         try:
-            fut = _binding.host().forward(ctx._h, inputs, None, None, self._slots(len(inputs) - 1, 1))
+            fut = _binding.host().forward(ctx._h, inputs, None, None, self._slots(len(inputs) - 1, 1), self.adapter)
         except Exception:
             return
-        ctx._pending = []
+        ctx._take_pending()
         self._ahead = (fut, inputs)
 
     async def aclose(self) -> None:
@@ -295,7 +298,7 @@ class Generator:
             try:
                 await _binding.wait(fut)
             except Exception:
-                self.ctx._pending = inputs + self.ctx._pending  # the pass did not run: its token is pending again
+                self.ctx._restore_pending(inputs)  # the pass did not run: its token is pending again
         if self._stream is not None:
             await self._close_stream()
         if self.finish_reason is None:
@@ -412,13 +415,13 @@ class Generator:
         n = left if max_steps is None else max_steps if left is None else min(max_steps, left)
         assert n is not None and n >= 1  # a generation at its limit has finished
         stop_ids = self._eos_ids()
-        inputs, ctx._pending = ctx._pending, []
+        inputs = ctx._take_pending()
         try:
             fut = _binding.host().generate(ctx._h, inputs, self.sampler.slot(0), self._host_grammar(), len(self.tokens), n,
-                                           stop_ids)
+                                           stop_ids, self.adapter)
             toks = await _binding.wait(fut)
         except BaseException:
-            ctx._pending = inputs + ctx._pending
+            ctx._restore_pending(inputs)
             raise
         self.stats.steps += len(toks)
         self.tokens.extend(toks)
@@ -438,7 +441,7 @@ class Generator:
             self._finish("constraint")
         elif left is not None and len(toks) >= left:
             self._finish("length")
-        ctx._pending = [toks[-1]]
+        ctx._set_pending([toks[-1]])
 
     def _eos_ids(self) -> list[int]:
         """The token ids of the EOS stop conditions, for the host to stop on."""
@@ -512,7 +515,7 @@ class Generator:
         ctx = self.ctx
         limits = self._stop.find(MaxTokens)
         kv = ctx.kv_len
-        inputs = ctx._pending
+        inputs = ctx.pending
         # each pass adds one token; the last sampled one is not run
         room = ctx.model.max_seq_len - kv - len(inputs) + 1
         n = min([room] + [c.n - len(self.tokens) for c in limits])
@@ -521,8 +524,8 @@ class Generator:
                              f"{ctx.model.max_seq_len}")
         stop_ids = self._eos_ids()
         h = _binding.host().generate_stream(ctx._h, inputs, self.sampler.slot(0), self._host_grammar(), len(self.tokens),
-                                            n, stop_ids)
-        ctx._pending = []
+                                            n, stop_ids, self.adapter)
+        ctx._take_pending()
         self._stream = (h, inputs, kv + len(inputs), 0)
 
     async def _close_stream(self) -> None:
@@ -544,12 +547,12 @@ class Generator:
         keep = base - 1 + taken if taken else base - len(inputs)
         if ctx.kv_len > keep:
             ctx._truncate(keep)
-        ctx._pending = [self.tokens[-1]] if taken else list(inputs)
+        ctx._set_pending([self.tokens[-1]] if taken else inputs)
         if self._turn_end_due:
             self._turn_end_due = False
-            pending, ctx._pending = ctx._pending, []  # as _step ends a turn: before the last token is pending
+            pending = ctx._take_pending()  # as _step ends a turn: before the last token is pending
             ctx._end_assistant_turn(self.text, stopped_on_eos=self.finish_reason == "eos")
-            ctx._pending = pending
+            ctx._set_pending(pending)
 
     async def _step_on_host(self) -> None:
         """One chunked step (``chunk``): the next 1, 2, 4, ... up to

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import _binding
+from .adapter import Adapter
+from .errors import AdapterError
 
 if TYPE_CHECKING:
     from .context import Context
@@ -75,6 +77,22 @@ class Model:
                 template rejects the conversation.
         """
         return _binding.host().apply_chat_template(self.name, messages, add_generation_prompt, tools)
+
+    def adapters(self) -> list[str]:
+        """Names of the LoRA adapters served for this model, sorted."""
+        return _binding.host().adapter_names(self.name)
+
+    def adapter(self, name: str) -> Adapter:
+        """The LoRA adapter served as ``name`` for this model.
+
+        Raises:
+            AdapterError: the host serves no adapter of that name for this
+                model (the message lists those it serves).
+        """
+        names = self.adapters()
+        if name not in names:
+            raise AdapterError(f"model {self.name!r} serves no adapter named {name!r} (adapters: {', '.join(names) or 'none'})")
+        return Adapter(self, name)
 
     def new_context(self) -> "Context":
         """An empty context on this model."""

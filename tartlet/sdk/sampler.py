@@ -60,12 +60,19 @@ class Sampler:
         min_p: drop tokens below ``min_p * p_max``.
         seed: makes the draws reproducible (see module doc).
 
+    Every argument is keyword-only, in the constructor and the presets alike
+    (``Sampler.top_p(0.9, temperature=0.7, seed=1)``): Pie's order
+    ``top_p(temperature, p)`` differs from ours, so a positional temperature
+    is a ``TypeError`` rather than a silent swap.
+
     Raises:
         ValueError: a parameter out of range.
+        TypeError: an optional argument given by position.
     """
 
     def __init__(
         self,
+        *,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float = 1.0,
@@ -93,33 +100,33 @@ class Sampler:
         return cls()
 
     @classmethod
-    def multinomial(cls, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
+    def multinomial(cls, *, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
         """Draw from ``softmax(logits / temperature)``."""
         return cls(temperature=temperature, seed=seed)
 
     @classmethod
-    def top_k(cls, k: int, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
+    def top_k(cls, k: int, *, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
         return cls(temperature=temperature, top_k=k, seed=seed)
 
     @classmethod
-    def top_p(cls, p: float, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
+    def top_p(cls, p: float, *, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
         return cls(temperature=temperature, top_p=p, seed=seed)
 
     @classmethod
-    def min_p(cls, p: float, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
+    def min_p(cls, p: float, *, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
         return cls(temperature=temperature, min_p=p, seed=seed)
 
     @classmethod
-    def top_k_top_p(cls, k: int, p: float, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
+    def top_k_top_p(cls, k: int, p: float, *, temperature: float = 1.0, seed: int | None = None) -> "Sampler":
         return cls(temperature=temperature, top_k=k, top_p=p, seed=seed)
 
     @classmethod
-    def reasoning(cls, seed: int | None = None) -> "Sampler":
+    def reasoning(cls, *, seed: int | None = None) -> "Sampler":
         """Preset for reasoning models: top-k 20, top-p 0.95, temperature 0.6."""
         return cls(temperature=0.6, top_k=20, top_p=0.95, seed=seed)
 
     @classmethod
-    def custom(cls, fn: CustomFn, k: int = 64, temperature: float = 1.0) -> "Sampler":
+    def custom(cls, fn: CustomFn, *, k: int = 64, temperature: float = 1.0) -> "Sampler":
         """A sampler written in Python: each step the engine returns the
         ``k`` most likely tokens of ``softmax(logits / temperature)`` as
         ``(ids, probs)`` (descending) and ``fn(ids, probs)`` returns the

@@ -28,9 +28,13 @@ from starlette.routing import Route, WebSocketRoute
 from ..host.state import HostState
 from .config import ServerConfig
 from . import metrics
-from .openai_api import ApiError, OpenAiRoutes
+from .memory_budget import machine_ram, memory_warnings, user_count
+from .openai_api import OpenAiRoutes
+from .openai_errors import ApiError
+from .responses_api import ResponsesRoutes
 from .service import Service
 from .ws import ws_endpoint
+from .ws_protocol import protocol_class
 
 if TYPE_CHECKING:
     import uvicorn
@@ -107,6 +111,7 @@ def setup_logging() -> None:
 def build_app(service: Service) -> Starlette:
     """The Starlette app serving ``service``."""
     oa = OpenAiRoutes(service)
+    responses = ResponsesRoutes(oa)
 
     async def health(request: Request) -> Response:
         body = {"status": "ok", "models": list(service.state.models), "running_instances": service.running(), "auth": service.auth}
@@ -128,6 +133,10 @@ def build_app(service: Service) -> Starlette:
         Route("/v1/models/{model:path}", oa.model),
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.add_middleware(AccessLog)
@@ -163,11 +172,12 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
     if cfg.store.url:  # shared by replicas; psycopg is imported only here
         from ..host.pg_store import PgStore
 
-        state.store = PgStore(cfg.store.url)
+        state.store = PgStore(cfg.store.url, lim.max_store_bytes_per_user, lim.max_store_keys_per_user)
     else:
-        state.store = Store(cfg.store_path)
+        state.store = Store(cfg.store_path, lim.max_store_bytes_per_user, lim.max_store_keys_per_user)
     configure_http(state, cfg)
     configure_code(state, cfg)
+    state.rates = lim.rate_limits()
     return state
 
 
@@ -180,7 +190,10 @@ def configure_code(state: HostState, cfg: ServerConfig) -> None:
     if state.code_sandbox is not None:
         state.code_sandbox.close()
     state.code_sandbox = (
-        CodeSandbox(c.max_time_s, c.max_memory_mb, c.default_memory_mb, c.max_output_bytes, c.workers, c.max_pending_per_user)
+        CodeSandbox(
+            c.max_time_s, c.max_memory_mb, c.default_memory_mb, c.max_output_bytes, c.workers, c.max_pending_per_user,
+            c.max_running_per_user,
+        )
         if c.enabled else None
     )  # fmt: skip
 
@@ -216,7 +229,7 @@ def http_server(cfg: ServerConfig, service: Service) -> uvicorn.Server:
 
     return uvicorn.Server(uvicorn.Config(
         build_app(service), log_level="warning", lifespan="off", ws_max_size=cfg.limits.max_message_bytes,
-        loop="asyncio", timeout_graceful_shutdown=5,
+        ws=protocol_class(), loop="asyncio", timeout_graceful_shutdown=5,
     ))
 
 
@@ -254,6 +267,8 @@ def serve(cfg: ServerConfig, auth: bool = True, announce: Callable[[str], None] 
     setup_logging()
     state = load_state(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     service = Service(cfg, state, auth=auth)
+    for warning in memory_warnings(cfg, user_count(service.keys, service.auth), machine_ram()):
+        log.warning("%s", warning)
     sock = listen_socket(cfg.host, cfg.port)
     port = sock.getsockname()[1]
     server = http_server(cfg, service)

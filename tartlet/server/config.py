@@ -12,6 +12,7 @@ reads it with :func:`load_config`. Layout::
     [[models]]                  # one table per served model: EngineConfig fields
     model = "smollm2-135m-instruct"
     kv_cache_mb = 1024          # the page budget of this model, MiB
+    adapters = { name = "path" }  # LoRA adapters served with it (PEFT folder or GGUF file)
     ...
 
     [limits]   max_pages_per_instance, max_pages_per_user, pool_fraction_per_user,
@@ -21,7 +22,11 @@ reads it with :func:`load_config`. Layout::
                max_message_bytes, max_upload_bytes, max_json_depth,
                max_session_message_bytes, max_backlog_bytes,
                max_messaging_bytes_per_user, max_topics_per_user,
-               max_builds_per_user
+               max_builds_per_user, max_store_bytes_per_user,
+               max_store_keys_per_user, max_sandbox_memory_mb_per_user,
+               max_launches_per_s, max_builds_per_min, max_allocs_per_s,
+               max_messages_per_s, rate_burst_s, max_rate_wait_s
+               (docs/server.md, "Limits": one table of them all)
     [auth]     enabled, keys_file
     [http]     allow_hosts, max_response_bytes, max_request_bytes, timeout_s
     [programs] allow_uploads, uploaded_runtime ("wasm": sandboxed, the default;
@@ -60,6 +65,7 @@ from ..engine.core.engine import EngineConfig
 from ..engine.loading.quant_formats import QUANTIZE_TYPES
 from ..engine.models.quant_linear import MATMUL_DTYPES
 from ..host.kv_quotas import KvLimits
+from ..host.rate_limits import RateLimits
 
 
 class ConfigError(ValueError):
@@ -79,6 +85,7 @@ class _Table(BaseModel):
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class LimitsConfig(_Table):
@@ -134,6 +141,35 @@ class LimitsConfig(_Table):
             (componentize-py, ~220 MB and up to 300 s each) one user may run
             at once; a build also counts as a running instance against
             ``max_instances_per_user``. Over it: launch error ``limit``.
+        max_store_bytes_per_user: bytes (UTF-8 keys plus values) one user's
+            key-value store entries may hold; a ``store.set`` past it
+            raises ``LimitError`` and writes nothing.
+        max_store_keys_per_user: keys one user may have in the store; a
+            ``store.set`` of a new key past it raises ``LimitError``.
+        max_sandbox_memory_mb_per_user: linear memory, MiB, one user's
+            running sandboxed (WASM) instances may reserve together; each
+            reserves ``[programs] sandbox_memory_mb`` at launch until it
+            ends. A launch past it is refused: error ``limit`` to a client,
+            ``LimitError`` to a parent launching a child.
+        max_launches_per_s: launches per second one user may start, children
+            included (a token bucket, see ``rate_burst_s``). Past it a client
+            launch waits for its turn (at most ``max_rate_wait_s``), a child
+            launch raises ``LimitError``.
+        max_builds_per_min: builds of uploaded programs per minute one user
+            may start (a token bucket); past it: launch error ``limit``.
+        max_allocs_per_s: host calls that take KV pages or a snapshot slot
+            per second per user (context fork, snapshot save, open and take;
+            a token bucket); past it the call raises ``LimitError``.
+        max_messages_per_s: messaging calls (push, broadcast, subscribe) and
+            client ``send`` requests per second per user (a token bucket);
+            past it the call raises ``LimitError`` (a client gets ``limit``).
+        rate_burst_s: every rate above is a token bucket holding this many
+            seconds' worth of tokens (at least one): a user may go that far
+            ahead of the rate in a burst, then waits for tokens to come back.
+        max_rate_wait_s: longest a client's launch waits for a token before
+            it is refused with ``limit``, seconds. Requests of one
+            connection are answered in order, so a user flooding launches
+            waits behind its own launches, not other users'.
     """
 
     max_pages_per_instance: PositiveInt | None = None
@@ -153,6 +189,23 @@ class LimitsConfig(_Table):
     max_messaging_bytes_per_user: PositiveInt = 64 * 2**20
     max_topics_per_user: PositiveInt = 1024
     max_builds_per_user: PositiveInt = 1
+    max_store_bytes_per_user: PositiveInt | None = 64 * 2**20
+    max_store_keys_per_user: PositiveInt | None = 100_000
+    max_sandbox_memory_mb_per_user: PositiveInt | None = 4096
+    max_launches_per_s: PositiveFloat | None = 20.0
+    max_builds_per_min: PositiveFloat | None = 6.0
+    max_allocs_per_s: PositiveFloat | None = 1000.0
+    max_messages_per_s: PositiveFloat | None = 2000.0
+    rate_burst_s: PositiveFloat = 2.0
+    max_rate_wait_s: Annotated[float, Field(ge=0)] = 5.0
+
+    def rate_limits(self) -> RateLimits:
+        """The per-user token buckets of the ``max_*_per_s``/``_per_min`` rates."""
+        return RateLimits(
+            {"launch": self.max_launches_per_s, "build": self.max_builds_per_min, "alloc": self.max_allocs_per_s,
+             "message": self.max_messages_per_s},
+            self.rate_burst_s,
+        )  # fmt: skip
 
     def kv_limits(self, auth: bool) -> KvLimits:
         """The KV and snapshot limits for the host (``auth``: whether users
@@ -221,8 +274,10 @@ class CodeConfig(_Table):
         max_time_s: largest (and default) wall-time limit of one run, seconds.
         max_memory_mb: largest memory cap of one run, MiB (at least 24).
         default_memory_mb: memory cap of a run that names none, MiB.
-        workers: runs executing at once (others queue).
+        workers: worker processes, i.e. runs executing at once (others queue).
         max_pending_per_user: runs of one user queued or running at once.
+        max_running_per_user: runs of one user executing at once (its share
+            of the workers; users take turns for free workers).
         max_output_bytes: stdout + stderr kept per run, bytes.
     """
 
@@ -232,6 +287,7 @@ class CodeConfig(_Table):
     default_memory_mb: Annotated[int, Field(ge=24)] = 64
     workers: PositiveInt = 2
     max_pending_per_user: PositiveInt = 8
+    max_running_per_user: PositiveInt = 1
     max_output_bytes: PositiveInt = 65536
 
     @model_validator(mode="after")
@@ -295,6 +351,20 @@ class SnapshotsConfig(_Table):
     POSIX shared path) open each other's snapshots."""
 
     dir: str = ""
+
+
+class ResponsesConfig(_Table):
+    """``[responses]``: stored responses of ``POST /v1/responses`` (``store``
+    true), kept in ``<data_dir>/responses`` with a KV snapshot each for
+    ``previous_response_id``.
+
+    Attributes:
+        ttl_s: seconds a stored response (and its snapshot) lives.
+        max_per_user: stored responses kept per user; the oldest go first.
+    """
+
+    ttl_s: Seconds = 30 * 24 * 3600.0
+    max_per_user: PositiveInt = 1000
 
 
 class ClusterConfig(_Table):
@@ -368,7 +438,10 @@ def _model_table() -> type[_Table]:
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     assert set(_MODEL_KEY_TYPES) <= set(names), set(_MODEL_KEY_TYPES) - set(names)
     fields: dict[str, Any] = {
-        f.name: (_MODEL_KEY_TYPES.get(f.name, hints[f.name]), f.default) for f in dataclasses.fields(EngineConfig)
+        f.name: (_MODEL_KEY_TYPES.get(f.name, hints[f.name]),
+                 Field(default_factory=typing.cast("typing.Callable[[], Any]", f.default_factory))
+                 if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(EngineConfig)
     }
     return create_model("ServedModel", __base__=_Table, __doc__=EngineConfig.__doc__, **fields)
 
@@ -409,6 +482,7 @@ class ServerConfig(_Table):
     store: StoreConfig = Field(default_factory=StoreConfig)
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,7 @@ Each server has its own :class:`prometheus_client.CollectorRegistry` (from
 :func:`make_registry`), never the process-wide default one, so several apps
 in one process (tests) do not collide. Its one collector reads the values at
 scrape time: counters from each engine's ``scheduler.stats``
-(:class:`tartlet.engine.core.scheduler.SchedulerStats`), gauges from
+(:class:`tartlet.engine.core.stats.SchedulerStats`), gauges from
 ``pool.stats()`` and the service; read without locks (monotonic counters, a
 scrape may be one batch stale).
 

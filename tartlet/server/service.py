@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import sys
-import tempfile
+import math
 import threading
 import time
 from pathlib import Path
@@ -28,12 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..sdk.errors import LimitError, ProgramError
 from ..host.session import ByteBudget, Session, message_bytes
+from ..host.redact import redact, register as register_path
 from ..host.state import HostState
 from .config import ServerConfig
 from ..runtime.base import RuntimeOptions
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
-from ..runtime.program import Program
+from ..runtime.program import Program, check_name
 from .auth import key_store
 from .programs import ProgramCache
 from ..protocol import BACKLOG, ProtocolError
@@ -107,6 +107,15 @@ class Channel:
             ev["data"] = msg
         post(self.loop, self._emit, ev, size)
 
+    def on_log(self, stream: str, line: str) -> None:
+        """``InstanceStdio`` sink (any thread): a ``log`` event
+        ``{"instance", "stream", "data"}`` for the client, charged to the
+        owner's budget like output (bounded per instance by the stdio)."""
+        size = len(line.encode("utf-8", "replace"))
+        if self.budget is not None:
+            self.budget.take(self.inst.owner, size)
+        post(self.loop, self._emit, {"type": "log", "instance": self.inst.id, "stream": stream, "data": line}, size)
+
     def _give(self, size: int) -> None:
         if size and self.budget is not None:
             self.budget.give(self.inst.owner, size)
@@ -137,7 +146,8 @@ class Channel:
 
     def exit_event(self) -> Event:
         i = self.inst
-        return {"type": "exit", "instance": i.id, "status": i.status.value, "result": _jsonable(i.result), "error": i.error}
+        error = None if i.error is None else redact(i.error)  # no server paths to clients
+        return {"type": "exit", "instance": i.id, "status": i.status.value, "result": _jsonable(i.result), "error": error}
 
     def attach(self, sub: Subscriber) -> int:
         """Replay the kept output to ``sub`` and stream to it from now on;
@@ -158,6 +168,24 @@ class Channel:
         with self._lock:
             if sub in self.subs:
                 self.subs.remove(sub)
+
+
+def _seconds(value: Any) -> float:
+    """A client's ``time_limit_s`` as a finite, positive float.
+
+    Raises:
+        ProtocolError: ``bad_request`` for a bool, a non-number, zero or
+            less, NaN or infinity (JSON parsing lets ``NaN`` and
+            ``Infinity`` through), or a number too large for a float.
+    """
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    try:
+        seconds = float(value) if ok else math.nan
+    except OverflowError:
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ProtocolError("bad_request", f"time_limit_s must be a positive, finite number of seconds, got {value!r:.40}")
+    return seconds
 
 
 def _jsonable(v: Any) -> Any:
@@ -187,6 +215,7 @@ class Service:
         lim = cfg.limits
         self.cfg = cfg
         self.state = state
+        self._register_paths()
         self.auth = auth and cfg.auth.enabled
         self.keys = key_store(cfg)  # [store] url: PostgreSQL, shared by replicas; else the keys file
         self.programs = ProgramCache(cfg.upload_dir, lim.max_upload_bytes)
@@ -199,6 +228,7 @@ class Service:
             max_instances_per_user=lim.max_instances_per_user, program_dirs=[Path(cfg.program_dir)],
         )  # fmt: skip
         self.runtime = NativeRuntime(state, **common)
+        self.runtime.capture_stdio = True  # what instances print: the server log, and clients asking for it
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
         self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir, shared=shared)
@@ -232,7 +262,8 @@ class Service:
             p = self.cfg.programs
             self._sandbox = WasmRuntime(
                 self.state, limits=WasmLimits(memory_mb=p.sandbox_memory_mb, cpu_time_s=p.sandbox_cpu_time_s),
-                instances=self.runtime.instances, **self._common,
+                instances=self.runtime.instances, max_memory_mb_per_user=self.cfg.limits.max_sandbox_memory_mb_per_user,
+                **self._common,
             )  # fmt: skip
         return self._sandbox
 
@@ -254,12 +285,16 @@ class Service:
         if not isinstance(inferlet, str):
             raise ProtocolError("bad_request", "launch needs `inferlet` (a name) or `program` (an upload hash)")
         try:
-            found = self.runtime.find_program(inferlet)
+            found = self.runtime.find_program(inferlet)  # a name that is not plain (a path, too long): not found either
         except ProgramError as e:
             component = Path(self.cfg.program_dir) / f"{inferlet}.wasm"
-            if "/" not in inferlet and "\\" not in inferlet and not inferlet.startswith(".") and component.is_file():
+            try:
+                is_component = check_name(inferlet) is not None and component.is_file()
+            except (ProgramError, OSError):
+                is_component = False
+            if is_component:
                 return Program(inferlet, component.parent, component, {}), True
-            raise ProtocolError("not_found", str(e)) from None
+            raise ProtocolError("not_found", self.scrub(str(e))) from None
         return found, runtimes.installed_runtime == "wasm"
 
     async def prepare(self, program: Program, sandboxed: bool, user: str = "local") -> Program:
@@ -293,6 +328,7 @@ class Service:
             build = self._building.get(key)
             if build is None:
                 self._check_build_slot(user)
+                self.take_rate(user, "build")
                 build = asyncio.ensure_future(asyncio.to_thread(self.sandbox.prepare, program))
                 self._building[key] = build
                 self._builds[user] += 1
@@ -307,6 +343,42 @@ class Service:
             return await asyncio.shield(build)
         except (ProgramError, builder.BuildError, WasmLoadError) as e:
             raise ProtocolError("bad_request", self.scrub(str(e))) from None
+
+    def take_rate(self, user: str, kind: str) -> None:
+        """Take a token of ``user``'s ``kind`` rate (:mod:`tartlet.host.rate_limits`).
+
+        Raises:
+            ProtocolError: ``limit``, naming the rate's key.
+        """
+        rates = self.state.rates
+        if rates is None:
+            return
+        try:
+            rates.take(user, kind)
+        except LimitError as e:
+            self.limit_refusals += 1
+            raise ProtocolError("limit", str(e)) from None
+
+    async def admit_launch(self, user: str) -> None:
+        """Wait for ``user``'s turn to launch (``[limits] max_launches_per_s``):
+        at once while the user is within the rate, else until a token comes
+        back; the requests of one connection are answered in order, so a
+        user who floods launches waits behind their own launches only.
+
+        Raises:
+            ProtocolError: ``limit`` when the wait would be longer than
+                ``[limits] max_rate_wait_s``.
+        """
+        rates = self.state.rates
+        if rates is None:
+            return
+        try:
+            wait = rates.wait_for(user, "launch", self.cfg.limits.max_rate_wait_s)
+        except LimitError as e:
+            self.limit_refusals += 1
+            raise ProtocolError("limit", str(e)) from None
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     def _check_build_slot(self, user: str) -> None:
         lim = self.cfg.limits
@@ -327,18 +399,19 @@ class Service:
     def scrub(self, text: str) -> str:
         """``text`` with server paths (data dir, caches, temp dir, the Python
         installation) replaced by placeholders such as ``<data>``, so an
-        error sent to a client names the problem, not the server's layout."""
+        error sent to a client names the problem, not the server's layout
+        (:func:`tartlet.host.redact.redact`; the same placeholders are put
+        in errors that reach sandboxed inferlets)."""
+        return redact(text)
+
+    def _register_paths(self) -> None:
         from .. import paths
 
-        places = {
-            str(self.cfg.upload_dir): "<upload>", str(self.cfg.data_dir): "<data>", str(self.cfg.program_dir): "<programs>",
-            str(paths.cache_dir()): "<cache>", tempfile.gettempdir(): "<tmp>", sys.prefix: "<python>",
-            sys.base_prefix: "<python>", str(Path(__file__).resolve().parents[2]): "<tartlet>",
-        }  # fmt: skip
-        for path in sorted(places, key=len, reverse=True):
-            if len(path) > 1:
-                text = text.replace(path, places[path])
-        return text
+        for path, label in (
+            (self.cfg.upload_dir, "<upload>"), (self.cfg.data_dir, "<data>"), (self.cfg.program_dir, "<programs>"),
+            (self.cfg.snapshot_dir, "<snapshots>"), (paths.cache_dir(), "<cache>"),
+        ):  # fmt: skip
+            register_path(path, label)
 
     def _reclaim(self, user: str, need: int) -> None:
         """Free ``need`` bytes of ``user``'s budget if possible: drop the kept
@@ -353,13 +426,15 @@ class Service:
     # -- instances -----------------------------------------------------------------
     def launch(
         self, user: str, program: Program, args: Any, listener: Callable[[str | bytes], None] | None = None,
-        time_limit_s: Any = None, sandboxed: bool = False,
+        time_limit_s: Any = None, sandboxed: bool = False, logs: bool = False,
     ) -> Instance:
         """Start ``program`` for ``user``; its output goes to the instance's
         :class:`Channel` (and to ``listener`` when given, instead).
         ``time_limit_s`` may lower (never raise) the configured wall-time limit.
         ``sandboxed`` runs it as a WASM component (call :meth:`prepare`
-        first, or the build blocks the event loop).
+        first, or the build blocks the event loop). What it prints always
+        goes to the server log (``tartlet.inferlet``); with ``logs`` also to
+        its channel as ``log`` events.
 
         Raises:
             ProtocolError: ``bad_request`` (args not an object, program fails
@@ -373,9 +448,8 @@ class Service:
             raise ProtocolError("limit", f"user {user!r} already runs {cap_n} instances and builds, the limit (max_instances_per_user)")
         cap = self.cfg.limits.max_wall_time_s
         if time_limit_s is not None:
-            if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
-                raise ProtocolError("bad_request", f"time_limit_s must be a positive number, got {time_limit_s!r}")
-            cap = min(cap, float(time_limit_s)) if cap else float(time_limit_s)
+            limit = _seconds(time_limit_s)
+            cap = min(cap, limit) if cap else limit
         self.prune()
         loop = asyncio.get_running_loop()
         lim = self.cfg.limits
@@ -398,6 +472,8 @@ class Service:
         else:
             ch = Channel(inst, loop, self.session_budget)
             session.listen(ch.on_send)
+            if logs:
+                inst.stdio.sink = ch.on_log
             self.channels[inst.id] = ch
 
             def ended(_t: Any, ch: Channel = ch) -> None:
@@ -435,7 +511,7 @@ class Service:
                 continue
             out.append({
                 "id": i.id, "program": i.program.name, "status": i.status.value, "owner": i.owner,
-                "started_at": i.started_at, "finished_at": i.finished_at, "error": i.error,
+                "started_at": i.started_at, "finished_at": i.finished_at, "error": None if i.error is None else redact(i.error),
                 "parent": i.parent, "runtime": i.runtime,
             })
         return out

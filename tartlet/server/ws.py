@@ -24,12 +24,15 @@ log = logging.getLogger(__name__)
 MAX_PENDING_EVENTS = 10_000
 
 
-def bearer(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
-    """The API key of a request: ``Authorization: Bearer KEY`` or ``?key=``."""
+def bearer(headers: Mapping[str, str], query: Mapping[str, str] | None = None) -> str | None:
+    """The API key of a request: ``Authorization: Bearer KEY``, else (when
+    ``query`` is given: the WebSocket endpoint only, since browsers cannot
+    set headers on a WebSocket) the ``?key=`` query parameter. HTTP routes
+    pass no ``query``: a key in a URL ends up in proxy and access logs."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return query.get("key")
+    return query.get("key") if query is not None else None
 
 
 def _event_bytes(ev: Event) -> int:
@@ -176,9 +179,11 @@ class Connection:
             time_limit = _field(req, "time_limit_s", (int, float), "a number of seconds")
             attach = _field(req, "attach", bool, "true or false", True)
             abort_on_disconnect = _field(req, "abort_on_disconnect", bool, "true or false", False)
+            logs = _field(req, "logs", bool, "true or false", False)
             program, sandboxed = svc.resolve(inferlet, program_hash)
+            await svc.admit_launch(user)  # [limits] max_launches_per_s: waits for the user's turn, or `limit`
             program = await svc.prepare(program, sandboxed, user)  # a first sandboxed launch builds: seconds, off the loop
-            inst = svc.launch(user, program, args, time_limit_s=time_limit, sandboxed=sandboxed)
+            inst = svc.launch(user, program, args, time_limit_s=time_limit, sandboxed=sandboxed, logs=logs)
             ch = svc.channels[inst.id]
             ch.abort_on_disconnect = abort_on_disconnect
             if attach:
@@ -188,6 +193,7 @@ class Connection:
             return {"type": "uploaded", "program": svc.programs.add(req.get("files"))}
         if t == "send":
             inst = svc.get(user, _instance_id(req))
+            svc.take_rate(user, "message")  # [limits] max_messages_per_s
             if req.get("data_b64") is not None:
                 b64 = _field(req, "data_b64", str, "a base64 string")
                 try:
@@ -216,6 +222,7 @@ class Connection:
             return {"type": "attached", "instance": iid, "status": ch.inst.status.value, "dropped": dropped}
         if t == "detach":
             iid = _instance_id(req)
+            svc.get(user, iid)  # not_found for an id that is not one of the user's instances
             sub = self.attached.pop(iid, None)
             attached_to = svc.channels.get(iid)
             if sub is not None and attached_to is not None:

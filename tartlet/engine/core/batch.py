@@ -22,6 +22,7 @@ from typing import overload
 import numpy as np
 import torch
 
+from ..models.lora import LoraAdapter, LoraBatch, lora_batch
 from .sequence import Sequence
 
 
@@ -71,6 +72,7 @@ class BatchItem:
         output_index: chunk-relative indexes of the tokens whose logits are wanted.
         attention: per chunk token, a bool ``[start + j + 1]``-or-longer mask
             over logical positions (True = may attend), or None: causal.
+        adapter: the LoRA adapter its tokens run with, or None (the base model).
     """
 
     seq: Sequence
@@ -79,6 +81,7 @@ class BatchItem:
     slot_mapping: list[int]
     output_index: list[int]
     attention: list[torch.Tensor] | None
+    adapter: LoraAdapter | None = None
 
     @property
     def n(self) -> int:
@@ -95,6 +98,9 @@ class BatchInputs:
         write_slots: int64 ``[T]`` pool row each token's K and V are written to.
         groups: attention groups covering every row exactly once.
         output_rows: int64 ``[S]`` rows whose logits are wanted.
+        lora: the LoRA adapters of the batch's rows
+            (:class:`~tartlet.engine.models.lora.LoraBatch`), or None when
+            every row runs the base model.
     """
 
     input_ids: torch.Tensor
@@ -102,6 +108,7 @@ class BatchInputs:
     write_slots: torch.Tensor
     groups: list[AttentionGroup]
     output_rows: torch.Tensor
+    lora: LoraBatch | None = None
 
     def to(self, device: torch.device) -> "BatchInputs":
         """The same batch with every tensor on ``device``."""
@@ -117,7 +124,8 @@ class BatchInputs:
 
         groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index))
                   for g in self.groups]
-        return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows))
+        return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows),
+                           None if self.lora is None else self.lora.to(device))
 
 
 def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = False) -> BatchInputs:
@@ -166,6 +174,7 @@ def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = Fals
         write_slots=flat[2 * T : 3 * T],
         groups=groups,
         output_rows=flat[3 * T :],
+        lora=lora_batch([(it.adapter, it.n) for it in items]) if any(it.adapter is not None for it in items) else None,
     )
 
 

@@ -11,10 +11,11 @@ sized from a memory budget, and the scheduler thread is started.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -27,6 +28,10 @@ from ..loading.quant_formats import QuantWeight
 from .scheduler import Scheduler
 from .sequence import Sequence
 from ..text.tokenizer import Tokenizer
+from ..models.linear import Linear
+from ..models.lora import LoraAdapter
+from ..models.quant_linear import QuantLinear
+from ...sdk.errors import AdapterError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: KV pool element types: the float dtypes, and int8 rows with a scale each (:mod:`tartlet.engine.core.kv_quant`)
@@ -109,6 +114,8 @@ class EngineConfig:
             batch-size and length bucket, captured on first use; see
             :mod:`tartlet.engine.cuda.graphs`); ``False``: launch each op.
             Costs one page of the pool (the padded rows' scratch page).
+        adapters: LoRA adapters to load at start, name -> path (a PEFT
+            folder or a GGUF adapter file; :mod:`tartlet.engine.loading.adapter_loader`).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -127,6 +134,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     huge_pages: bool = True
     cuda_graphs: bool = True
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def torch_dtype(self) -> torch.dtype:
         """The compute dtype (``auto``: float32 on the CPU, bfloat16 on CUDA)."""
@@ -210,6 +218,11 @@ class Engine:
             scratch = self.pool.reserve_scratch()
             self.model.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, scratch * cfg.page_size)
         log.info("%s", self.kv_summary())
+        #: LoRA adapters by name (:meth:`load_adapter`)
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._adapters_lock = threading.Lock()
+        for adapter_name, adapter_path in cfg.adapters.items():
+            self.load_adapter(adapter_path, adapter_name)
         self.scheduler = Scheduler(
             self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
         )
@@ -252,6 +265,51 @@ class Engine:
         return (f"KV pool {dtype}: {p.num_pages} pages of {p.page_size} tokens ({p.num_pages * p.page_size} tokens) "
                 f"in {p.nbytes() / 2**20:.1f} MiB, {per_layer * c.num_hidden_layers} bytes per token "
                 f"({per_layer} per token per layer)")
+
+    def load_adapter(self, path: str | Path, name: str | None = None) -> LoraAdapter:
+        """Load the LoRA adapter at ``path`` (a PEFT folder or a GGUF adapter
+        file) and serve it as ``name`` (default: the file or folder name).
+        Its matrices are float32 on the CPU (the compute dtype on CUDA); the
+        base weights are untouched (they stay quantized). Loading the same
+        content under its name again returns the adapter already loaded.
+
+        Raises:
+            AdapterError: see :func:`~tartlet.engine.loading.adapter_loader.load_adapter`;
+                also when ``name`` already serves an adapter of other content.
+        """
+        from ..loading.adapter_loader import load_adapter
+
+        m = self.model
+        dtype = torch.float32 if m.device.type == "cpu" else m.dtype
+        adapter = load_adapter(path, self.config, name, dtype=dtype, device=m.device)
+        for i, layer in enumerate(adapter.layers):  # the loader checked the config's shapes; these are the model's
+            for proj, pair in layer.items():
+                lin = cast("dict[str, object]", m.layers[i]).get(proj)
+                if not isinstance(lin, (Linear, QuantLinear)) or (pair.at.shape[0], pair.bt.shape[1]) != (
+                        lin.in_features, lin.out_features):
+                    raise AdapterError(f"{adapter.source}: layer {i} {proj} does not fit the loaded model's projection")
+        with self._adapters_lock:
+            old = self.adapters.get(adapter.name)
+            if old is not None:
+                if old.key != adapter.key:
+                    raise AdapterError(f"{adapter.source}: adapter name {adapter.name!r} already serves {old.source}")
+                return old
+            self.adapters[adapter.name] = adapter
+        log.info("LoRA adapter %r: %d modules, rank %d, %.1f MiB (%s)", adapter.name, adapter.modules, adapter.rank,
+                 adapter.nbytes / 2**20, adapter.source)
+        return adapter
+
+    def adapter(self, name: str) -> LoraAdapter:
+        """The adapter served as ``name``.
+
+        Raises:
+            AdapterError: no adapter of that name (the message lists those served).
+        """
+        a = self.adapters.get(name)
+        if a is None:
+            served = ", ".join(sorted(self.adapters)) or "none"
+            raise AdapterError(f"model {self.name!r} serves no adapter named {name!r} (adapters: {served})")
+        return a
 
     def new_sequence(self) -> Sequence:
         """An empty sequence on this engine's pool."""

@@ -17,9 +17,10 @@ runs out of free pages).
 
 Content addressing. A committed page's key is ``blake2b(prev_key || token ids)``
 where ``prev_key`` is the key of the page before it (the empty key for the
-first page). Since each key names a whole prefix, the key map is a prefix trie
-whose edges are page-sized token blocks (the scheme of vLLM's automatic prefix
-caching). Only pages computed the default way (causal attention, positions
+first page), followed by the keys of the LoRA adapters its tokens were
+computed with, if any (their KV differs from the base model's). Since each
+key names a whole prefix, the key map is a prefix trie whose edges are
+page-sized token blocks (the scheme of vLLM's automatic prefix caching). Only pages computed the default way (causal attention, positions
 equal to token indexes, nothing masked) are registered, because only then does
 the KV depend on the tokens alone.
 
@@ -43,11 +44,17 @@ from .kv_quant import row_width
 EMPTY_KEY = b""
 
 
-def page_key(prev_key: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+def page_key(prev_key: bytes, tokens: list[int] | tuple[int, ...], adapters: bytes = b"") -> bytes:
     """Content key of a full page: 16-byte BLAKE2b of the previous page's key
-    followed by the page's token ids as little-endian int32."""
+    followed by the page's token ids as little-endian int32, then
+    ``adapters``: which LoRA adapters computed the page's tokens (empty for
+    the base model; see :meth:`Sequence.page_adapters
+    <tartlet.engine.core.sequence.Sequence.page_adapters>`), so pages of
+    different adapters never share a key."""
     h = hashlib.blake2b(prev_key, digest_size=16)
     h.update(array("i", tokens).tobytes())
+    if adapters:
+        h.update(adapters)
     return h.digest()
 
 

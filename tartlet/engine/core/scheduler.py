@@ -42,122 +42,20 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, TypeVar
 
-import torch
-
-from .batch import BatchItem, build_batch
-from ...sdk.errors import ContextLengthError, KvCacheFullError, KvQuotaError, SequenceFreedError
+from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
+from .admission import admission_error
 from .kv_cache import PagePool
 from ..models.llama import LlamaModel
-from .sampler import OutputSlot, SamplerSpec, SlotSampler
+from .model_runner import ModelRunner
+from .requests import Chunk, Command, ForwardRequest, check_pass
 from .sequence import Sequence
+from .stats import SchedulerStats
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ForwardRequest:
-    """Tokens to run through the model for one sequence.
-
-    Attributes:
-        seq: the sequence the tokens are appended to.
-        tokens: input token ids (at least one).
-        positions: RoPE position per token; ``None`` = ``len(seq) + i``.
-        attention: per input token, a bool ``[len(seq) + i + 1]`` tensor of
-            the logical positions it may attend (True = may attend), or
-            ``None`` for causal attention. Positions hidden with
-            :meth:`Sequence.mask_range` stay hidden either way.
-        outputs: results wanted at given input indexes.
-        future: resolves to the list of slot results, in ``outputs`` order.
-        then: a continuation, called on the scheduler thread with the slot
-            results when the pass is done: it returns the next pass's
-            ``(tokens, outputs)`` for the same sequence, and the request is
-            queued again with them (same future, no new request object: a
-            host-side ``generate`` costs no submission per token), or
-            ``None`` to resolve the future with these results. An exception
-            it raises fails the future.
-    """
-
-    seq: Sequence
-    tokens: list[int]
-    positions: list[int] | None = None
-    attention: list[torch.Tensor] | None = None
-    outputs: list[OutputSlot] = field(default_factory=list)
-    future: Future[list[object]] = field(default_factory=Future)
-    # progress of a chunked prefill
-    started: bool = False
-    continued: bool = False  # queued again by ``then`` (its future runs already)
-    done: int = 0
-    start_len: int = -1
-    results: list[object] = field(default_factory=list)
-    enqueued_at: float = 0.0
-    #: when it first found the pool full (0: never), see Scheduler.kv_wait_s
-    waiting_since: float = 0.0
-    #: who the tokens count for in the per-user fair share of a round
-    user: str = ""
-    then: "Callable[[list[object]], tuple[list[int], list[OutputSlot]] | None] | None" = None
-
-
-def _check_pass(tokens: list[int], outputs: list[OutputSlot]) -> None:
-    """Raises ValueError: no input token, or an output index outside them."""
-    if not tokens:
-        raise ValueError("a forward pass needs at least one input token")
-    for s in outputs:
-        if not 0 <= s.index < len(tokens):
-            raise ValueError(f"output index {s.index} outside the {len(tokens)} input tokens")
-
-
-@dataclass
-class Command(Generic[T]):
-    fn: Callable[[], T]
-    touches: tuple[Sequence, ...]
-    future: Future[T] = field(default_factory=Future)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start (monotonic; read without locking).
-
-    ``tokens_generated`` counts the tokens sampled: output slots with a
-    sampler that yielded a token (probes excluded; with speculative decoding
-    every verified position counts, accepted or not). ``decode_steps``
-    counts single-token request chunks, which differs from it whenever a
-    pass samples several positions or none.
-
-    Where the scheduler thread's time goes (seconds): ``forward_seconds``
-    in model calls (batch tensors, model, samplers); ``batch_wait_seconds``
-    waiting for last round's sequences to come back (``batch_wait_s``);
-    ``overhead_seconds`` in its own Python between model calls (draining
-    the queue into a batch, running commands, committing pages, resolving
-    futures). The rest is idle (an empty queue). ``mixed_calls``: model
-    calls holding both single-token (decode) and multi-token (prefill)
-    chunks.
-    """
-
-    model_calls: int = 0
-    batched_requests: int = 0
-    tokens_computed: int = 0
-    prefix_tokens_reused: int = 0
-    decode_steps: int = 0
-    tokens_generated: int = 0
-    mixed_calls: int = 0
-    forward_seconds: float = 0.0
-    queue_wait_seconds: float = 0.0
-    batch_wait_seconds: float = 0.0
-    overhead_seconds: float = 0.0
-    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
-
-
-@dataclass
-class _Item(BatchItem):
-    """One chunk of a request in the batch being built."""
-
-    req: ForwardRequest = None  # type: ignore[assignment]
-    out_slots: list[tuple[int, OutputSlot]] = field(default_factory=list)  # (position in req.outputs, slot)
 
 
 class Scheduler:
@@ -174,29 +72,18 @@ class Scheduler:
             full before it fails with ``KvCacheFullError`` (seconds).
     """
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        pool: PagePool,
-        max_batch_tokens: int = 512,
-        batch_wait_s: float = 0.003,
-        max_seq_len: int | None = None,
-        kv_wait_s: float = 10.0,
-    ) -> None:
+    def __init__(self, model: LlamaModel, pool: PagePool, max_batch_tokens: int = 512, batch_wait_s: float = 0.003,
+                 max_seq_len: int | None = None, kv_wait_s: float = 10.0) -> None:
         self.model = model
         self.pool = pool
-        kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
-        self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
-                                   kern.argmax_masked if kern is not None else None)
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.batch_wait_s = batch_wait_s
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         self.kv_wait_s = kv_wait_s
-        # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
-        self._indexes = getattr(model.config, "sliding_window", None) is not None
         # every layer slides: sequences release the pages before the window (sequence.py)
         pool.window = model.config.uniform_window()
         self.stats = SchedulerStats()
+        self.runner = ModelRunner(model, pool, self.stats)
         self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._expected: set[int] = set()
@@ -210,7 +97,7 @@ class Scheduler:
         Raises:
             ValueError: empty input, or an output index outside the input.
         """
-        _check_pass(req.tokens, req.outputs)
+        check_pass(req.tokens, req.outputs)
         req.enqueued_at = time.perf_counter()
         self._put(req, req.seq)
         return req.future
@@ -290,9 +177,9 @@ class Scheduler:
             if items:
                 self._run(items)
 
-    def _build(self) -> list[_Item]:
+    def _build(self) -> list[Chunk]:
         """Drain the queue into a batch (called with the condition held)."""
-        items: list[_Item] = []
+        items: list[Chunk] = []
         busy: set[int] = set()
         waiting: set[int] = set()  # sequences with a request waiting for pages
         left: list[ForwardRequest | Command[Any]] = []  # what waits, in queue order
@@ -304,7 +191,7 @@ class Scheduler:
             q.extendleft(reversed(left))
         return items
 
-    def _drain(self, q: collections.deque[ForwardRequest | Command[Any]], items: list[_Item], busy: set[int], waiting: set[int],
+    def _drain(self, q: collections.deque[ForwardRequest | Command[Any]], items: list[Chunk], busy: set[int], waiting: set[int],
                left: list[ForwardRequest | Command[Any]], budget: int) -> None:  # fmt: skip
         users = {r.user for r in q if isinstance(r, ForwardRequest)}
         share = max(1, self.max_batch_tokens // len(users)) if len(users) > 1 else self.max_batch_tokens
@@ -343,23 +230,14 @@ class Scheduler:
                     req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
                     continue
                 req.start_len = len(seq)
-                if len(seq) + len(req.tokens) > self.max_seq_len:
+                refused = admission_error(seq, len(req.tokens), self.pool, self.max_seq_len, self.max_batch_tokens)
+                if refused is not None:
                     q.popleft()
-                    req.future.set_exception(
-                        ContextLengthError(
-                            f"context would hold {len(seq) + len(req.tokens)} tokens, "
-                            f"more than the model's {self.max_seq_len}"
-                        )
-                    )
-                    continue
-                too_big = self._never_fits(seq, len(req.tokens))
-                if too_big is not None:
-                    q.popleft()
-                    req.future.set_exception(too_big)
+                    req.future.set_exception(refused)
                     continue
                 if req.positions is None and req.attention is None:
                     first_out = min((s.index for s in req.outputs), default=len(req.tokens))
-                    reused = seq.match_prefix(req.tokens, first_out)
+                    reused = seq.match_prefix(req.tokens, first_out, b"" if req.adapter is None else req.adapter.key)
                     req.done = reused
                     self.stats.prefix_tokens_reused += reused
                     if reused == len(req.tokens):
@@ -371,7 +249,8 @@ class Scheduler:
             start = len(seq)
             positions = req.positions[lo:hi] if req.positions is not None else list(range(start, start + n))
             try:
-                slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None)
+                slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None,
+                                    adapter=b"" if req.adapter is None else req.adapter.key)
             except KvCacheFullError as e:
                 if not isinstance(e, KvQuotaError):  # the pool is full: wait for pages, up to kv_wait_s
                     now = time.perf_counter()
@@ -388,7 +267,8 @@ class Scheduler:
             outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
             req.waiting_since = 0.0
             chunk_mask = None if req.attention is None else req.attention[lo:hi]
-            items.append(_Item(seq, req.tokens[lo:hi], start, slots, [s.index - lo for _, s in outs], chunk_mask, req, outs))
+            items.append(Chunk(seq, req.tokens[lo:hi], start, slots, [s.index - lo for _, s in outs], chunk_mask,
+                               adapter=req.adapter, req=req, out_slots=outs))
             busy.add(id(seq))
             budget -= n
             used[req.user] = used.get(req.user, 0) + n
@@ -408,50 +288,20 @@ class Scheduler:
             nxt = req.then(req.results)
             if nxt is None:
                 return False
-            tokens, outputs = nxt
-            _check_pass(tokens, outputs)
-            req.tokens, req.outputs = tokens, outputs
-            req.started, req.continued, req.done, req.start_len, req.results, req.waiting_since = False, True, 0, -1, [], 0.0
-            req.enqueued_at = time.perf_counter()
+            req.rearm(*nxt)
             again.append(req)
         except BaseException as e:  # reported to the submitter
             req.future.set_exception(e)
         return True
 
-    def _never_fits(self, seq: Sequence, n: int) -> KvCacheFullError | None:
-        """The error for appending ``n`` tokens to ``seq`` when the result
-        would need more live pages than the whole pool has (so it could never
-        run, even with every other sequence gone), else ``None``. Checked
-        before any compute, so such a prompt fails at once instead of after
-        prefilling (and evicting) the pool's worth of tokens. With a window
-        on every layer (``PagePool.window``) a sequence holds at most the
-        pages of one chunk and the ``W - 1`` tokens before it."""
-        ps = self.pool.page_size
-        end = len(seq) + n
-        if max(len(seq.pages), -(-end // ps)) <= self.pool.num_pages:  # a bound of `need` below: most calls stop here
-            return None
-        need = seq.live_pages() + max(0, -(-end // ps) - len(seq.pages))
-        w = self.pool.window
-        if w is not None:
-            need = min(need, -(-(w - 1 + min(n, self.max_batch_tokens)) // ps) + 1)
-        if need <= self.pool.num_pages:
-            return None
-        return KvCacheFullError(
-            f"KV cache too small: the context would hold {end} tokens in {need} page(s) of {ps} tokens, "
-            f"but the whole pool has {self.pool.num_pages} pages ({self.pool.num_pages * ps} tokens)"
-        )
-
     def _rollback(self, req: ForwardRequest) -> None:
         if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:
             req.seq.truncate(req.start_len)
 
-    def _run(self, items: list[_Item]) -> None:
+    def _run(self, items: list[Chunk]) -> None:
         t0 = time.perf_counter()
         try:
-            batch = build_batch(items, self._indexes).to(self.model.device)
-            logits = self.model.forward(batch, self.pool.k, self.pool.v)
-            slots = [s for it in items for _, s in it.out_slots]
-            results = self.sampler.run(logits, slots) if slots else []
+            results = self.runner.run(items)
         except BaseException as e:  # a model failure fails this batch only
             log.exception("forward pass failed")
             for it in items:
@@ -461,17 +311,6 @@ class Scheduler:
             return
         t1 = time.perf_counter()
         st = self.stats
-        st.model_calls += 1
-        st.forward_seconds += t1 - t0
-        decodes = sum(1 for it in items if it.n == 1)
-        st.mixed_calls += 0 < decodes < len(items)
-        st.batched_requests += len(items)
-        st.batch_sizes[len(items)] += 1
-        st.tokens_computed += sum(it.n for it in items)
-        st.decode_steps += decodes
-        st.tokens_generated += sum(
-            1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
-        )
         k = 0
         finished: list[ForwardRequest] = []
         for it in items:

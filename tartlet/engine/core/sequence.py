@@ -32,6 +32,13 @@ rejected speculative drafts, a failed one-chunk request rolled back) stay
 within what was never released; a long prefill that fails after some of its
 chunks ran is rolled back with its released tokens hidden.
 
+LoRA adapters. Tokens computed with an adapter have other KV than the base
+model's, so the sequence records which adapter computed each token
+(:attr:`Sequence.adapter_runs`, runs of tokens: nothing kept while every
+token is the base model's) and a page's prefix-cache key includes the
+adapters of its tokens (:meth:`Sequence.page_adapters`): pages are shared
+only between sequences whose tokens and adapters agree.
+
 Sequences are owned by the scheduler thread: their methods are called with no
 forward pass of the same sequence in flight.
 
@@ -67,6 +74,9 @@ class Sequence:
         window_dropped: leading page table entries released by
             :meth:`drop_out_of_window` (all ``None``; entries after it may be
             ``None`` too, e.g. after a snapshot is read back).
+        adapter_runs: ``(first token index, adapter key)`` of each run of
+            tokens computed with one LoRA adapter (key ``b""``: the base
+            model), in order; empty while every token is the base model's.
     """
 
     def __init__(self, pool: PagePool, account: PageAccount | None = None) -> None:
@@ -80,6 +90,7 @@ class Sequence:
         self.keys: list[bytes] = []
         self.freed = False
         self.window_dropped = 0
+        self.adapter_runs: list[tuple[int, bytes]] = []
         #: why the sequence is unusable (set with ``freed`` when a fork into it failed)
         self.error: str | None = None
 
@@ -90,27 +101,62 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def adapted(self) -> bool:
+        """Whether some token was computed with a LoRA adapter."""
+        return any(key for _, key in self.adapter_runs)
+
+    def _tag(self, start: int, adapter: bytes) -> None:
+        """Record that tokens from index ``start`` on are computed with
+        ``adapter`` (``b""``: the base model)."""
+        current = self.adapter_runs[-1][1] if self.adapter_runs else b""
+        if adapter != current:
+            self.adapter_runs.append((start, adapter))
+
+    def page_adapters(self, j: int) -> bytes:
+        """The adapters of page ``j``'s tokens, as :func:`page_key` takes
+        them: ``b""`` when the base model computed them all, else each run
+        within the page as its offset (2 bytes, little-endian) and key."""
+        runs = self.adapter_runs
+        if not runs:
+            return b""
+        if runs[0][0] > 0:
+            runs = [(0, b"")] + runs  # the base model's tokens before the first run
+        ps = self.page_size
+        lo, hi = j * ps, (j + 1) * ps
+        out = []
+        for k, (start, key) in enumerate(runs):
+            end = runs[k + 1][0] if k + 1 < len(runs) else hi
+            if end > lo and start < hi:
+                out.append((max(start, lo) - lo, key))
+        if all(not key for _, key in out):
+            return b""
+        return b"".join(off.to_bytes(2, "little") + key for off, key in out)
+
     def live_pages(self) -> int:
         """Page table entries that still hold KV (not dropped)."""
         return sum(1 for p in self.pages if p is not None)
 
     # -- growth -------------------------------------------------------------
-    def match_prefix(self, tokens: list[int], limit: int) -> int:
+    def match_prefix(self, tokens: list[int], limit: int, adapter: bytes = b"") -> int:
         """Attach committed pages from the prefix cache for a leading run of
         ``tokens`` that is about to be appended, so they need no compute.
 
         Only whole pages are matched, only while this sequence is pure and
-        page-aligned, and never more than ``limit`` tokens. Returns the number
-        of tokens attached (their KV is already in the cache).
+        page-aligned, and never more than ``limit`` tokens; ``adapter`` is
+        the key of the LoRA adapter the tokens are to be computed with
+        (``b""``: the base model), and only pages computed with it match.
+        Returns the number of tokens attached (their KV is already in the cache).
         """
         ps = self.page_size
         if not self.pure or len(self.tokens) % ps:
             return 0
         n = 0
         prev = self.keys[-1] if self.keys else EMPTY_KEY
+        tag = b"\x00\x00" + adapter if adapter else b""  # page_adapters() of a page computed with it alone
         while n + ps <= min(limit, len(tokens)):
             block = tokens[n : n + ps]
-            key = page_key(prev, block)
+            key = page_key(prev, block, tag)
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -120,6 +166,7 @@ class Sequence:
                     break
                 self.account.hold(page)
             start = len(self.tokens)
+            self._tag(start, adapter)
             self.tokens.extend(block)
             self.positions.extend(range(start, start + ps))
             self.masked.extend(bytes(ps))
@@ -129,10 +176,11 @@ class Sequence:
             n += ps
         return n
 
-    def reserve(self, tokens: list[int], positions: list[int], custom_attention: bool) -> list[int]:
+    def reserve(self, tokens: list[int], positions: list[int], custom_attention: bool, adapter: bytes = b"") -> list[int]:
         """Append ``tokens`` (with their RoPE ``positions``) and return the KV
         slot (pool row) each one is written to. Allocates pages as needed and
-        makes the partly filled last page private first.
+        makes the partly filled last page private first. ``adapter``: the
+        key of the LoRA adapter that computes them (``b""``: the base model).
 
         When every layer slides (``PagePool.window``), the pages wholly before
         the window of token ``len(self)`` are released first
@@ -173,6 +221,7 @@ class Sequence:
                 self.pages.extend(fresh)
         if self.pure and (custom_attention or positions != list(range(n0, n1))):
             self.pure = False
+        self._tag(n0, adapter)
         self.tokens.extend(tokens)
         self.positions.extend(positions)
         self.masked.extend(bytes(len(tokens)))
@@ -192,7 +241,7 @@ class Sequence:
         while len(self.keys) < full:
             j = len(self.keys)
             prev = self.keys[-1] if self.keys else EMPTY_KEY
-            key = page_key(prev, self.tokens[j * ps : (j + 1) * ps])
+            key = page_key(prev, self.tokens[j * ps : (j + 1) * ps], self.page_adapters(j))
             old = self.pages[j]
             if old is None:  # released as out of the window (a snapshot read back): key it, nothing to commit
                 self.keys.append(key)
@@ -228,6 +277,8 @@ class Sequence:
         del self.pages[keep:]
         del self.tokens[n:], self.positions[n:], self.masked[n:]
         del self.keys[n // ps :]
+        while self.adapter_runs and self.adapter_runs[-1][0] >= n:
+            self.adapter_runs.pop()
         self.window_dropped = min(self.window_dropped, n // ps)
         w = self.pool.window
         if w is not None:
@@ -342,6 +393,7 @@ class Sequence:
         child.pure = self.pure
         child.keys = list(self.keys)
         child.window_dropped = self.window_dropped
+        child.adapter_runs = list(self.adapter_runs)
 
     def free(self, error: str | None = None) -> None:
         """Release every page. Idempotent. ``error`` records why, for later
@@ -378,6 +430,7 @@ class Sequence:
         child.tokens, child.positions, child.pages = self.tokens, self.positions, self.pages
         child.masked, child.pure, child.keys = self.masked, self.pure, self.keys
         child.window_dropped = self.window_dropped
+        child.adapter_runs, self.adapter_runs = self.adapter_runs, []
         self.tokens, self.positions, self.pages, self.masked, self.keys = [], [], [], bytearray(), []
         self.freed = True
         self.error = "its pages were handed to another context"

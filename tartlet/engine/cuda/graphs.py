@@ -101,8 +101,8 @@ class DecodeGraphs:
         """Whether ``batch`` is a pure decode step a graph can run: one
         attention group of single-token requests in rows ``0..B-1``, every
         row a request, on this pool with the compute dtype (what the Triton
-        kernel reads), ``B <= max_batch``."""
-        if k_cache is not self.k or k_cache.dtype != self.model.dtype or len(batch.groups) != 1:
+        kernel reads), ``B <= max_batch``, no LoRA adapter (those run op by op)."""
+        if k_cache is not self.k or k_cache.dtype != self.model.dtype or len(batch.groups) != 1 or batch.lora is not None:
             return False
         g = batch.groups[0]
         B = g.kv_slots.shape[0]

@@ -17,7 +17,7 @@ layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
 no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
 Qwen2). A batch runs fused when the attention kernel takes every group:
 single-token rows (decode), and prefill groups query by query within
-:data:`~tartlet.engine.models.llama.ROW_ATTENTION_MAX_SCORES` (the tail of the QKV
+:data:`~tartlet.engine.models.attention_plan.ROW_ATTENTION_MAX_SCORES` (the tail of the QKV
 phase writes every row's key and value before the attention phase opens,
 so a prompt's queries see its earlier tokens); on AVX-512 any number of
 rows (from
@@ -25,25 +25,81 @@ rows (from
 ``panel_gemm_avx512.h``), below AVX-512 fewer than
 :data:`~tartlet.engine.models.quant_linear.DEQUANT_ROWS`, and the KV pool is
 float32, float16 or int8 (``kv_int8.h`` rows).
+
+Rows with a LoRA adapter (:class:`~tartlet.engine.models.lora.LoraBatch`)
+run fused too: each projection adds their adapter's update after its base
+output, as the op-by-op path does (``x @ A^T`` in the tail of the phase
+that finished the projection's input, the product with ``B^T`` in the
+projection's own column chunks, the rows of an adapter four at a time;
+``decode_step.h``). The step reads each adapter from copies of its
+matrices in :attr:`FusedDecoder.lora_dtype` (made once, kept while the
+adapter lives; ``TARTLET_FUSED_LORA_DTYPE``): float16 by default (half the
+bytes a step streams: from a few adapters a batch the step is bound by
+memory bandwidth; the F16C conversion is free), ``int8`` (a scale per
+rank: a quarter; int8 rounding, ~0.4% of a column's largest value) or
+``float32`` (the op-by-op path's values); and only the diagonal blocks of
+a fused projection's ``B``. A step passes one adapter index per row.
+``TARTLET_FUSED_LORA=0`` (or :attr:`FusedDecoder.lora`) sends batches with
+adapter rows to the op-by-op path instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .abi import KV_KINDS
-from .quant_kernels import DecoderDesc, LayerDesc, decoder_desc
+from .quant_kernels import LORA_PROJECTIONS, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
+from ..models.attention_plan import row_attention
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
 
 if TYPE_CHECKING:
     from ..core.batch import BatchInputs
-    from ..models.llama import GroupPlan, LlamaModel
+    from ..models.attention_plan import GroupPlan
+    from ..models.llama import LlamaModel
+    from ..models.lora import LoraAdapter, LoraBatch
 
 _LAYER_KEYS = {"ln1", "qkv", "o", "ln2", "gate_up", "down"}
+
+#: :attr:`FusedDecoder.lora_dtype` values: what the fused step reads adapters' matrices as.
+LORA_STORAGE = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+
+
+def lora_storage(at: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
+    """``at`` ``[k, r]`` and ``bt`` ``[r, n]`` (float32) as the fused step
+    reads them in ``dtype``: float32 as they are, float16 rounded, int8
+    symmetric per rank (column ``c`` of ``at`` and row ``c`` of ``bt``, each
+    by its largest magnitude / 127, round half to even) with ``scale[c]``
+    the product of the two scales; returns ``(at, bt, scale or None)``."""
+    if dtype == torch.float32:
+        return at, bt, None
+    if dtype == torch.float16:
+        return at.half(), bt.half(), None
+    sa, sb = _rank_scales(at, bt)
+    qa = torch.round(at / sa.clamp_min(1e-30)).to(torch.int8)
+    qb = torch.round(bt / sb.clamp_min(1e-30)[:, None]).to(torch.int8)
+    return qa.contiguous(), qb.contiguous(), (sa * sb).float().contiguous()
+
+
+def lora_stored_values(at: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 values the fused step multiplies by when it reads ``at``,
+    ``bt`` in ``dtype`` (:func:`lora_storage`; int8: each value times its
+    rank's scale): what the op-by-op path must use to compute the same
+    function (tests)."""
+    if dtype == torch.int8:
+        qa, qb, _ = lora_storage(at, bt, dtype)
+        sa, sb = _rank_scales(at, bt)
+        return qa.float() * sa, qb.float() * sb[:, None]
+    sat, sbt, _ = lora_storage(at, bt, dtype)
+    return sat.float(), sbt.float()
+
+
+def _rank_scales(at: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return at.abs().amax(0) / 127, bt.abs().amax(1) / 127
 
 
 class FusedDecoder:
@@ -63,6 +119,21 @@ class FusedDecoder:
         self._keep: list[object] = []
         #: False turns the fused path off (tests and benchmarks compare both)
         self.enabled = os.environ.get("TARTLET_FUSED_DECODE", "1") != "0"
+        #: False sends batches with LoRA rows to the op-by-op path
+        self.lora = os.environ.get("TARTLET_FUSED_LORA", "1") != "0"
+        #: what the step reads adapters' matrices as (a key of LORA_STORAGE; float16: float32 where a value is
+        #: past float16's range; float16 and int8 only with AVX2, else float32)
+        self.lora_dtype = os.environ.get("TARTLET_FUSED_LORA_DTYPE", "float16")
+        if self.lora_dtype not in LORA_STORAGE:
+            raise ValueError(f"TARTLET_FUSED_LORA_DTYPE: {self.lora_dtype!r} is not one of {', '.join(LORA_STORAGE)}")
+        # per adapter and storage dtype its tq_lora_mat array and the copies it points into, or None when
+        # its matrices are not the step's (float32 on the CPU)
+        self._lora_mats: "weakref.WeakKeyDictionary[LoraAdapter, dict[str, tuple[ctypes.Array[LoraMat], list[torch.Tensor]] | None]]" = (
+            weakref.WeakKeyDictionary())
+        # each layer's projections' (in, out) widths, as build() checked them
+        self._lora_shapes = [{k: (lin.in_features, lin.out_features)
+                              for k, lin in ((k, cast(QuantLinear, layer[k])) for k in LORA_PROJECTIONS)}  # type: ignore[literal-required]  # a projection key
+                             for layer in model.layers]
         #: the step ends with the final norm and LM head too (a quantized
         #: head, no final soft-capping); else the model runs them after it
         self.has_head = isinstance(model.lm_head, QuantLinear) and c.final_logit_softcapping is None
@@ -86,17 +157,60 @@ class FusedDecoder:
     def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
         """Whether ``batch`` can run fused: every group's attention by the
         C kernel (decode rows, and prefill groups query by query:
-        :func:`~tartlet.engine.models.llama.row_attention`), every row in a group,
+        :func:`~tartlet.engine.models.attention_plan.row_attention`), every row in a group,
         below AVX-512 fewer than ``DEQUANT_ROWS`` rows, a float32, float16
-        or int8 pool."""
-        from ..models.llama import row_attention  # llama imports this module
+        or int8 pool; LoRA rows when :attr:`lora` is on and every adapter's
+        matrices are float32 CPU ones of this model (the first call with
+        an adapter makes its copies in :attr:`lora_dtype`)."""
 
         T = batch.input_ids.shape[0]
         # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
         if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in KV_KINDS:
             return False
+        if batch.lora is not None and not (self.lora and all(self._adapter_mats(a) is not None for a, _ in batch.lora.groups)):
+            return False
         groups = batch.groups
         return sum(g.kv_slots.shape[0] * g.num_queries for g in groups) == T and all(row_attention(g) for g in groups)
+
+    def _adapter_mats(self, adapter: "LoraAdapter") -> "ctypes.Array[LoraMat] | None":
+        """``adapter``'s :func:`~.quant_kernels.lora_mats` array (built once
+        per adapter and :attr:`lora_dtype`, over copies in that dtype), or
+        ``None`` when its matrices are not float32 CPU ones of this model's
+        projections (the op-by-op path runs it then)."""
+        per = self._lora_mats.setdefault(adapter, {})
+        if self.lora_dtype not in per:
+            per[self.lora_dtype] = self._build_mats(adapter, LORA_STORAGE[self.lora_dtype])
+        got = per[self.lora_dtype]
+        return None if got is None else got[0]
+
+    def _build_mats(self, adapter: "LoraAdapter", dtype: torch.dtype) -> "tuple[ctypes.Array[LoraMat], list[torch.Tensor]] | None":
+        pairs = [t for layer in adapter.layers for p in layer.values() for t in (p.at, p.bt)]
+        if len(adapter.layers) != len(self._lora_shapes) or any(t.dtype != torch.float32 or not t.is_cpu for t in pairs):
+            return None
+        if self.kernels.isa < 1 or (dtype == torch.float16 and any(float(t.abs().max()) > 65000.0 for t in pairs)):
+            dtype = torch.float32  # no AVX2 conversions, or past float16's range
+        keep: list[torch.Tensor] = []
+        layers = []
+        for layer in adapter.layers:
+            d: "dict[str, LoraParts]" = {}
+            for k, p in layer.items():
+                at, bt, scale = lora_storage(p.at, p.bt, dtype)
+                keep += [t for t in (at, bt, scale) if t is not None]
+                d[k] = (at, bt, p.blocks, scale)
+            layers.append(d)
+        try:
+            return lora_mats(layers, self._lora_shapes), keep
+        except ValueError:
+            return None
+
+    def _lora_arg(self, lora: "LoraBatch", T: int) -> "tuple[list[ctypes.Array[LoraMat]], torch.Tensor]":
+        """The step's adapters and each row's index into them (-1: none)."""
+        row_adapter = torch.full((T,), -1, dtype=torch.int64)
+        mats = []
+        for i, (adapter, rows) in enumerate(lora.groups):
+            row_adapter[rows] = i
+            mats.append(cast("ctypes.Array[LoraMat]", self._adapter_mats(adapter)))  # accepts() checked
+        return mats, row_adapter
 
     def _descriptor(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> DecoderDesc:
         key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype)
@@ -125,7 +239,7 @@ class FusedDecoder:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
             k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32
                 or float16, or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
-            groups: the model's per-group plans (:class:`~tartlet.engine.models.llama.GroupPlan`),
+            groups: the model's per-group plans (:class:`~tartlet.engine.models.attention_plan.GroupPlan`),
                 each run by the attention kernel.
 
         Returns:
@@ -136,6 +250,7 @@ class FusedDecoder:
         logits = None
         if self.has_head:
             logits = torch.empty(batch.output_rows.shape[0], self.model.lm_head.out_features, dtype=torch.float32)
+        lora = None if batch.lora is None else self._lora_arg(batch.lora, x.shape[0])
         self.kernels.decode_layers(self._descriptor(k_cache, v_cache), x, cos, sin, batch.write_slots, args,
-                                   torch.get_num_threads(), batch.output_rows, logits)
+                                   torch.get_num_threads(), batch.output_rows, logits, lora)
         return logits

@@ -84,13 +84,92 @@ class DecoderDesc(ctypes.Structure):
                 ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_kind", _I)]
 
 
+#: Most diagonal blocks a :class:`LoraMat` describes (``TQ_LORA_MAX_BLOCKS``).
+LORA_MAX_BLOCKS = 4
+
+
+#: ``tq_lora_mat.dtype`` per storage dtype of an adapter's matrices (``TQ_LORA_*``).
+LORA_DTYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+_LORA_DTYPE_NAMES = {torch.float32: "TQ_LORA_F32", torch.float16: "TQ_LORA_F16", torch.int8: "TQ_LORA_I8"}
+
+
+class LoraMat(ctypes.Structure):
+    """One adapter's update of one projection (``tq_lora_mat``): ``at``
+    ``A^T`` ``[k, r]``, ``bt`` ``(s B)^T`` ``[r, n]`` of one of
+    :data:`LORA_DTYPES` (int8: with ``scale`` float32 ``[r]``, rank ``c``
+    of ``x @ at`` multiplied by ``scale[c]``), or ``at`` NULL where the
+    adapter leaves the projection alone; ``blocks[:nblocks]`` ``(n0, n1,
+    c0, c1)``: outputs ``[n0, n1)`` use ranks ``[c0, c1)`` only (``nblocks``
+    0: ``bt`` is dense). An adapter is an array of ``4 * n_layers`` of them
+    (:func:`lora_mats`)."""
+
+    _fields_ = [("at", _P), ("bt", _P), ("scale", _P), ("r", _I), ("dtype", _I), ("nblocks", _I),
+                ("blocks", (_I * 4) * LORA_MAX_BLOCKS)]
+
+
+class LoraBatchDesc(ctypes.Structure):
+    """The adapters of one fused step (``tq_lora_batch``): row ``t`` uses
+    ``adapters[row_adapter[t]]`` (an array of :class:`LoraMat`), or none when
+    that is negative."""
+
+    _fields_ = [("n_adapters", _I), ("adapters", ctypes.POINTER(_P)), ("row_adapter", _P)]
+
+
+#: The projections of a layer in a :class:`LoraMat` array, in order (``4 * layer + index``).
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+#: One projection's LoRA matrices for :func:`lora_mats`: ``at``, ``bt``, the
+#: diagonal blocks of ``bt`` and (int8 matrices) the per-rank scale.
+LoraParts = tuple[torch.Tensor, torch.Tensor, "tuple[tuple[int, int, int, int], ...]", "torch.Tensor | None"]
+
+
+def lora_mats(layers: "list[dict[str, LoraParts]]", shapes: "list[dict[str, tuple[int, int]]]") -> "ctypes.Array[LoraMat]":
+    """The :class:`LoraMat` array of one adapter: ``layers[l][proj] = (at,
+    bt, blocks, scale)`` for the projections it changes (keys of
+    :data:`LORA_PROJECTIONS`; ``blocks`` as :class:`LoraMat`'s, or empty;
+    ``scale`` float32 ``[r]`` for int8 matrices, else None), checked
+    against ``shapes[l][proj] = (k, n)``, the base projection's input and
+    output widths. The tensors must outlive the array.
+
+    Raises:
+        ValueError: a matrix that is not of :data:`LORA_DTYPES` on the CPU,
+            contiguous, of the shape ``[k, r]`` / ``[r, n]`` (both of one
+            dtype), a missing or misshapen scale, or blocks outside the
+            matrix or more than :data:`LORA_MAX_BLOCKS`.
+    """
+    arr = (LoraMat * (len(LORA_PROJECTIONS) * len(layers)))()
+    for li, layer in enumerate(layers):
+        for pi, proj in enumerate(LORA_PROJECTIONS):
+            if proj not in layer:
+                continue
+            at, bt, blocks, scale = layer[proj]
+            k, n = shapes[li][proj]
+            r = at.shape[1] if at.dim() == 2 else -1
+            for name, t, shape in (("at", at, (k, r)), ("bt", bt, (r, n))):
+                if not (t.shape == shape and t.dtype in LORA_DTYPES and t.dtype == at.dtype and t.is_cpu
+                        and t.is_contiguous()):
+                    bad_tensor("lora_mats", f"layer {li} {proj} {name}", t, shape, f"float32, float16 or int8 (as at, {at.dtype})")
+            if at.dtype == torch.int8 and not (scale is not None and scale.shape == (r,) and scale.dtype is F32
+                                               and scale.is_cpu and scale.is_contiguous()):
+                bad_tensor("lora_mats", f"layer {li} {proj} scale", scale, [r])
+            if len(blocks) > LORA_MAX_BLOCKS or any(not (0 <= n0 <= n1 <= n and 0 <= c0 <= c1 <= r) for n0, n1, c0, c1 in blocks):
+                raise ValueError(f"lora_mats: layer {li} {proj}: blocks {blocks} are not up to {LORA_MAX_BLOCKS} "
+                                 f"blocks of a [{r}, {n}] matrix")
+            m = LoraMat(at.data_ptr(), bt.data_ptr(), _ptr(scale) if at.dtype == torch.int8 else None, r,
+                        LORA_DTYPES[at.dtype], len(blocks))
+            for i, b in enumerate(blocks):
+                m.blocks[i][:] = b
+            arr[len(LORA_PROJECTIONS) * li + pi] = m
+    return arr
+
+
 #: GGUF block types ``tq_repack_gguf`` reads: ``repack.h``'s code (G_*) and the kind it makes
 REPACK_TYPES = {"Q8_0": (0, Q8), "Q4_0": (1, Q4), "Q4_1": (2, Q4), "Q5_0": (3, Q5), "Q5_1": (4, Q5), "Q4_K": (5, Q4),
                 "Q5_K": (6, Q5), "Q6_K": (7, Q6)}
 
 #: The C name of each structure above (``abi.h``'s table checks their layout).
 STRUCTS = {"tq_part": _Part, "tq_linear_desc": LinearDesc, "tq_layer_desc": LayerDesc, "tq_attn_group": AttnGroupDesc,
-           "tq_decoder_desc": DecoderDesc}
+           "tq_decoder_desc": DecoderDesc, "tq_lora_mat": LoraMat, "tq_lora_batch": LoraBatchDesc}
 
 def abi_entries() -> dict[str, int]:
     """Everything this wrapper declares about ``quant_kernels.c``'s boundary,
@@ -104,6 +183,8 @@ def abi_entries() -> dict[str, int]:
     out.update(abi.kv_kind_entries())
     out.update({f"enum G_{name}": code for name, (code, _) in REPACK_TYPES.items()})
     out["enum TQ_MAX_PARTS"] = MAX_PARTS
+    out["enum TQ_LORA_MAX_BLOCKS"] = LORA_MAX_BLOCKS
+    out.update({f"enum {_LORA_DTYPE_NAMES[dt]}": code for dt, code in LORA_DTYPES.items()})
     return out
 
 
@@ -163,7 +244,7 @@ class QuantKernels:
         lib.tq_linear.restype = ctypes.c_int
         self._linear = lib.tq_linear
         lib.tq_decode_layers.argtypes = [ctypes.POINTER(DecoderDesc), _P, _I, _P, _P, _P, ctypes.POINTER(AttnGroupDesc),
-                                         _I, ctypes.c_int, _P, _I, _P]
+                                         _I, ctypes.c_int, _P, _I, _P, ctypes.POINTER(LoraBatchDesc)]
         lib.tq_decode_layers.restype = ctypes.c_int
         lib.tq_decode_profile.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         lib.tq_decode_profile.restype = ctypes.c_int
@@ -408,6 +489,7 @@ class QuantKernels:
         self, desc: DecoderDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
         groups: list[tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None]], threads: int,
         out_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+        lora: "tuple[list[ctypes.Array[LoraMat]], torch.Tensor] | None" = None,
     ) -> None:
         """Every layer of a decoder (``decode_step.h``) over ``T`` decode rows,
         in one OpenMP region on ``threads`` threads; then, when ``desc`` has
@@ -425,6 +507,11 @@ class QuantKernels:
                 or ``None``; every row in exactly one group.
             out_rows: int64 ``[S]`` rows of ``x`` whose logits are wanted.
             logits: float32 ``[S, vocab]`` contiguous, written.
+            lora: LoRA adapters of some rows: ``(adapters, row_adapter)``,
+                each adapter a :func:`lora_mats` array of this decoder's
+                layers, ``row_adapter`` int64 ``[T]``: each row's index into
+                ``adapters``, or -1 (the base model only). Each projection of
+                such a row adds ``(x @ at) @ bt`` after its base output.
 
         Raises:
             ValueError: a tensor of the wrong shape, dtype, layout or device,
@@ -465,9 +552,21 @@ class QuantKernels:
             if out_rows is None or not (out_rows.shape == (ls[0],) and out_rows.dtype is I64 and out_rows.is_cpu
                                         and out_rows.is_contiguous()):
                 bad_tensor(kernel, "out_rows", out_rows, [ls[0]], "int64")
+        lb = None
+        if lora is not None:
+            mats, row_adapter = lora
+            if not (row_adapter.shape == (T,) and row_adapter.dtype is I64 and row_adapter.is_cpu
+                    and row_adapter.is_contiguous()):
+                bad_tensor(kernel, "lora row_adapter", row_adapter, [T], "int64")
+            n_mats = len(LORA_PROJECTIONS) * desc.n_layers
+            if any(len(m) != n_mats for m in mats):
+                raise ValueError(f"{kernel}: a LoRA adapter's matrices are not {n_mats} (4 per layer of {desc.n_layers})")
+            ptrs = (_P * max(len(mats), 1))(*[ctypes.addressof(m) for m in mats])
+            lb = LoraBatchDesc(len(mats), ctypes.cast(ptrs, ctypes.POINTER(_P)), row_adapter.data_ptr())
         if self._lib.tq_decode_layers(ctypes.byref(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
                                       write_slots.data_ptr(), arr, len(groups), threads, _ptr(out_rows),
-                                      0 if logits is None else logits.shape[0], _ptr(logits)):
+                                      0 if logits is None else logits.shape[0], _ptr(logits),
+                                      None if lb is None else ctypes.byref(lb)):
             raise MemoryError(f"cannot allocate the scratch buffers of a {x.shape[0]}-row decode step")
 
 

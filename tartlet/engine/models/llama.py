@@ -47,7 +47,7 @@ adds fused in) or :class:`~tartlet.engine.models.quant_linear.QuantLinear`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Required, TypedDict, cast
+from typing import Required, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ from ..cuda import rms_norm as cuda_rms_norm
 from ..cuda import rope as cuda_rope
 from ..loading import os_memory
 from ..core.batch import AttentionGroup, BatchInputs
+from .attention_plan import GroupPlan, row_attention
 from .config import ModelConfig
 from ..kernels.cpu_kernels import POOL_DTYPES
 from ..cuda.graphs import DecodeGraphs
@@ -70,48 +71,6 @@ from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exporte
 
 #: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
 Projection = Linear | QuantLinear
-
-#: Most query-key scores per request (``num_queries * L``) of a multi-token
-#: group whose attention the C kernel runs query by query (each query a row
-#: with its request's KV slots and its mask row, as decode rows are); larger
-#: groups (long prompts, long chunks over a long context) take PyTorch's
-#: SDPA, whose blocked kernel reuses each key across queries. 128 x 128:
-#: measured on the default model, 2 threads, the kernel is 1.01-1.14x
-#: SDPA's speed up to 128-token prompts and 0.93-0.97x at 256 (docs/
-#: benchmarks.md, "Host token streams and prefill attention by the kernel").
-ROW_ATTENTION_MAX_SCORES = 128 * 128
-
-
-def row_attention(g: AttentionGroup) -> bool:
-    """Whether the C attention kernel can run group ``g`` query by query:
-    one query per request, or at most :data:`ROW_ATTENTION_MAX_SCORES`
-    query-key scores per request."""
-    return g.num_queries == 1 or g.num_queries * g.kv_slots.shape[1] <= ROW_ATTENTION_MAX_SCORES
-
-
-class GroupPlan(NamedTuple):
-    """One attention group of a pass as the layers use it.
-
-    Attributes:
-        group: the group.
-        bias: its mask as an additive float ``[B, 1, Q, L]`` mask (0 or
-            -inf), or None.
-        by_kernel: whether the C attention kernel runs it (one query per
-            kernel row; a prefill group's ``B * Q`` queries each a row).
-        slots, rows_bias: the kernel's arguments when ``by_kernel``: int64
-            ``[R, L]`` KV slots per kernel row and float32 ``[R, L]``
-            additive mask rows (or None: all visible), for the group's
-            ``R = B * Q`` rows of ``q`` (``group.rows``, or from
-            ``group.row_start``; request-major, so row ``b * Q + i`` is
-            query ``i`` of request ``b``).
-    """
-
-    group: AttentionGroup
-    bias: torch.Tensor | None
-    by_kernel: bool
-    slots: torch.Tensor
-    rows_bias: torch.Tensor | None
-
 
 class Layer(TypedDict, total=False):
     """One decoder layer's weights (:attr:`LlamaModel.layers`): RMSNorm
@@ -565,7 +524,7 @@ class LlamaModel:
         cuda = {}
         if triton_kv:
             cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps if p.group.num_queries == 1}
-        if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):
+        if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):  # LoRA rows too
             logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
             if logits is not None:  # the head ran in the step too
                 return logits
@@ -573,8 +532,17 @@ class LlamaModel:
         else:
             layers = self.layers
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
+        lora = batch.lora
+
+        def proj(i: int, key: str, inp: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            # the base projection over every row, then each adapter's update of its rows (lora.py)
+            y = cast(Projection, self.layers[i][key])(inp, residual=residual)  # type: ignore[literal-required]  # a PROJECTIONS key
+            if lora is not None:
+                lora.add(y, inp, i, key)
+            return y
+
         for i, (layer, kc, vc) in enumerate(zip(layers, k_cache.unbind(0), v_cache.unbind(0))):
-            qkv = layer["qkv"](self._rms_norm(x, layer["ln1"]))
+            qkv = proj(i, "qkv", self._rms_norm(x, layer["ln1"]))
             if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
                 eps = c.rms_norm_eps
                 qh = qkv[:, : nh * hd].view(T, nh, hd)
@@ -602,16 +570,16 @@ class LlamaModel:
                 else:
                     self._attend(q, attn_out, g, plan.bias, kc, vc)
             if c.gemma_norms:  # norms after attention and MLP too, before each residual add
-                x = x + self._rms_norm(layer["o"](attn_out), layer["post_attn"])
-                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
-                x = x + self._rms_norm(layer["down"](self.act(gate).mul_(up)), layer["post_ff"])
+                x = x + self._rms_norm(proj(i, "o", attn_out), layer["post_attn"])
+                gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = x + self._rms_norm(proj(i, "down", self.act(gate).mul_(up)), layer["post_ff"])
             elif "moe" in layer:  # sparse MoE layer (moe.py)
-                x = layer["o"](attn_out, residual=x)
+                x = proj(i, "o", attn_out, residual=x)
                 x = layer["moe"](self._rms_norm(x, layer["ln2"]), residual=x)
             else:
-                x = layer["o"](attn_out, residual=x)
-                gate, up = layer["gate_up"](self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
-                x = layer["down"](self.act(gate).mul_(up), residual=x)
+                x = proj(i, "o", attn_out, residual=x)
+                gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
+                x = proj(i, "down", self.act(gate).mul_(up), residual=x)
         h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
         logits = self.lm_head(h).float()
         if c.final_logit_softcapping is not None:  # Gemma 2: c * tanh(logits / c)

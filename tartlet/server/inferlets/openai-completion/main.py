@@ -22,6 +22,9 @@ Args:
         are (instead of ``prompt``).
     max_tokens (int), temperature (float, 0 = greedy), top_p (float),
     seed (int), stop (list of str), model (str).
+    adapter (str, optional): the LoRA adapter of ``model`` every pass runs
+        with (the server turns ``"model": "BASE:ADAPTER"`` into ``model``
+        and ``adapter``).
     logit_bias (dict, optional): token id (int or its decimal string) ->
         bias added to that token's logit before sampling (OpenAI's
         ``logit_bias``; -100/100 in effect ban/force a token).
@@ -65,8 +68,9 @@ Streams with ``session.send``, one JSON object per message: ``{"i": k,
 only when asked; an entry is ``{"token": str, "logprob": float, "top":
 [[str, float], ...]}``, the tokens' strings concatenating to the text),
 ``{"i": k, "reasoning": str}`` for reasoning text, ``{"i": k, "tool_call":
-{"index", "id", "name", "arguments"}}`` for tool calls (OpenAI
-``delta.tool_calls`` items: id and name first, then argument pieces), and
+{"index", "id", "name"} | {"index", "arguments"}}`` for tool calls (OpenAI
+``delta.tool_calls`` items: id and name first, then argument pieces as they
+are generated, also in ``auto`` mode; several calls get indices 0, 1, ...), and
 ``{"i": k, "finish_reason": str, "completion_tokens": int}`` when fork ``k``
 ends (``tool_calls`` when it called tools). Returns ``{"choices": [{"text",
 "reasoning", "tool_calls", "finish_reason", "completion_tokens",
@@ -197,7 +201,8 @@ def tool_mode(args: dict):
 
 async def run_forced_call(k: int, ctx, args: dict, sampler, name) -> dict:
     """Choice ``k`` as one forced tool call, streaming its deltas."""
-    forced = ForcedToolCall(ctx, args["tools"], name=name, sampler=sampler, max_tokens=int(args.get("max_tokens", 256)))
+    forced = ForcedToolCall(ctx, args["tools"], name=name, sampler=sampler, max_tokens=int(args.get("max_tokens", 256)),
+                            adapter=args.get("adapter"))
     async for delta in forced:
         session.send(json.dumps({"i": k, "tool_call": delta}))
     gen = forced.generator
@@ -219,19 +224,32 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
     calls_stream = ToolCallStream(tool_format(model)) if args.get("tools") and args.get("tool_choice", "auto") == "auto" else None
     reasoning_parts: list = []
     content_parts: list = []
+    pending: list = []  # tool-call deltas found in the current step, sent after its text
 
     def route(reasoning: str, text: str) -> str:
         if reasoning:
             reasoning_parts.append(reasoning)
             session.send(json.dumps({"i": k, "reasoning": reasoning}))
         if calls_stream is not None:
-            text = calls_stream.push(text)
+            shown = []
+            for e in calls_stream.feed(text):
+                if "content" in e:
+                    shown.append(e["content"])
+                else:
+                    pending.append(e)
+            text = "".join(shown)
         content_parts.append(text)
         return text
+
+    def send_calls() -> None:
+        for d in pending:
+            session.send(json.dumps({"i": k, "tool_call": d}))
+        pending.clear()
     want_lp = args.get("logprobs") is not None
     gen = ctx.generate(
         sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
         eos=not args.get("ignore_eos", False), overlap=True,  # the next pass runs while this step is sent
+        adapter=args.get("adapter"),
     )
     names: dict[int, str] = {}
 
@@ -260,20 +278,23 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
                 msg["logprobs"] = ready
                 sent += len(ready)
             session.send(json.dumps(msg))
+        send_calls()
     text, finish, calls = gen.text, gen.finish_reason, []
     if splitter is not None:
         tail = route(*splitter.finish())
         if calls_stream is not None:
-            more, found = calls_stream.finish()
-            content_parts.append(more)
-            tail += more
-            for j, c in enumerate(found):
-                calls.append({"id": c.id, "name": c.name, "arguments": c.arguments})
-                session.send(json.dumps({"i": k, "tool_call": {"index": j, "id": c.id, "name": c.name, "arguments": c.arguments}}))
-            if found:
-                finish = "tool_calls"
+            for e in calls_stream.end():
+                if "content" in e:
+                    content_parts.append(e["content"])
+                    tail += e["content"]
+                else:
+                    pending.append(e)
+            calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls_stream.calls]
+            if calls:  # cut inside a call's arguments: length, as OpenAI
+                finish = "length" if calls_stream.cut else "tool_calls"
         if tail:
             session.send(json.dumps({"i": k, "text": tail}))
+        send_calls()
         text = "".join(content_parts)
     choice = {"text": text, "reasoning": "".join(reasoning_parts) if splitter is not None and splitter.saw_reasoning else None,
               "tool_calls": calls, "finish_reason": finish, "completion_tokens": len(gen.tokens), "logprobs": None}
@@ -306,7 +327,7 @@ async def main(args: dict) -> dict:
             if n == 1:
                 choices = [await run_choice(0, ctx, args, model, constraint)]
             else:
-                await ctx.flush()  # the prompt is computed once, then shared by the forks
+                await ctx.flush(adapter=args.get("adapter"))  # the prompt is computed once, then shared by the forks
                 forks = [ctx.fork() for _ in range(n)]
                 cons = [constraint] + [constraint.fork() for _ in range(n - 1)] if constraint is not None else [None] * n
                 try:

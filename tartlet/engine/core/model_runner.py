@@ -1,0 +1,72 @@
+"""The model runner (nano-vllm's term): runs one batch the scheduler built.
+
+It turns the chunks into the batch tensors (:func:`.batch.build_batch`),
+makes the model call over the page pool (the model picks its CUDA graph,
+fused C or op-by-op path per batch) and runs the output slots' samplers and
+probes on the logits, counting the call in :class:`.stats.SchedulerStats`.
+The scheduler keeps queueing, fairness and KV waits; failures propagate to
+it, which fails the batch's requests and rolls their sequences back.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..models.llama import LlamaModel
+from .batch import build_batch
+from .kv_cache import PagePool
+from .requests import Chunk
+from .sampler import SamplerSpec, SlotSampler
+from .stats import SchedulerStats
+
+
+class ModelRunner:
+    """Runs batches of ``model`` over ``pool`` and counts them in ``stats``.
+
+    Args:
+        model: the model.
+        pool: its page pool (keys and values of every layer).
+        stats: the scheduler's counters; :meth:`run` adds each model call.
+    """
+
+    def __init__(self, model: LlamaModel, pool: PagePool, stats: SchedulerStats) -> None:
+        self.model = model
+        self.pool = pool
+        self.stats = stats
+        kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
+        self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
+                                   kern.argmax_masked if kern is not None else None)
+        # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
+        self._indexes = getattr(model.config, "sliding_window", None) is not None
+
+    def run(self, items: list[Chunk]) -> list[object]:
+        """One model call over ``items``.
+
+        Returns:
+            The result of every output slot, in order of the chunks and of
+            each chunk's ``out_slots``: a sampled token id, a probe's value,
+            or the exception that slot raised (a bad sampler fails its slot
+            only).
+
+        Raises:
+            BaseException: whatever the batch tensors or the model call raised
+                (the whole batch failed; nothing was counted).
+        """
+        t0 = time.perf_counter()
+        batch = build_batch(items, self._indexes).to(self.model.device)
+        logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        slots = [s for it in items for _, s in it.out_slots]
+        results = self.sampler.run(logits, slots) if slots else []
+        st = self.stats
+        st.model_calls += 1
+        st.forward_seconds += time.perf_counter() - t0
+        decodes = sum(1 for it in items if it.n == 1)
+        st.mixed_calls += 0 < decodes < len(items)
+        st.batched_requests += len(items)
+        st.batch_sizes[len(items)] += 1
+        st.tokens_computed += sum(it.n for it in items)
+        st.decode_steps += decodes
+        st.tokens_generated += sum(
+            1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
+        )
+        return results

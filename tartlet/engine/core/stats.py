@@ -1,0 +1,40 @@
+"""The scheduler's counters (read by the server's /metrics)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (monotonic; read without locking).
+
+    ``tokens_generated`` counts the tokens sampled: output slots with a
+    sampler that yielded a token (probes excluded; with speculative decoding
+    every verified position counts, accepted or not). ``decode_steps``
+    counts single-token request chunks, which differs from it whenever a
+    pass samples several positions or none.
+
+    Where the scheduler thread's time goes (seconds): ``forward_seconds``
+    in model calls (batch tensors, model, samplers); ``batch_wait_seconds``
+    waiting for last round's sequences to come back (``batch_wait_s``);
+    ``overhead_seconds`` in its own Python between model calls (draining
+    the queue into a batch, running commands, committing pages, resolving
+    futures). The rest is idle (an empty queue). ``mixed_calls``: model
+    calls holding both single-token (decode) and multi-token (prefill)
+    chunks.
+    """
+
+    model_calls: int = 0
+    batched_requests: int = 0
+    tokens_computed: int = 0
+    prefix_tokens_reused: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    mixed_calls: int = 0
+    forward_seconds: float = 0.0
+    queue_wait_seconds: float = 0.0
+    batch_wait_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
