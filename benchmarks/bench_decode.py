@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import load_engine, paired, load_hf_reference, report, run_inferlets
+from common import load_engine, load_hf_reference, paired, report, run_inferlets
 
 PROMPTS = [
     "Explain how a refrigerator works.",

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+
 from common import report, run_inferlets
 
 SHAPES = {  # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B) and a small one for a quick check
@@ -88,8 +89,8 @@ def word_tokenizer(vocab: int) -> Any:
 
 
 def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int) -> Any:
-    from tartlet.engine.models.config import ModelConfig
     from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.models.config import ModelConfig
 
     c = ModelConfig(architecture="llama", name="random", eos_token_ids=(), **shape)
     cfg = EngineConfig(model="random", device=DEVICE, dtype="bfloat16", kv_cache_mb=kv_cache_mb,
@@ -102,8 +103,8 @@ def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float
     request whose continuation feeds the sampled token back (as the host
     ``generate`` call runs); returns (wall seconds, seconds per decode step
     after the first token)."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     sch = eng.scheduler
     slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]

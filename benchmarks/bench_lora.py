@@ -57,8 +57,8 @@ def decode(engine: Any, adapters: list[Any], tokens: int) -> float:
     """Seconds for ``len(adapters)`` greedy chains (one per entry: its
     adapter or None) of ``tokens`` decode steps each after a short prompt,
     queued together; the prefill is not timed."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     sched = engine.scheduler
     pick = [OutputSlot(0, SamplerSpec(temperature=0.0))]

@@ -56,7 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import report  # noqa: E402
-
 from tartlet.client import Client  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"

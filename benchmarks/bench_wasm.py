@@ -40,8 +40,8 @@ PROMPT = "Write a short story about a lighthouse keeper."
 def direct_tpot(engine, prompt_ids: list[int], n: int) -> float:
     """(a): prefill, then ``n`` greedy decode steps submitted straight to the
     scheduler; seconds per decode step."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     seq = engine.new_sequence()
     try:
@@ -60,8 +60,8 @@ def chained_tpot(engine, prompt_ids: list[int], n: int) -> float:
     thread: each pass's continuation (``ForwardRequest.then``) queues the
     next one, as ``generate`` does for an inferlet (no thread handoff
     between steps); seconds per decode step."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     slot = [OutputSlot(0, SamplerSpec(temperature=0.0))]
     done, start = [0], [0.0]

@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gguf  # noqa: E402
+
 import llamacpp  # noqa: E402
 
 QTYPE = "Q4_K_M"

@@ -11,7 +11,6 @@
 """
 
 from tartlet import Context, Model, Sampler
-
 from tartlet.sdk import messaging, session, store
 
 

@@ -180,8 +180,8 @@ def bf16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, the panel GEMM in bfloat16
     (``matmul_dtype="bfloat16"``); skips on CPUs without AVX-512 and
     AVX512_BF16 (tests/test_fused_decode.py)."""
-    from tartlet.engine.kernels import quant_kernels
     from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.kernels import quant_kernels
 
     kern = quant_kernels.load()
     if kern is None or kern.best_isa < 3 or not kern.has_bf16:

@@ -16,7 +16,6 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-
 from typing import Any
 
 import httpx

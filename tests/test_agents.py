@@ -20,8 +20,8 @@ pytest.importorskip("mcp")
 
 from harness import run_ok  # noqa: E402
 from mcp_harness import start_mcp_server  # noqa: E402
-from tartlet.server.config import config_from_dict  # noqa: E402
 from tartlet.server.app import configure_http  # noqa: E402
+from tartlet.server.config import config_from_dict  # noqa: E402
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Oslo", "Lima"]}}, "required": ["city"]}
 TOPIC = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 30}}, "required": ["topic"]}

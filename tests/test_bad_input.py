@@ -13,9 +13,9 @@ from tartlet.engine.core.engine import Engine, EngineConfig
 from tartlet.engine.loading.loader import ModelLoadError
 from tartlet.engine.loading.model_store import DEFAULT_MODEL
 from tartlet.host.api import HostApi
+from tartlet.runtime.instance import Status
 from tartlet.sdk.errors import InvalidHandleError
 from tartlet.sdk.forward import OutputSlot
-from tartlet.runtime.instance import Status
 
 
 async def still_serving(runtime) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import uuid
 
 import pytest
+
 from harness import inline_program, run, run_ok
 from tartlet.runtime.instance import Status
 
@@ -231,8 +232,8 @@ def test_users_share_a_round_fairly(engine):
     request: with two users queued, each gets half of ``max_batch_tokens``
     per round, so the short one finishes in the first model call while the
     prefill is chunked over several, and both results equal solo runs."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.sequence import Sequence
 
     sched = engine.scheduler
@@ -299,8 +300,8 @@ def test_continuation_rearms_one_request(engine):
     the same greedy tokens and sequence length, one future resolved with
     the last pass's results. An exception raised by the continuation fails
     the future; the pass before it stays."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     sched = engine.scheduler
     prompt = engine.tokenizer.encode("The capital of France is")

@@ -11,9 +11,7 @@ import time
 
 import pytest
 
-from tartlet.engine.kernels import c_build
-
-from tartlet.engine.kernels import cpu_kernels
+from tartlet.engine.kernels import c_build, cpu_kernels
 
 SOURCE = "int answer(void) { return 42; }\n"
 

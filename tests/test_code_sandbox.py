@@ -173,8 +173,8 @@ def test_one_user_cannot_fill_the_queue():
 
 
 def test_code_config_table_is_checked_and_applied(host_state):
-    from tartlet.server.config import ConfigError, config_from_dict
     from tartlet.server.app import configure_code
+    from tartlet.server.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=r"\[code\] max_memory_mb"):
         config_from_dict({"code": {"max_memory_mb": 16}})

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tartlet.engine.core.engine import EngineConfig
-from tartlet.server.config import ConfigError, McpServerConfig, ServerConfig, ServedModel, config_from_dict, load_config, render_config
+from tartlet.server.config import ConfigError, McpServerConfig, ServedModel, ServerConfig, config_from_dict, load_config, render_config
 
 
 def test_defaults_sandbox_uploads_and_run_installed_natively():

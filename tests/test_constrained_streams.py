@@ -14,10 +14,10 @@ import json
 import pytest
 
 from harness import assert_no_leaks, inline_program, run, run_ok
-from tartlet.sdk.errors import GrammarError, InvalidHandleError
-from tartlet.sdk.forward import OutputSlot
 from tartlet.host.api import HostApi
 from tartlet.runtime.instance import Status
+from tartlet.sdk.errors import GrammarError, InvalidHandleError
+from tartlet.sdk.forward import OutputSlot
 
 #: Each case generated in four modes; the context then goes on with another
 #: turn. Returns, per case and mode, what the generation gave, the state of

@@ -17,10 +17,10 @@ import pytest
 
 from harness import inline_program, run, run_ok
 from tartlet.host.api import HostApi
-from tartlet.sdk.errors import InvalidHandleError
-from tartlet.sdk.forward import OutputSlot
 from tartlet.host.grammar import GrammarError
 from tartlet.runtime.instance import Status
+from tartlet.sdk.errors import InvalidHandleError
+from tartlet.sdk.forward import OutputSlot
 
 S = {"type": "string", "maxLength": 16}
 NAME = {"type": "string", "minLength": 1, "maxLength": 16}

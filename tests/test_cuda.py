@@ -184,8 +184,8 @@ def engine(path, dtype: str, graphs: bool = True, kv_cache_mb: int = 64):
 
 def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
     """Logits at every prompt position, then after each of ``steps`` fed one at a time."""
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     seq = eng.new_sequence()
     rows = eng.scheduler.submit(ForwardRequest(seq, prompt, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(len(prompt))])).result(60)
@@ -197,8 +197,8 @@ def logits_run(eng, prompt: list[int], steps: list[int]) -> torch.Tensor:
 
 def greedy(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
     """``n`` greedy tokens for each prompt, all decoded together (one batch a step)."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     seqs = [eng.new_sequence() for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow  # loads an engine of its own
 
 def test_padded_static_inputs_give_the_steps_logits(loaded_model):
     from tartlet.engine.core.batch import BatchItem, build_batch
-    from tartlet.engine.cuda.graphs import fill_static, static_inputs
     from tartlet.engine.core.engine import Engine, EngineConfig
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+    from tartlet.engine.cuda.graphs import fill_static, static_inputs
 
     lm = loaded_model
     eng = Engine(EngineConfig(kv_cache_mb=16, device="cpu"), lm.config, dict(lm.weights), lm.tokenizer)

@@ -15,11 +15,8 @@ from tartlet.sdk.errors import ERROR_CODES, error_code, error_from_code
 
 
 def test_engine_and_host_raise_the_sdk_classes():
+    from tartlet.engine.core import admission, kv_accounting, kv_cache, sampler, scheduler
     from tartlet.engine.text import chat_template
-    from tartlet.engine.core import kv_accounting
-    from tartlet.engine.core import kv_cache
-    from tartlet.engine.core import sampler
-    from tartlet.engine.core import admission, scheduler
     from tartlet.host import grammar, http, messaging, store
     from tartlet.runtime import program
 

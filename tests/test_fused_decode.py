@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tartlet.engine.core.batch import BatchItem, build_batch
-from tartlet.engine.kernels.fused_decode import FusedDecoder
-from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 from tartlet.engine.core.requests import ForwardRequest
+from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
+from tartlet.engine.kernels.fused_decode import FusedDecoder
 
 ATOL = 0.02
 

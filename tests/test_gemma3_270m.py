@@ -94,8 +94,8 @@ def test_config_is_gemma3(loaded):
 
 def greedy(engine, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation on ``engine`` (one cached decode step per token) and the prompt's last logits."""
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     seq = engine.new_sequence()
     out, cur, first = [], ids, None

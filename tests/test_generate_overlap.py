@@ -7,7 +7,6 @@ early is closed with ``aclose`` and leaves a usable context."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from harness import inline_program, run, run_ok

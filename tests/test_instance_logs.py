@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+
 from harness import inline_program, run_ok
 
 PRINTS = """
@@ -70,7 +71,6 @@ async def test_sandboxed_print_reaches_the_server_log_and_the_client(tmp_path):
     pytest.importorskip("wasmtime")
     pytest.importorskip("componentize_py")
     from server_harness import ServerProcess, add_users, write_config, write_inferlet
-
     from tartlet.client import Client
 
     cfg = write_config(tmp_path / "config.toml", tmp_path / "data")

@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tartlet.engine.models import quant_linear
 from tartlet.engine.loading.quant_formats import F16, INTERLEAVED, Q4, Q4I, Q5I, Q6I, Q8I, QuantWeight, from_gguf, interleave
+from tartlet.engine.models import quant_linear
 from tartlet.engine.models.quant_linear import QuantLinear
-
 from test_quant_kernels import isa_levels, random_gguf, rel_err
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]

@@ -12,11 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from tartlet.engine.kernels import c_build
-
-from tartlet.engine.kernels import cpu_kernels
-
-from tartlet.engine.kernels import quant_kernels
+from tartlet.engine.kernels import c_build, cpu_kernels, quant_kernels
 from tartlet.engine.loading.quant_formats import quantize
 
 NH, NKV, HD, S = 6, 2, 64, 512

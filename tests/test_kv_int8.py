@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tartlet.engine.kernels import cpu_kernels
 from tartlet.engine.core.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
+from tartlet.engine.kernels import cpu_kernels
 
 NH, NKV, HD = 9, 3, 64
 SLOTS = 256 * 16
@@ -188,8 +188,8 @@ def chat(eng, text: str) -> list[int]:
 
 def forward(eng, seq, chunk: list[int], rows: str = "all") -> torch.Tensor:
     """Logits of ``chunk`` appended to ``seq``: every row, or the last."""
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     idx = range(len(chunk)) if rows == "all" else [len(chunk) - 1]
     out = eng.scheduler.submit(ForwardRequest(seq, chunk, outputs=[OutputSlot(i, ProbeSpec("logits")) for i in idx]))

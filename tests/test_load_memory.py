@@ -15,12 +15,9 @@ import pytest
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tartlet.engine.loading import huge_pages
-
-from tartlet.engine.loading import os_memory
-from tartlet.engine.loading.quant_formats import INTERLEAVED, QuantWeight, from_gguf, interleave
 from tartlet.engine.kernels.quant_kernels import REPACK_TYPES
-
+from tartlet.engine.loading import huge_pages, os_memory
+from tartlet.engine.loading.quant_formats import INTERLEAVED, QuantWeight, from_gguf, interleave
 from test_quant_kernels import random_gguf
 
 LINUX = Path("/proc/self/smaps").is_file()

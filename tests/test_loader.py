@@ -168,8 +168,8 @@ def engine_logits(path, dtype: str, ids: list[int], split: int, cpu_kernels: boo
     prefill of ``split`` tokens, then one token per forward pass
     (``cfg_kw``: more :class:`EngineConfig` fields)."""
     from tartlet.engine.core.engine import Engine, EngineConfig
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     cfg = EngineConfig(model=str(path), dtype=dtype, cpu_kernels=cpu_kernels, **{"kv_cache_mb": 8, **cfg_kw})
     loaded = load_model(path, dtype=cfg.torch_dtype(), quantized=cfg.keeps_quantized())

@@ -8,7 +8,6 @@ is ``transformers`` loading the same GGUF file (``hf_model`` fixture).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -57,8 +57,8 @@ def prompt(engine) -> list[int]:
 
 def run_pass(engine, ids, adapter=None, logits=True):
     """One prefill of ``ids`` on a fresh sequence: float32 logits ``[n, vocab]`` at every position."""
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     seq = engine.new_sequence()
     try:
@@ -79,8 +79,8 @@ def greedy_requests(engine, runs, n):
     """Greedy chains of ``n`` tokens for every ``(ids, adapter)`` of
     ``runs``, queued together so that they share model calls; returns the
     token lists and checks each sequence is freed."""
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     sched = engine.scheduler
     pick = [OutputSlot(0, SamplerSpec(temperature=0.0))]

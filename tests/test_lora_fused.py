@@ -104,8 +104,8 @@ def key(adapter) -> bytes:
 
 
 def prefill(engine, text: str, adapter=None):
-    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, SamplerSpec
 
     seq = engine.new_sequence()
     ids = engine.tokenizer.encode(text)

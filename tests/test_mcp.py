@@ -16,10 +16,10 @@ pytest.importorskip("mcp")
 from harness import run_ok  # noqa: E402
 from mcp_harness import start_mcp_server  # noqa: E402
 from tartlet.host.http import HttpPolicy  # noqa: E402
-from tartlet.sdk.mcp import parse_sse  # noqa: E402
-from tartlet.server.config import config_from_dict  # noqa: E402
 from tartlet.runtime.program import load_program  # noqa: E402
+from tartlet.sdk.mcp import parse_sse  # noqa: E402
 from tartlet.server.app import configure_http  # noqa: E402
+from tartlet.server.config import config_from_dict  # noqa: E402
 
 SECRET = "Bearer s3cret-token"
 

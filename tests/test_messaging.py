@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harness import inline_program, run
 
+from harness import inline_program, run
 from tartlet.host.messaging import MessageBus, MessagingError
 from tartlet.runtime.instance import Status
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from harness import run_ok
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import run_ok
 from tartlet.host.state import HostState
-from tartlet.server.config import config_from_dict
 from tartlet.server.app import build_app
+from tartlet.server.config import config_from_dict
 from tartlet.server.service import Service
 
 

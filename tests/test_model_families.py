@@ -86,8 +86,8 @@ def run_engine(path, runs: dict, cpu_kernels: bool = True) -> dict:
     and ``"reused"`` (prefix tokens taken from the cache).
     """
     from tartlet.engine.core.engine import Engine, EngineConfig
-    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
     from tartlet.engine.core.requests import ForwardRequest
+    from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
     def outs(n: int, first: int = 0) -> list:
         return [OutputSlot(i, ProbeSpec("logits")) for i in range(first, n)]
@@ -182,7 +182,9 @@ def write_gguf(family: str, model, path) -> None:
     ``1 + w``, Llama 3 scaling as ``rope_freqs``, Phi-3's factors as tensors."""
     import gguf
     import numpy as np
-    from tiny_gguf import close_writer, family_writer, permute_qk as permute
+
+    from tiny_gguf import close_writer, family_writer
+    from tiny_gguf import permute_qk as permute
 
     arch, c = GGUF_ARCH[family], model.config
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)

@@ -17,9 +17,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model_families import DIMS, PROMPT, STEPS, check, reference, run_engine
 
 from tartlet.engine.loading.loader import ModelLoadError, load_model
+from test_model_families import DIMS, PROMPT, STEPS, check, reference, run_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,7 +164,9 @@ def write_moe_gguf(family: str, model, path, expert_type: str = "F32") -> None:
     ``ffn_gate_inp`` router, Qwen2-MoE's ``*_shexp`` and ``ffn_gate_inp_shexp``
     (``[H]``), Q/K rows permuted for ``llama`` (Mixtral)."""
     import gguf.quants as gq
-    from tiny_gguf import close_writer, family_writer, permute_qk as permute
+
+    from tiny_gguf import close_writer, family_writer
+    from tiny_gguf import permute_qk as permute
 
     arch, c = GGUF_ARCH[family], model.config
     w, hd = family_writer(path, arch, c, c.rope_parameters["rope_theta"])
@@ -247,9 +249,9 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
     import gguf.quants as gq
 
     from tartlet.engine.core.engine import Engine, EngineConfig
+    from tartlet.engine.loading.quant_formats import Q8, Q8I
     from tartlet.engine.models.llama import LlamaModel
     from tartlet.engine.models.moe import SparseMoe
-    from tartlet.engine.loading.quant_formats import Q8, Q8I
     from tartlet.engine.models.quant_linear import QuantLinear
 
     ref, vocab = gguf_reference(family)
@@ -282,8 +284,8 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
     ids = torch.randint(3, vocab, (PROMPT + STEPS,), generator=g).tolist()
     eng = Engine(EngineConfig(model=str(path), kv_cache_mb=8), lm.config, lm.weights, lm.tokenizer)
     try:
-        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
         from tartlet.engine.core.requests import ForwardRequest
+        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
         seq = eng.new_sequence()
         got = list(eng.scheduler.submit(ForwardRequest(seq, ids[:PROMPT], outputs=[OutputSlot(i, ProbeSpec("logits")) for i in range(PROMPT)]))
@@ -299,8 +301,8 @@ def test_moe_gguf_q8_experts_stay_quantized(family, tmp_path):
 def test_quantize_at_load_keeps_routers_float(tokenizer, tmp_path):
     """``--quantize q8_0`` on an HF MoE folder quantizes the experts and the
     shared expert but leaves the routers in float (llama.cpp keeps ``ffn_gate_inp`` so)."""
-    from tartlet.engine.models.llama import LlamaModel
     from tartlet.engine.loading.quant_formats import QuantWeight
+    from tartlet.engine.models.llama import LlamaModel
     from tartlet.engine.models.quant_linear import QuantLinear
 
     path = save_folder(make_model("qwen2_moe", tokenizer.vocab_size), tokenizer, tmp_path / "q")

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from server_harness import InProcessServer
 
 MODEL = "smollm2-135m-instruct"

@@ -10,6 +10,7 @@ import json
 
 import openai
 import pytest
+
 from server_harness import ServerProcess, add_users, write_config
 
 pytestmark = pytest.mark.slow

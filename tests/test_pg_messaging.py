@@ -12,9 +12,9 @@ from concurrent.futures import Future, wait
 import psycopg
 import pytest
 
-from tartlet.sdk.errors import LimitError, MessagingError
 from tartlet.host.messaging import Message
 from tartlet.host.pg_messaging import PgMessageBus
+from tartlet.sdk.errors import LimitError, MessagingError
 
 pytestmark = pytest.mark.slow
 

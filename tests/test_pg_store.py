@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from server_harness import cli_in_process, write_config
 
-from tartlet.sdk.errors import StoreError
+from server_harness import cli_in_process, write_config
 from tartlet.host.store import MAX_KEY_CHARS, MAX_VALUE_BYTES, Store
+from tartlet.sdk.errors import StoreError
 
 pytestmark = pytest.mark.slow  # a PostgreSQL server per session (~2 s), a database per test
 
@@ -345,7 +345,6 @@ async def test_server_on_postgres_shares_store_and_keys(tmp_path, pg_url):
     PgKeyStore): a key added through another replica's config works, and
     what its inferlets store another replica reads and writes, per user."""
     from server_harness import InProcessServer, write_inferlet
-
     from tartlet.client import Client
     from tartlet.host.pg_store import PgStore
 

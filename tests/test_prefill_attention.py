@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from tartlet.engine.models import attention_plan, llama
-from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 from tartlet.engine.core.requests import ForwardRequest
+from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
+from tartlet.engine.models import attention_plan, llama
 from test_kv_int8 import q8_float_engine  # noqa: F401 (fixture)
 
 #: Largest logit difference allowed between the two paths on a float32

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tartlet.sdk.errors import ProgramError
 from tartlet.runtime.program import load_program
+from tartlet.sdk.errors import ProgramError
 
 ENTRY = '''
 from helper import greeting

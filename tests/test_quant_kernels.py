@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tartlet.engine.kernels import quant_kernels
-from tartlet.engine.models import quant_linear
 from tartlet.engine.loading.quant_formats import BF16, F16, GGUF_TYPES, Q4, Q4I, Q6, Q6I, QuantWeight, from_gguf, quantize
+from tartlet.engine.models import quant_linear
 from tartlet.engine.models.quant_linear import QuantLinear
 
 BLOCK_TYPES = [t for t in GGUF_TYPES if t not in ("F16", "BF16")]

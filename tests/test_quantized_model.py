@@ -194,7 +194,6 @@ def test_16bit_kv_cache(gguf_path, engine, kv_dtype):
     through pages; measured on logits of ~38: bfloat16 0.24-0.32, float16,
     whose pages the C kernels and the fused step read, 0.04; bound 0.75)."""
     from tartlet.engine.core.engine import EngineConfig
-
     from test_loader import engine_logits
 
     c = engine.config
@@ -228,7 +227,6 @@ def test_mixed_activation_precision(gguf_path, engine):
     bound 2.5). Two of the 12 positions are near-ties (0.08 and 0.31
     apart), where that rounding may pick either token."""
     from tartlet.engine.core.engine import Engine, EngineConfig
-
     from test_loader import engine_logits
 
     eng = Engine.load(EngineConfig(model=str(gguf_path), act_bits="auto", kv_cache_mb=8))
@@ -263,7 +261,6 @@ def test_bfloat16_matmul_close_to_float_path(gguf_path, engine):
     argmax over the README answer equals the float32 path's. A bad value,
     or bfloat16 on a CPU without AVX512_BF16, is a clear error."""
     from tartlet.engine.kernels import quant_kernels
-
     from test_loader import engine_logits
 
     kern = quant_kernels.load()

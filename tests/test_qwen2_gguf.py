@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_quant_kernels import random_gguf
-from tiny_gguf import write_tiny_llama
 
 from tartlet.engine.loading.loader import load_model
 from tartlet.engine.loading.quant_formats import from_gguf
+from test_quant_kernels import random_gguf
+from tiny_gguf import write_tiny_llama
 
 #: Qwen2.5-Coder-0.5B-Instruct Q4_K_M's mix (first matching suffix wins).
 QWEN25_MIX = {"token_embd": "Q5_0", "output": "Q8_0", "attn_v": "Q8_0", "blk.1.ffn_down": "Q4_K", "ffn_down": "Q6_K"}

@@ -14,8 +14,8 @@ import threading
 
 import pytest
 import websockets
-from server_harness import ServerProcess, add_users, cli, cli_in_process, write_config, write_inferlet
 
+from server_harness import ServerProcess, add_users, cli, cli_in_process, write_config, write_inferlet
 from tartlet.client import Client, TartletError
 
 pytestmark = pytest.mark.slow  # the module's tests share a `tartlet serve` subprocess

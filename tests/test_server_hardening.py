@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from server_harness import ServerProcess, add_users, cli_in_process, write_config, write_inferlet
 
+from server_harness import ServerProcess, add_users, cli_in_process, write_config, write_inferlet
 from tartlet.client import Client, TartletError
 
 MIB = 2**20
@@ -375,8 +375,8 @@ async def test_data_dir_files_are_private(setup):
 
 
 def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
-    from tartlet.sdk.errors import LimitError
     from tartlet.host.messaging import MessageBus
+    from tartlet.sdk.errors import LimitError
 
     bus = MessageBus(max_user_bytes=10, max_user_topics=3)
     bus.push("alice", "q", "12345")
@@ -400,8 +400,8 @@ def test_bus_bounds_bytes_and_topics_and_frees_what_a_subscription_held():
 
 
 def test_session_inbox_and_size_limits():
-    from tartlet.sdk.errors import LimitError
     from tartlet.host.session import ByteBudget, Session
+    from tartlet.sdk.errors import LimitError
 
     budget = ByteBudget(8, "max_backlog_bytes", "session messages waiting")
     s = Session(max_message_bytes=6, budget=budget, owner="alice")
@@ -426,8 +426,8 @@ async def test_builds_are_counted_per_user_and_as_instances(monkeypatch, tmp_pat
     from tartlet.host.state import HostState
     from tartlet.protocol import ProtocolError
     from tartlet.runtime import builder
-    from tartlet.server.config import config_from_dict
     from tartlet.runtime.program import Program
+    from tartlet.server.config import config_from_dict
     from tartlet.server.service import Service
 
     cfg = config_from_dict({"data_dir": str(tmp_path), "limits": {"max_builds_per_user": 1, "max_instances_per_user": 2}})

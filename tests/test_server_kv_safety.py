@@ -12,8 +12,8 @@ import hashlib
 import signal
 
 import pytest
-from server_harness import ServerProcess, add_users, write_config, write_inferlet
 
+from server_harness import ServerProcess, add_users, write_config, write_inferlet
 from tartlet.client import Client
 
 pytestmark = pytest.mark.slow  # the module's tests share a `tartlet serve` subprocess

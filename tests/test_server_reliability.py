@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+
 from server_harness import ServerProcess, add_users, cli_in_process, write_config, write_inferlet
 
 pytest.importorskip("wasmtime")

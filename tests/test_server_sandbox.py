@@ -10,6 +10,7 @@ case; its cases are what an untrusted client might send.
 from __future__ import annotations
 
 import pytest
+
 from server_harness import ServerProcess, cli, cli_in_process, write_config, write_inferlet
 
 pytest.importorskip("wasmtime")

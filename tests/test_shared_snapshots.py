@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from harness import assert_no_leaks, drain, inline_program, run_ok
 
 pytestmark = pytest.mark.slow

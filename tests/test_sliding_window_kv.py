@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model_families import DIMS, check, reference
 
-from tartlet.engine.core.kv_accounting import PageAccount, KvQuotaError
+from tartlet.engine.core.kv_accounting import KvQuotaError, PageAccount
 from tartlet.engine.loading.loader import load_model
+from test_model_families import DIMS, check, reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,8 +68,8 @@ class Runner:
 
     def forward(self, seq, tokens: list[int], first_out: int = 0) -> torch.Tensor:
         """Logits ``[len(tokens) - first_out, vocab]`` of appending ``tokens`` to ``seq``."""
-        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
         from tartlet.engine.core.requests import ForwardRequest
+        from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
 
         outs = [OutputSlot(i, ProbeSpec("logits")) for i in range(first_out, len(tokens))]
         return torch.tensor(list(self.sch.submit(ForwardRequest(seq, tokens, outputs=outs)).result(timeout=120)))
@@ -229,9 +229,9 @@ def test_prefix_cache_hit_on_released_pages(mistral):
 
 def test_snapshot_of_released_sequence_reads_back(mistral):
     """A snapshot file of a sequence with released pages holds only its live pages and decodes on after install."""
+    from tartlet.engine.core.sequence import Sequence
     from tartlet.host.snapshot_manager import _install
     from tartlet.host.snapshot_store import SnapshotFile
-    from tartlet.engine.core.sequence import Sequence
 
     path, ref = mistral
     ids = ids_for(40, 7, ref.config.vocab_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from harness import drain, inline_program, run_ok
 
 PROMPT = (
@@ -154,8 +155,8 @@ async def test_persisted_snapshots_restore_and_refuse_another_model(runtime, eng
     a fresh manager on the same dir (a restart) lists it, loads its pages on
     open and continues exactly as before. A file stamped with another
     model's identity is a clear error, and nothing leaks."""
-    from tartlet.sdk.errors import SnapshotError
     from tartlet.host.snapshot_manager import SnapshotManager
+    from tartlet.sdk.errors import SnapshotError
 
     slot = runtime.state.model(None)
     live = slot.snapshots

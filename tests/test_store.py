@@ -6,8 +6,8 @@ a real process after kill -9)."""
 from __future__ import annotations
 
 import pytest
-from server_harness import InProcessServer, cli_in_process, write_config, write_inferlet
 
+from server_harness import InProcessServer, cli_in_process, write_config, write_inferlet
 from tartlet.client import Client
 from tartlet.host.store import Store, StoreError
 

@@ -30,8 +30,8 @@ import openai
 import pytest
 
 from harness import inline_program, run
-from tartlet.sdk import tools
 from tartlet.engine.text.chat_template import render_chat_template
+from tartlet.sdk import tools
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 MODEL = "smollm2-135m-instruct"

@@ -22,8 +22,8 @@ import inspect
 import re
 from pathlib import Path
 
-from tartlet.sdk.errors import ERROR_CODES
 from tartlet.host.api import HostApi
+from tartlet.sdk.errors import ERROR_CODES
 
 ROOT = Path(__file__).resolve().parents[1]
 WIT = ROOT / "wit" / "tartlet.wit"

@@ -59,7 +59,6 @@ from tartlet import Model, forward, session
 from tartlet.constraint import constraint_from_args, slot_fields
 
 
-
 def make_constraint(args: dict, model_name: str):
     """The ``json_schema`` / ``regex`` / ``grammar`` constraint of ``args`` (or None)."""
     return constraint_from_args(args, model_name, "beam-search")

@@ -49,7 +49,7 @@ Returns ``{"steps": [{"thought", "code", "given", "status", "stdout",
 ``output``: the text fed back; ``transcript``: the context's text).
 """
 
-from tartlet import Model, Regex, Sampler, forward, brle, sandbox, session
+from tartlet import Model, Regex, Sampler, brle, forward, sandbox, session
 
 FORMAT = """Solve the task by writing Python code. Each step is one Thought line, then either a Python code block that prints what you need (you will see its Output) or the final Answer.
 Example:

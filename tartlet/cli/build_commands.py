@@ -62,8 +62,8 @@ def sandboxed_component(inferlet: str) -> tuple[Program, Path]:
     ``.wasm`` argument (building a folder, cached). Exits with a message on
     a bad inferlet or a failed build."""
     from ..runtime.builder import BuildError
-    from ..sdk.errors import ProgramError
     from ..runtime.wasm import WasmRuntime
+    from ..sdk.errors import ProgramError
 
     try:
         with err.status(f"building {inferlet}"):
@@ -80,8 +80,8 @@ def build_cmd(
 ) -> None:
     """Build an inferlet into a sandboxed WebAssembly component (offline, cached)."""
     from ..runtime.builder import BuildError, build
-    from ..sdk.errors import ProgramError
     from ..runtime.program import load_program
+    from ..sdk.errors import ProgramError
 
     try:
         program = load_program(source)

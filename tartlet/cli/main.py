@@ -53,8 +53,8 @@ def run(
     Inferlet arguments follow `--`: `tartlet run text-completion -- --prompt "Hi" --max-tokens 32`.
     """
     from ..engine.loading.loader import ModelLoadError
-    from ..sdk.errors import ProgramError
     from ..runtime.program import find_program
+    from ..sdk.errors import ProgramError
 
     words = list(ctx.args)
     if words and words[0] == "--":
@@ -210,8 +210,8 @@ def model_remove(name: str) -> None:
 @app.command("inferlets")
 def inferlets(name: Optional[str] = typer.Argument(None, help="Show this inferlet's arguments.")) -> None:
     """List the bundled inferlets, or document one (its arguments and result)."""
-    from ..sdk.errors import ProgramError
     from ..runtime.program import find_program, list_programs
+    from ..sdk.errors import ProgramError
 
     if name is not None:
         try:

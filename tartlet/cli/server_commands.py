@@ -65,8 +65,8 @@ def serve(
     from pydantic import ValidationError
 
     from ..engine.loading.loader import ModelLoadError
-    from ..server.config import format_errors
     from ..server.app import serve as run_server
+    from ..server.config import format_errors
 
     cfg = _load(config)
     try:  # each assignment is validated like the file's keys
@@ -118,8 +118,8 @@ def install(
     Folders and .py files run as `[programs] installed_runtime` says; a .wasm
     component (from `tartlet build`) always runs sandboxed, named by its file stem.
     """
-    from ..sdk.errors import ProgramError
     from ..runtime.program import load_program
+    from ..sdk.errors import ProgramError
 
     cfg = _load(config)
     dest_dir = Path(cfg.program_dir)

@@ -15,7 +15,6 @@ from ..engine.core.sequence import Sequence
 from ..sdk.errors import InvalidHandleError, KvCacheFullError, LimitError
 from .state import HostState, ModelSlot
 
-
 T = TypeVar("T")
 
 

@@ -23,7 +23,6 @@ from .grammar_api import GrammarHostMixin
 from .model_api import check_ids
 from .token_stream import TokenStream
 
-
 T = TypeVar("T")
 
 #: Largest number of input tokens in one forward call.

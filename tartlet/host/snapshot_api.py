@@ -3,7 +3,6 @@ list), per user (:class:`SnapshotHostMixin`)."""
 
 from __future__ import annotations
 
-
 from .context_api import ContextHostMixin, HostContext, _pending
 
 

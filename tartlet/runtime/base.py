@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..host.api import HostApi
-from ..sdk.errors import LimitError, ProgramError
 from ..host.session import Session
+from ..sdk.errors import LimitError, ProgramError
 from .instance import Instance, Status, new_instance_id
 from .program import BUNDLED_DIR, Program, find_in, list_programs
 

@@ -39,8 +39,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..sdk.errors import ProgramError
 from ..paths import cache_dir
+from ..sdk.errors import ProgramError
 from .program import Program, load_program
 
 #: The WIT contract (package tartlet:inferlet@0.3.0), world ``inferlet``.

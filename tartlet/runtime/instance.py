@@ -11,8 +11,8 @@ from typing import Any
 
 from ..host.api import HostApi
 from ..host.session import Session
-from .stdio import InstanceStdio
 from .program import Program
+from .stdio import InstanceStdio
 
 
 class Status(str, enum.Enum):

@@ -18,12 +18,12 @@ import time
 import traceback
 from typing import Any
 
-from ..sdk import _binding
 from ..host.session import Session
+from ..sdk import _binding
+from . import stdio
 from .base import BaseRuntime
 from .instance import Instance, Status
 from .program import Program
-from . import stdio
 
 log = logging.getLogger(__name__)
 

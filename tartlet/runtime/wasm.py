@@ -43,15 +43,15 @@ from wasmtime import Store, WasiConfig, WasmtimeError
 from wasmtime import _ffi as ffi
 from wasmtime.component import Linker, Variant
 
-from ..sdk.errors import ProgramError
 from ..host.session import Session
 from ..host.state import HostState
+from ..sdk.errors import ProgramError
 from . import builder
 from .base import BaseRuntime
 from .instance import Instance, Status
-from .stdio import InstanceStdio
 from .program import Program, find_program
 from .reservations import UserReservations
+from .stdio import InstanceStdio
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
 from .wasm_host import PACKAGE, VERSION, InstanceHost, add_host_imports
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
 
-from ..sdk.errors import ProgramError
 from ..paths import cache_dir
+from ..sdk.errors import ProgramError
 from . import wasm_fastcall, wasm_fastlist
 
 #: Seconds per epoch tick (the resolution of the CPU-time limit).

@@ -13,8 +13,9 @@ are the classes of :mod:`tartlet.errors`, exported here too; native and
 sandboxed inferlets see the same ones.
 """
 
-from . import brle, errors, forward, session
-from . import children, http, mcp, messaging, store  # I/O: child inferlets, host HTTP, MCP, messaging, key-value store
+# modules used as namespaces: tartlet.children, .http, .mcp, .messaging, .store (I/O), .session, .forward, .brle, .errors
+from . import brle, children, errors, forward, http, mcp, messaging, session, store
+from .adapter import Adapter
 from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
 from .context import ChatNotAdoptedError, Context, ContextClosedError
 from .drafter import NgramDrafter
@@ -37,7 +38,6 @@ from .errors import (  # what host calls raise (tartlet.errors)
     StoreError,
 )
 from .generator import Drafter, Generator, Step
-from .adapter import Adapter
 from .model import Model
 from .sampler import Sampler
 from .stop import EosTokens, MaxTokens, StopCondition, StopStrings

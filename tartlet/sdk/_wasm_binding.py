@@ -42,7 +42,6 @@ from wit_world.imports import types as _wit_types
 from .errors import ERROR_CODES, HostError, InvalidHandleError, SamplingError
 from .forward import OUTPUT_KINDS, OutputSlot
 
-
 # -- errors ---------------------------------------------------------------------
 # WIT ``error-code`` case -> the SDK's class (tartlet/sdk/errors.py), the very one
 # the native host raises; componentize-py spells enum cases in UPPER_SNAKE.

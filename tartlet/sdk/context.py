@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import _binding, brle, tools as _tools
-from .forward import OutputSlot
-from .generator import Generator
+from . import _binding, brle
+from . import tools as _tools
 from .adapter import Adapter, adapter_name
 from .chat_transcript import ChatTranscript
+from .forward import OutputSlot
+from .generator import Generator
 from .sampler import Sampler
 from .stop import StopCondition
 

@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from ..host.state import HostState
-from .config import ServerConfig
 from . import metrics
+from .config import ServerConfig
 from .memory_budget import machine_ram, memory_warnings, user_count
 from .openai_api import OpenAiRoutes
 from .openai_errors import ApiError
@@ -153,10 +153,9 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
         tartlet.sdk.errors.StoreError: ``[store] url`` cannot be reached.
     """
     from ..engine.core.engine import Engine
+    from ..host.messaging import MessageBus
     from ..host.state import HostState
     from ..host.store import Store
-
-    from ..host.messaging import MessageBus
 
     state = HostState()
     for m in cfg.models:

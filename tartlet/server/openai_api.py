@@ -86,10 +86,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..protocol import ProtocolError
 from ..runtime.instance import Instance, Status
 from ..runtime.program import load_program
 from .auth import AuthError
-from ..protocol import ProtocolError
 from .service import Service, post
 from .ws import bearer
 
@@ -97,7 +97,6 @@ if TYPE_CHECKING:
     pass
 from .openai_errors import ApiError, generation_error
 from .openai_protocol import check_response_format, check_tools, fit_context, format_logprobs, parse_request, prompt_length, read_json_body
-
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,6 @@ instance's failure mapped to a status and code without Python class names."""
 from __future__ import annotations
 
 import logging
-
 import re
 from typing import TYPE_CHECKING, Any, Mapping
 

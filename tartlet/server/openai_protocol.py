@@ -13,17 +13,16 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from starlette.requests import Request
 
+from ..host.grammar import Matcher
+from ..protocol import ProtocolError, parse_json
 from ..sdk.chat_transcript import ChatTranscript
 from ..sdk.errors import GrammarError
-from ..host.grammar import Matcher
 from ..sdk.tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
 from .config import LimitsConfig
-from ..protocol import ProtocolError, parse_json
 
 if TYPE_CHECKING:
     from ..engine.core.engine import Engine
 from .openai_errors import ApiError, _bad
-
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"}
 

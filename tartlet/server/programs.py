@@ -17,9 +17,9 @@ import tomllib
 import unicodedata
 from pathlib import Path
 
-from ..sdk.errors import ProgramError
-from ..runtime.program import Program, load_program
 from ..protocol import ProtocolError, program_hash
+from ..runtime.program import Program, load_program
+from ..sdk.errors import ProgramError
 
 #: Most files in one upload.
 MAX_FILES = 256

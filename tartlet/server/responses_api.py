@@ -51,7 +51,14 @@ from .openai_api import wait_or_disconnect
 from .openai_errors import ApiError, generation_error
 from .openai_protocol import check_response_format, check_tools, fit_context, prompt_length, read_json_body
 from .responses_protocol import (
-    ResponsesRequest, function_call_item, message_item, new_id, parse_request, response_object, sse, usage_object,
+    ResponsesRequest,
+    function_call_item,
+    message_item,
+    new_id,
+    parse_request,
+    response_object,
+    sse,
+    usage_object,
 )
 from .responses_store import ResponseStore, snapshot_name
 from .service import post

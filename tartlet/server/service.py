@@ -25,18 +25,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..sdk.errors import LimitError, ProgramError
+from ..host.redact import redact
+from ..host.redact import register as register_path
 from ..host.session import ByteBudget, Session, message_bytes
-from ..host.redact import redact, register as register_path
 from ..host.state import HostState
-from .config import ServerConfig
+from ..protocol import BACKLOG, ProtocolError
 from ..runtime.base import RuntimeOptions
 from ..runtime.instance import Instance
 from ..runtime.native import NativeRuntime
 from ..runtime.program import Program, check_name
+from ..sdk.errors import LimitError, ProgramError
 from .auth import key_store
+from .config import ServerConfig
 from .programs import ProgramCache
-from ..protocol import BACKLOG, ProtocolError
 
 if TYPE_CHECKING:  # imported on first use: it loads wasmtime
     from ..runtime.wasm import WasmRuntime

@@ -12,10 +12,10 @@ from typing import Any, Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..sdk.errors import LimitError
 from ..host.session import message_bytes
-from .auth import AuthError
 from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
+from ..sdk.errors import LimitError
+from .auth import AuthError
 from .service import Event, Service, Subscriber
 
 log = logging.getLogger(__name__)

@@ -19,19 +19,19 @@ from typing import Callable, cast
 
 import torch
 
-from ..loading import huge_pages
-from ..models.config import ModelConfig
+from ...sdk.errors import AdapterError
 from ..cuda.graphs import DecodeGraphs, unsupported
-from .kv_cache import PagePool
-from ..models.llama import LlamaModel
+from ..loading import huge_pages
 from ..loading.quant_formats import QuantWeight
-from .scheduler import Scheduler
-from .sequence import Sequence
-from ..text.tokenizer import Tokenizer
+from ..models.config import ModelConfig
 from ..models.linear import Linear
+from ..models.llama import LlamaModel
 from ..models.lora import LoraAdapter
 from ..models.quant_linear import QuantLinear
-from ...sdk.errors import AdapterError
+from ..text.tokenizer import Tokenizer
+from .kv_cache import PagePool
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: KV pool element types: the float dtypes, and int8 rows with a scale each (:mod:`tartlet.engine.core.kv_quant`)

@@ -45,9 +45,9 @@ from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
+from ..models.llama import LlamaModel
 from .admission import admission_error
 from .kv_cache import PagePool
-from ..models.llama import LlamaModel
 from .model_runner import ModelRunner
 from .requests import Chunk, Command, ForwardRequest, check_pass
 from .sequence import Sequence

@@ -30,10 +30,10 @@ from typing import Literal
 
 import torch
 
+from ..core.kv_quant import SCALE_BYTES
 from . import abi
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, find_compiler, open_library  # noqa: F401 (find_compiler: re-exported)
 from .kernel_checks import F32, I64, bad_tensor
-from ..core.kv_quant import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .abi import KV_KINDS
-from .quant_kernels import LORA_PROJECTIONS, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
 from ..models.attention_plan import row_attention
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
+from .abi import KV_KINDS
+from .quant_kernels import LORA_PROJECTIONS, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
 
 if TYPE_CHECKING:
     from ..core.batch import BatchInputs

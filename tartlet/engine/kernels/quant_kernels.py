@@ -23,12 +23,11 @@ import numpy as np
 import torch
 
 from ..loading import huge_pages
+from ..loading.quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, INTERLEAVED_KINDS, KIND_NAMES, Q4, Q5, Q6, Q8, QBYTES, QK, QuantWeight, gguf_blocks
 from . import abi
 from .abi import KV_KINDS
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
-from ..loading.quant_formats import (BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, INTERLEAVED_KINDS, KIND_NAMES, Q4, Q5, Q6, Q8,
-                            QBYTES, QK, QuantWeight, gguf_blocks)
 
 log = logging.getLogger(__name__)
 

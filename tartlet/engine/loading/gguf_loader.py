@@ -56,9 +56,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tartlet.engine.models.config import ModelConfig
 from tartlet.engine.loading.loaded_model import GGUF_ARCHITECTURES, LoadedModel, ModelLoadError, check_weights
 from tartlet.engine.loading.os_memory import drop_mapped_pages
+from tartlet.engine.models.config import ModelConfig
 from tartlet.engine.models.rope import Rotary
 from tartlet.engine.text.tokenizer import Tokenizer
 

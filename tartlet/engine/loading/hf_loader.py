@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from tartlet.engine.models.config import ModelConfig
 from tartlet.engine.loading.loaded_model import HF_MODEL_TYPES, LoadedModel, ModelLoadError, check_weights
+from tartlet.engine.models.config import ModelConfig
 from tartlet.engine.models.rope import Rotary
 from tartlet.engine.text.tokenizer import Tokenizer
 

@@ -52,20 +52,20 @@ from typing import Required, TypedDict, cast
 import torch
 import torch.nn.functional as F
 
+from ..core.batch import AttentionGroup, BatchInputs
+from ..core.kv_quant import from_pool, to_pool
 from ..cuda import attention as cuda_attention
 from ..cuda import rms_norm as cuda_rms_norm
 from ..cuda import rope as cuda_rope
+from ..cuda.graphs import DecodeGraphs
+from ..kernels.cpu_kernels import POOL_DTYPES
+from ..kernels.fused_decode import FusedDecoder
 from ..loading import os_memory
-from ..core.batch import AttentionGroup, BatchInputs
+from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
 from .attention_plan import GroupPlan, row_attention
 from .config import ModelConfig
-from ..kernels.cpu_kernels import POOL_DTYPES
-from ..cuda.graphs import DecodeGraphs
-from ..kernels.fused_decode import FusedDecoder
-from ..core.kv_quant import from_pool, to_pool
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
-from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ..loading.quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight
 from ..kernels.quant_kernels import QuantKernels
+from ..loading.quant_formats import BF16, F16, INTERLEAVE_ROWS, INTERLEAVED, QuantWeight
 
 #: Interleave eligible Q4/Q5/Q8 parts at load (see the module docstring);
 #: False keeps the row layout (for A/B measurements:
