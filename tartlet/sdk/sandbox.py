@@ -12,9 +12,13 @@ Each call runs in a fresh sandbox on the host (``code-run``; see
 ``tartlet/host/code_sandbox.py``): CPython compiled to WebAssembly, no files,
 no sockets, no subprocesses, a wall-time limit and a memory cap. Nothing
 survives between calls; pass earlier code as ``setup`` (run first, its
-output discarded) to build on it. A snippet that loops forever, allocates
-too much, or reaches for files or the network ends with a clear error in the
-result, never an exception in the inferlet and never harm to the server.
+output discarded) to build on it. A snippet that loops forever, sleeps or
+blocks past its limit, allocates too much, or reaches for files or the
+network ends with a clear error in the result (``timeout`` at the wall-time
+limit whatever it was doing: the host runs it in a worker process it can
+drop), never an exception in the inferlet and never harm to the server. A
+run still going when its inferlet ends is stopped. Output past the host's
+cap comes back cut, with ``truncated`` set.
 The same calls work natively and in WASM builds.
 """
 
