@@ -1,36 +1,56 @@
-"""Soak: 32 well-behaved clients with and without a hostile user (issue 12).
+"""Soak: well-behaved clients beside a hostile user, one hostile mix at a time (issues 12, 40).
 
 Starts a real ``tartlet serve`` (auth on, users ``good`` and ``evil``,
 ``max_pages_per_instance = 64``, the default ``pool_fraction_per_user =
-0.5``) and runs, in alternating phases A, B, A, B ... (``--rounds`` pairs,
-``--seconds`` each, alternating because these VMs drift by ~25%):
+0.5`` and rate limits; uploads run sandboxed, ``uploaded_runtime =
+"wasm"``, ``sandbox_memory_mb = 128``, ``max_sandbox_memory_mb_per_user =
+512``; a private build cache, so the build loop builds for real) and runs,
+for each of ``--rounds`` rounds and each mix of ``--mixes``, a quiet phase Q
+then the mix's phase, ``--seconds`` each (alternating because these VMs
+drift by ~25%):
 
-- A: ``--clients`` (32) well-behaved clients of user ``good``, each in a
-  closed loop: half send ``POST /v1/chat/completions`` (httpx, max_tokens
+- every phase: ``--clients`` well-behaved clients of user ``good``, each in
+  a closed loop: half send ``POST /v1/chat/completions`` (httpx, max_tokens
   16, temperature 0), half launch ``text-completion`` (max_tokens 16) over
-  the WebSocket client and wait for it.
-- B: the same clients while user ``evil`` runs, in a loop, ``--forkers``
-  fork storms (a context whose last page is partly filled, forked up to 3000
-  times until a fork raises) and ``--savers`` save storms (``ctx.save`` until
-  it raises, then ``Context.delete`` of every snapshot), all at once.
+  the WebSocket client and wait for it. They run without pause across the
+  phases; a request counts in the phase it started in.
+- a mix phase adds user ``evil`` running, in a loop, until the phase ends:
 
-The good clients run without pause across the phases; a request counts in
-the phase it started in (requests started while the evil workers finish
-their last instance count nowhere). Reported per phase: requests completed,
-errors of good clients (target 0; the first texts are printed), p50/p95
-latency, evil's storms and quota errors (``KvQuotaError`` / ``LimitError``,
-caught or failing the instance), and the peaks of KV pages used
-(``/metrics``) and server RSS (``/proc/PID/status`` ``VmRSS``), sampled
-every second. Before the first phase and after the last (every client
-stopped, everything drained): KV pages used (should be back where they
-started), server RSS and snapshot files on disk. Ratios: pooled phase B
-p50/p95 over pooled phase A. The hostile programs are uploads run natively
-(``uploaded_runtime = "native"``): the quotas are host-side, and that keeps
-componentize-py builds out of the measurement.
+  ``fork``    fork storms: a context whose last page is partly filled, forked
+              up to 3000 times until a fork raises (``--forkers`` at once)
+  ``save``    save storms: ``ctx.save`` until it raises, then
+              ``Context.delete`` of every snapshot (``--savers``)
+  ``launch``  launch storms: ``--storm-launches`` launches of the bundled
+              ``text-completion`` (max_tokens 16) sent at once over
+              ``--launchers`` connections; a storm ends refused ``limit`` or
+              held to ``max_launches_per_s`` (counted as the limit at work)
+  ``store``   store floods: ``store.set`` of ~1 MB values until it raises
+              (``max_store_bytes_per_user``), then delete them (``--flooders``)
+  ``memory``  memory hogs: sandboxed uploads that allocate 8 MiB blocks until
+              ``MemoryError``, ``--hogs`` launched at once (more than
+              ``max_sandbox_memory_mb_per_user`` reserves: some get ``limit``)
+  ``build``   build loop: ``--builders`` new uploads at once (a connection each), each different,
+              so each needs a componentize-py build, until ``limit``
+              (``max_builds_per_user``, ``max_builds_per_min``)
 
-    .venv/bin/python benchmarks/bench_soak.py                         # 2 rounds x 30 s per phase
-    .venv/bin/python benchmarks/bench_soak.py --rounds 2 --seconds 25 --json soak.json
-    .venv/bin/python benchmarks/bench_soak.py --quick                 # smoke run
+  Each hostile storm should end in its own quota or limit error
+  (``KvQuotaError``, ``LimitError``, ``MemoryError`` or a launch refused
+  ``limit``), never crash the server.
+
+Reported per mix, against the quiet phases just before it: good clients'
+p50/p95 and the ratios (targets: p50 <= 1.3x, p95 <= 2x), good clients'
+errors and ``internal`` errors (target 0), evil's storms, quota errors and
+other errors, and server RSS (``/proc/PID/status`` ``VmRSS``, sampled every
+0.5 s): at the phase start, its peak, and after evil's last storm ended.
+Before the first phase (after warm-up) and after the last (every client
+stopped, everything drained): KV pages used, RSS (target: after within 15%
+of after warm-up), snapshot files, store keys of evil, tracebacks in the
+server log, whether the server is still up. The benchmark process shares
+the machine's CPUs with the server.
+
+    .venv/bin/python benchmarks/bench_soak.py                                   # all mixes, 2 rounds x 20 s
+    .venv/bin/python benchmarks/bench_soak.py --mixes fork,save --rounds 2 --seconds 25 --json soak.json
+    .venv/bin/python benchmarks/bench_soak.py --quick                           # smoke run
 
 Prints tables and one ``JSON:`` line; asserts nothing about time.
 """
@@ -40,12 +60,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,10 +78,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import report  # noqa: E402
+from tartlet import paths  # noqa: E402
 from tartlet.client import Client  # noqa: E402
+from tartlet.client.client import TartletError  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TARTLET = [sys.executable, "-m", "tartlet.cli.main"]
+MIXES = ("fork", "save", "launch", "store", "memory", "build")
 PROMPTS = [
     "The capital of France is",
     "Write one sentence about the sea.",
@@ -70,9 +95,11 @@ PROMPTS = [
     "Give a synonym for 'happy'.",
     "The opposite of hot is",
 ]
-#: a quota hit, caught in the storm or failing its instance (its first flush
-#: may find the user's pages taken by its other storms)
-QUOTA_ERROR = re.compile(r"(instance failed: )?(KvQuotaError|LimitError): ")
+#: a quota or limit hit, caught in the storm or failing its instance (its
+#: first flush may find the user's pages taken by its other storms)
+QUOTA_ERROR = re.compile(r"(instance failed: )?(KvQuotaError|LimitError|MemoryError|limit): ")
+SANDBOX_MB, SANDBOX_MB_PER_USER = 128, 512
+LAUNCHES_PER_S = 20  # the default max_launches_per_s
 
 FORK_STORM = """
 from tartlet import Model
@@ -112,6 +139,40 @@ async def main(args):
         Context.delete(model, name)
     return {"count": len(names), "error": error}
 """
+STORE_FLOOD = """
+from tartlet import store
+
+async def main(args):
+    value = "v" * 1_000_000
+    names, error = [], None
+    for i in range(args["n"]):
+        try:
+            store.set(f"{args['prefix']}{i}", value)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            break
+        names.append(f"{args['prefix']}{i}")
+    for name in names:
+        store.delete(name)
+    return {"count": len(names), "error": error}
+"""
+MEMORY_HOG = """
+async def main(args):
+    blocks, error = [], None
+    try:
+        for _ in range(args["n"]):
+            blocks.append(b"\\x01" * (8 << 20))
+    except MemoryError as e:
+        error = f"MemoryError: {e}"
+    count = len(blocks)
+    blocks.clear()
+    return {"count": count, "error": error}
+"""
+BUILD_ME = """
+# build loop {tag}
+async def main(args):
+    return {{"count": 1, "error": None}}
+"""
 
 
 def kv_pages(metrics: str) -> dict[str, int]:
@@ -120,27 +181,34 @@ def kv_pages(metrics: str) -> dict[str, int]:
 
 # -- the server -------------------------------------------------------------------------
 class Server:
-    """``tartlet serve --port 0`` on a fresh data dir, auth on, with users
-    ``good`` and ``evil``."""
+    """``tartlet serve --port 0`` on a fresh data dir and build cache, auth
+    on, with users ``good`` and ``evil``."""
 
     def __init__(self, workdir: Path, kv_cache_mb: int) -> None:
         cfg, self.data = workdir / "config.toml", workdir / "data"
         cfg.write_text(
             f'data_dir = "{self.data}"\n'
-            "[limits]\nmax_pages_per_instance = 64\n"
-            '[programs]\nuploaded_runtime = "native"\n'
+            f"[limits]\nmax_pages_per_instance = 64\nmax_sandbox_memory_mb_per_user = {SANDBOX_MB_PER_USER}\n"
+            f'[programs]\nuploaded_runtime = "wasm"\nsandbox_memory_mb = {SANDBOX_MB}\n'
             f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\nthreads = 2\n'
         )
+        # a private build cache (the build loop's builds are thrown away with
+        # it); models and compiled C kernels from the usual one
+        cache = workdir / "cache"
+        cache.mkdir()
+        if paths.kernels_dir().is_dir():
+            (cache / "kernels").symlink_to(paths.kernels_dir())
+        env = {**os.environ, "TARTLET_CACHE_DIR": str(cache), "TARTLET_MODELS_DIR": str(paths.models_dir())}
         self.keys = {}
         for user in ("good", "evil"):
-            r = subprocess.run(TARTLET + ["auth", "add", user, "--config", str(cfg)], capture_output=True, text=True, cwd=ROOT)
+            r = subprocess.run(TARTLET + ["auth", "add", user, "--config", str(cfg)], capture_output=True, text=True, cwd=ROOT, env=env)
             if r.returncode:
                 raise RuntimeError(f"tartlet auth add {user}: {r.stderr}")
             self.keys[user] = r.stdout.strip()
         self.log_path = workdir / "server.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            TARTLET + ["serve", "--config", str(cfg), "--port", "0"], stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT
+            TARTLET + ["serve", "--config", str(cfg), "--port", "0"], stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, env=env
         )
         assert self.proc.stdout is not None
         deadline = time.time() + 240
@@ -158,17 +226,21 @@ class Server:
         """KV pages by state (used, cached, free) from /metrics."""
         return kv_pages(httpx.get(self.url + "/metrics", timeout=30).text)
 
-    async def apages(self, http: httpx.AsyncClient) -> dict[str, int]:
-        return kv_pages((await http.get(self.url + "/metrics")).text)
-
     def rss_mb(self) -> float:
-        """The server's resident set size, MiB."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        """The server's resident set size, MiB (0 when it is gone)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return 0.0
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
     def snapshot_files(self) -> int:
         """Persisted snapshot files in the data dir."""
         return sum(1 for _ in (self.data / "snapshots").glob("**/*.safetensors"))
+
+    def tracebacks(self) -> int:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace").count("Traceback")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -185,13 +257,24 @@ class Server:
 @dataclass
 class Phase:
     name: str
+    mix: str  # "quiet" or a mix
     latencies_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     evil_storms: int = 0
+    evil_launches: int = 0
     evil_quota_errors: int = 0
     evil_other_errors: list[str] = field(default_factory=list)
-    peak_pages_used: int = 0
+    rss_start_mb: float = 0.0
     peak_rss_mb: float = 0.0
+    rss_end_mb: float = 0.0
+
+    @property
+    def internal_errors(self) -> int:
+        return sum(1 for e in self.errors if is_internal(e))
+
+
+def is_internal(err: str) -> bool:
+    return "HTTP 500" in err or "internal" in err.lower()
 
 
 class Recorder:
@@ -202,8 +285,8 @@ class Recorder:
         self.phases: list[Phase] = []
         self.stopping = False
 
-    def begin(self, name: str) -> Phase:
-        self.current = Phase(name)
+    def begin(self, name: str, mix: str) -> Phase:
+        self.current = Phase(name, mix)
         self.phases.append(self.current)
         return self.current
 
@@ -272,34 +355,95 @@ def record(phase: Phase | None, t0: float, err: str | None) -> None:
         phase.errors.append(err)
 
 
-async def evil_worker(k: int, program: Path, n: int, srv: Server, rec: Recorder, stop: asyncio.Event) -> None:
-    """One hostile loop: launch the storm, wait, again, until ``stop``."""
+# -- the hostile user -------------------------------------------------------------------
+async def run_one(c: Client, program: str | Path, args: dict[str, Any]) -> str | None:
+    """Launch, wait; the storm's error (None: it ended without one)."""
+    try:
+        ex = await (await c.launch(program, args)).wait()
+    except TartletError as e:
+        return f"{e.code}: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"launch: {type(e).__name__}: {e}"
+    if ex.status != "finished":
+        return f"instance {ex.status}: {ex.error}"
+    return ex.result.get("error") if isinstance(ex.result, dict) else None
+
+
+async def run_many(cs: list[Client], launches: list[tuple[str | Path, dict[str, Any]]]) -> str | None:
+    """Launch all at once, spread over the connections ``cs`` (one connection
+    answers its requests in order); the first quota error, else the first
+    other error, else None."""
+    errors = [e for e in await asyncio.gather(*(run_one(cs[j % len(cs)], p, a) for j, (p, a) in enumerate(launches))) if e]
+    quota = [e for e in errors if QUOTA_ERROR.match(e)]
+    return (quota or errors or [None])[0]
+
+
+def storm(mix: str, k: int, it: int, progs: dict[str, Path], a: argparse.Namespace, workdir: Path):
+    """The launches of one storm of ``mix`` by worker ``k``, iteration ``it``."""
+    prefix = f"w{k}-{it}-"
+    if mix == "fork":
+        return [(progs["fork"], {"n": 3000, "prefix": prefix})]
+    if mix == "save":
+        return [(progs["save"], {"n": 100_000, "prefix": prefix})]
+    if mix == "store":
+        return [(progs["store"], {"n": 100_000, "prefix": prefix})]
+    if mix == "launch":
+        return [("text-completion", {"prompt": PROMPTS[it % len(PROMPTS)], "max_tokens": 16})] * a.storm_launches
+    if mix == "memory":
+        return [(progs["memory"], {"n": 10_000})] * a.hogs
+    if mix == "build":
+        out = []
+        for j in range(a.builders):
+            p = workdir / f"build_{k}_{it}_{j}.py"
+            p.write_text(textwrap.dedent(BUILD_ME.format(tag=uuid.uuid4().hex)))
+            out.append((p, {}))
+        return out
+    raise ValueError(mix)
+
+
+def workers(mix: str, a: argparse.Namespace) -> int:
+    """Hostile loops at once."""
+    return {"fork": a.forkers, "save": a.savers, "launch": 1, "store": a.flooders, "memory": 1, "build": 1}[mix]
+
+
+def connections(mix: str, a: argparse.Namespace) -> int:
+    """Connections of one hostile loop."""
+    return {"launch": a.launchers, "build": a.builders}.get(mix, 1)
+
+
+async def evil_worker(mix: str, k: int, progs: dict[str, Path], a: argparse.Namespace, workdir: Path, srv: Server,
+                      rec: Recorder, stop: asyncio.Event) -> None:  # fmt: skip
+    """One hostile loop: a storm, wait for it, again, until ``stop``."""
     it = 0
-    async with await Client.connect(srv.url, srv.keys["evil"]) as c:
+    cs = [await Client.connect(srv.url, srv.keys["evil"]) for _ in range(connections(mix, a))]
+    try:
         while not stop.is_set():
             phase = rec.current
-            args = {"n": n, "prefix": f"w{k}-{it}-"}
-            try:
-                ex = await (await c.launch(program, args)).wait()
-                error = ex.result["error"] if ex.status == "finished" else f"instance {ex.status}: {ex.error}"
-            except Exception as e:  # noqa: BLE001
-                error = f"launch: {type(e).__name__}: {e}"
+            launches = storm(mix, k, it, progs, a, workdir)
+            t0 = time.perf_counter()
+            error = await run_many(cs, launches)
+            if mix == "launch" and error is None and len(launches) / (time.perf_counter() - t0) <= 1.1 * LAUNCHES_PER_S:
+                # no launch refused, but all held to the rate: the limit at work
+                error = f"limit: paced, {len(launches)} launches in {time.perf_counter() - t0:.1f} s"
             if phase is not None:
                 phase.evil_storms += 1
+                phase.evil_launches += len(launches)
                 if error and QUOTA_ERROR.match(error):
                     phase.evil_quota_errors += 1
-                elif error:
-                    phase.evil_other_errors.append(error)
+                else:
+                    phase.evil_other_errors.append(error or "ended without a quota error")
             it += 1
+            await asyncio.sleep(0.05)
+    finally:
+        for c in cs:
+            await c.close()
 
 
-async def sample_pages(srv: Server, rec: Recorder) -> None:
-    async with httpx.AsyncClient(timeout=30) as http:
-        while not rec.stopping:
-            if (phase := rec.current) is not None:
-                phase.peak_pages_used = max(phase.peak_pages_used, (await srv.apages(http)).get("used", 0))
-                phase.peak_rss_mb = max(phase.peak_rss_mb, srv.rss_mb())
-            await asyncio.sleep(1)
+async def sample_rss(srv: Server, rec: Recorder) -> None:
+    while not rec.stopping:
+        if (phase := rec.current) is not None:
+            phase.peak_rss_mb = max(phase.peak_rss_mb, srv.rss_mb())
+        await asyncio.sleep(0.5)
 
 
 async def wait_pages(srv: Server, target: int, timeout: float) -> dict[str, int]:
@@ -311,43 +455,60 @@ async def wait_pages(srv: Server, target: int, timeout: float) -> dict[str, int]
     return pages
 
 
+async def evil_store_keys(srv: Server) -> int:
+    async with await Client.connect(srv.url, srv.keys["evil"]) as c:
+        ex = await (await c.launch(Path(srv.data.parent / "store_count.py"), {})).wait()
+    return ex.result["keys"] if ex.status == "finished" else -1
+
+
 # -- the run ----------------------------------------------------------------------------
-async def soak(srv: Server, progs: dict[str, Path], a: argparse.Namespace) -> dict[str, Any]:
-    # warm up: both routes and both storms once (uploads, first-call costs)
+async def soak(srv: Server, progs: dict[str, Path], mixes: list[str], a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    # warm up: both routes, and each mix's upload once (its build, first-call costs)
+    t0 = time.perf_counter()
     async with openai_http(srv) as http, await Client.connect(srv.url, srv.keys["good"]) as c:
         for err in (await openai_request(http, PROMPTS[0]), await ws_request(c, PROMPTS[0])):
             if err:
                 raise RuntimeError(f"a request failed on a quiet server: {err}")
     async with await Client.connect(srv.url, srv.keys["evil"]) as c:
-        for prog in progs.values():
+        warm = [progs["count"]] + [progs[m] for m in mixes if m in progs]
+        for prog in warm:
             ex = await (await c.launch(prog, {"n": 1, "prefix": "warm-"})).wait()
             if ex.status != "finished":
                 raise RuntimeError(f"{prog.name} failed on a quiet server: {ex.error}")
+    print(f"warm-up (builds of {len(warm)} uploads): {time.perf_counter() - t0:.0f} s", flush=True)
     before = await wait_pages(srv, 0, 30)
     rss_before, files_before = srv.rss_mb(), srv.snapshot_files()
 
     rec = Recorder()
     good = [asyncio.create_task((openai_client if i % 2 == 0 else ws_client)(i, srv, rec)) for i in range(a.clients)]
-    sampler = asyncio.create_task(sample_pages(srv, rec))
+    sampler = asyncio.create_task(sample_rss(srv, rec))
     for r in range(1, a.rounds + 1):
-        for kind in ("A", "B"):
-            rec.begin(f"{kind}{r}")
-            stop, evil = asyncio.Event(), []
-            if kind == "B":
-                evil = [asyncio.create_task(evil_worker(k, progs["fork"], 3000, srv, rec, stop)) for k in range(a.forkers)]
-                evil += [asyncio.create_task(evil_worker(a.forkers + k, progs["save"], 100_000, srv, rec, stop)) for k in range(a.savers)]
-            await asyncio.sleep(a.seconds)
-            rec.current = None  # evil finishing its last storms counts nowhere
-            stop.set()
-            await asyncio.gather(*evil)
+        for mix in mixes:
+            for kind in ("quiet", mix):
+                phase = rec.begin(f"Q{r}-{mix}" if kind == "quiet" else f"{mix}{r}", kind)
+                phase.rss_start_mb = phase.peak_rss_mb = srv.rss_mb()
+                stop, evil = asyncio.Event(), []
+                if kind != "quiet":
+                    evil = [asyncio.create_task(evil_worker(mix, k, progs, a, workdir, srv, rec, stop)) for k in range(workers(mix, a))]
+                await asyncio.sleep(a.seconds)
+                rec.current = None  # evil finishing its last storms counts nowhere
+                stop.set()
+                await asyncio.gather(*evil)
+                phase.rss_end_mb = srv.rss_mb()
+                print(f"  {phase.name}: {len(phase.latencies_ms)} requests, {len(phase.errors)} errors, "
+                      f"{phase.evil_storms} storms, RSS {phase.rss_start_mb:.0f}/{phase.peak_rss_mb:.0f}/{phase.rss_end_mb:.0f} MiB",
+                      flush=True)  # fmt: skip
     rec.stopping = True
     await asyncio.gather(*good, sampler)
     after = await wait_pages(srv, before["used"], 60)
+    await asyncio.sleep(2)
     return {
         "phases": rec.phases,
         "pages_before": before, "pages_after": after,
         "rss_before_mb": rss_before, "rss_after_mb": srv.rss_mb(),
         "snapshot_files_before": files_before, "snapshot_files_after": srv.snapshot_files(),
+        "evil_store_keys_after": await evil_store_keys(srv),
+        "server_up": srv.proc.poll() is None, "server_tracebacks": srv.tracebacks(),
     }  # fmt: skip
 
 
@@ -362,54 +523,98 @@ def ms(x: float) -> int | str:
     return "-" if x != x else round(x)
 
 
-def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> dict[str, Any]:
     phases: list[Phase] = res["phases"]
-    rows, out = [], []
-    for p in phases:
-        rows.append([p.name, len(p.latencies_ms), len(p.errors), ms(pct(p.latencies_ms, 0.5)), ms(pct(p.latencies_ms, 0.95)),
-                     p.evil_storms, p.evil_quota_errors, len(p.evil_other_errors), p.peak_pages_used, round(p.peak_rss_mb)])  # fmt: skip
-        out.append({"phase": p.name, "requests": len(p.latencies_ms), "req_per_s": len(p.latencies_ms) / a.seconds,
-                    "errors": len(p.errors), "first_errors": p.errors[:5], "p50_ms": pct(p.latencies_ms, 0.5),
-                    "p95_ms": pct(p.latencies_ms, 0.95), "evil_storms": p.evil_storms, "evil_quota_errors": p.evil_quota_errors,
-                    "evil_other_errors": p.evil_other_errors[:5], "peak_pages_used": p.peak_pages_used,
-                    "peak_rss_mb": p.peak_rss_mb})  # fmt: skip
-    pooled = {k: [x for p in phases if p.name.startswith(k) for x in p.latencies_ms] for k in "AB"}
-    ratios = {f"{q}": pct(pooled["B"], v) / pct(pooled["A"], v) for q, v in (("p50", 0.5), ("p95", 0.95))}
+    per_phase = [{"phase": p.name, "mix": p.mix, "requests": len(p.latencies_ms), "errors": len(p.errors),
+                  "internal_errors": p.internal_errors, "first_errors": p.errors[:5], "p50_ms": pct(p.latencies_ms, 0.5),
+                  "p95_ms": pct(p.latencies_ms, 0.95), "evil_storms": p.evil_storms, "evil_launches": p.evil_launches, "evil_quota_errors": p.evil_quota_errors,
+                  "evil_other_errors": p.evil_other_errors[:5], "n_evil_other_errors": len(p.evil_other_errors),
+                  "rss_start_mb": p.rss_start_mb, "peak_rss_mb": p.peak_rss_mb, "rss_end_mb": p.rss_end_mb}
+                 for p in phases]  # fmt: skip
+    rows, out = [], {}
+    for mix in mixes:
+        # each mix phase against the quiet phase just before it, pooled over the rounds
+        idx = [i for i, p in enumerate(phases) if p.mix == mix]
+        hot = [p for i in idx for p in [phases[i]]]
+        quiet = [phases[i - 1] for i in idx]
+        lq = [x for p in quiet for x in p.latencies_ms]
+        lh = [x for p in hot for x in p.latencies_ms]
+        r50, r95 = pct(lh, 0.5) / pct(lq, 0.5), pct(lh, 0.95) / pct(lq, 0.95)
+        errs, internal = sum(len(p.errors) for p in hot), sum(p.internal_errors for p in hot)
+        m = {"quiet_requests": len(lq), "requests": len(lh), "quiet_p50_ms": pct(lq, 0.5), "quiet_p95_ms": pct(lq, 0.95),
+             "p50_ms": pct(lh, 0.5), "p95_ms": pct(lh, 0.95), "p50_ratio": r50, "p95_ratio": r95,
+             "good_errors": errs, "good_internal_errors": internal, "quiet_errors": sum(len(p.errors) for p in quiet),
+             "evil_storms": sum(p.evil_storms for p in hot),
+             "evil_launches_per_s": sum(p.evil_launches for p in hot) / (a.seconds * len(hot)), "evil_quota_errors": sum(p.evil_quota_errors for p in hot),
+             "evil_other_errors": sum(len(p.evil_other_errors) for p in hot),
+             "rss_start_mb": hot[0].rss_start_mb, "peak_rss_mb": max(p.peak_rss_mb for p in hot), "rss_end_mb": hot[-1].rss_end_mb,
+             "meets": {"p50": r50 <= 1.3, "p95": r95 <= 2.0, "errors": errs == 0}}  # fmt: skip
+        out[mix] = m
+        ok = "yes" if all(m["meets"].values()) else "no"
+        rows.append([mix, f"{len(lq)} / {len(lh)}", f"{ms(m['quiet_p50_ms'])} / {ms(m['p50_ms'])}", f"{r50:.2f}x",
+                     f"{ms(m['quiet_p95_ms'])} / {ms(m['p95_ms'])}", f"{r95:.2f}x", f"{errs} ({internal})",
+                     f"{m['evil_storms']} / {m['evil_quota_errors']} / {m['evil_other_errors']}", f"{m['evil_launches_per_s']:.1f}",
+                     f"{m['rss_start_mb']:.0f} / {m['peak_rss_mb']:.0f} / {m['rss_end_mb']:.0f}", ok])  # fmt: skip
+    rss_growth = res["rss_after_mb"] / res["rss_before_mb"] - 1
+    good_errors = sum(len(p.errors) for p in phases)
+    good_internal = sum(p.internal_errors for p in phases)
     payload = {
-        "config": {"clients": a.clients, "rounds": a.rounds, "seconds": a.seconds, "forkers": a.forkers, "savers": a.savers,
-                   "kv_cache_mb": a.kv_cache_mb, "max_pages_per_instance": 64, "pool_fraction_per_user": 0.5},  # fmt: skip
-        "phases": out,
-        "pooled": {k: {"requests": len(v), "p50_ms": pct(v, 0.5), "p95_ms": pct(v, 0.95)} for k, v in pooled.items()},
-        "ratio_B_over_A": ratios,
-        "good_errors": sum(len(p.errors) for p in phases),
+        "config": {
+            "mixes": mixes,
+            "clients": a.clients,
+            "rounds": a.rounds,
+            "seconds": a.seconds,
+            "forkers": a.forkers,
+            "savers": a.savers,
+            "launchers": a.launchers,
+            "storm_launches": a.storm_launches,
+            "flooders": a.flooders,
+            "hogs": a.hogs,
+            "builders": a.builders,
+            "kv_cache_mb": a.kv_cache_mb,
+            "max_pages_per_instance": 64,
+            "pool_fraction_per_user": 0.5,
+            "sandbox_memory_mb": SANDBOX_MB,
+            "max_sandbox_memory_mb_per_user": SANDBOX_MB_PER_USER,
+        },  # fmt: skip
+        "mixes": out,
+        "phases": per_phase,
+        "good_errors": good_errors,
+        "good_internal_errors": good_internal,
         "pages_before": res["pages_before"],
         "pages_after": res["pages_after"],
         "rss_before_mb": res["rss_before_mb"],
         "rss_after_mb": res["rss_after_mb"],
+        "rss_growth": rss_growth,
         "snapshot_files_before": res["snapshot_files_before"],
         "snapshot_files_after": res["snapshot_files_after"],
+        "evil_store_keys_after": res["evil_store_keys_after"],
+        "server_up": res["server_up"],
+        "server_tracebacks": res["server_tracebacks"],
+        "targets": {
+            "p50_le_1.3x": all(m["meets"]["p50"] for m in out.values()),
+            "p95_le_2x": all(m["meets"]["p95"] for m in out.values()),
+            "good_errors_0": good_errors == 0,
+            "good_internal_0": good_internal == 0,
+            "rss_after_within_15pct": abs(rss_growth) <= 0.15,
+        },  # fmt: skip
     }
     report(
-        f"Soak: {a.clients} good clients (half OpenAI, half WebSocket), B = + user evil "
-        f"({a.forkers} fork storms, {a.savers} save storms), {a.seconds:g} s per phase",
-        ["phase", "requests", "errors", "p50 ms", "p95 ms", "evil storms", "evil quota errs", "evil other errs", "peak pages used", "peak RSS MiB"],
+        f"Soak: {a.clients} good clients (half OpenAI, half WebSocket) against quiet phases, "
+        f"{a.rounds} round(s) of {a.seconds:g} s phases (targets: p50 <= 1.3x, p95 <= 2x, 0 errors)",
+        ["mix", "requests Q / mix", "p50 ms Q / mix", "p50 ratio", "p95 ms Q / mix", "p95 ratio", "good errors (internal)",
+         "evil storms / quota errs / other", "evil launches/s", "RSS MiB start / peak / end", "targets met"],
         rows, None,
-    )  # fmt: skip
-    report(
-        "Pooled over the rounds",
-        ["metric", "A", "B", "B / A"],
-        [["requests", len(pooled["A"]), len(pooled["B"]), ""],
-         ["p50 ms", ms(pct(pooled["A"], 0.5)), ms(pct(pooled["B"], 0.5)), f"{ratios['p50']:.2f}x"],
-         ["p95 ms", ms(pct(pooled["A"], 0.95)), ms(pct(pooled["B"], 0.95)), f"{ratios['p95']:.2f}x"]],
-        None,
     )  # fmt: skip
     pb, pa = res["pages_before"], res["pages_after"]
     report(
-        "Server state (after: every client stopped, everything drained)",
+        "Server state (before: after warm-up; after: every client stopped, everything drained)",
         ["metric", "before first phase", "after last phase"],
         [["KV pages used", pb["used"], pa["used"]], ["KV pages cached", pb["cached"], pa["cached"]],
-         ["KV pages free", pb["free"], pa["free"]], ["server RSS MiB", round(res["rss_before_mb"]), round(res["rss_after_mb"])],
-         ["snapshot files on disk", res["snapshot_files_before"], res["snapshot_files_after"]]],
+         ["server RSS MiB", round(res["rss_before_mb"]), f"{res['rss_after_mb']:.0f} ({rss_growth:+.1%}; target within 15%)"],
+         ["snapshot files on disk", res["snapshot_files_before"], res["snapshot_files_after"]],
+         ["evil's store keys", "", res["evil_store_keys_after"]],
+         ["server up / tracebacks in its log", "", f"{res['server_up']} / {res['server_tracebacks']}"]],
         payload,
     )  # fmt: skip
     errors = [e for p in phases for e in p.errors]
@@ -417,38 +622,50 @@ def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         print(f"\nfirst errors of good clients ({len(errors)} in all):")
         for e in errors[:5]:
             print("  " + e)
-    evil_other = [e for p in phases for e in p.evil_other_errors]
-    if evil_other:
-        print(f"\nevil storms that ended on something other than a quota ({len(evil_other)}):")
-        for e in evil_other[:5]:
-            print("  " + e)
+    for mix in mixes:
+        other = [e for p in phases if p.mix == mix for e in p.evil_other_errors]
+        if other:
+            print(f"\n{mix}: evil storms that ended on something other than a quota ({len(other)}):")
+            for e in dict.fromkeys(other[:20]):
+                print("  " + (e or "")[:300])
     return payload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2, help="A/B pairs")
-    ap.add_argument("--seconds", type=float, default=30, help="length of each phase")
+    ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma list of hostile mixes (default all: {','.join(MIXES)})")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of quiet/mix pairs")
+    ap.add_argument("--seconds", type=float, default=20, help="length of each phase")
     ap.add_argument("--clients", type=int, default=32, help="well-behaved clients (half OpenAI, half WebSocket)")
     ap.add_argument("--forkers", type=int, default=2, help="fork-storm instances of user evil at once")
     ap.add_argument("--savers", type=int, default=2, help="save-storm instances of user evil at once")
+    ap.add_argument("--launchers", type=int, default=4, help="connections of user evil a launch storm is spread over")
+    ap.add_argument("--storm-launches", type=int, default=200, help="launches (text-completion, 16 tokens) sent at once per launch storm")
+    ap.add_argument("--flooders", type=int, default=1, help="store-flood instances of user evil at once")
+    ap.add_argument("--hogs", type=int, default=SANDBOX_MB_PER_USER // SANDBOX_MB + 2, help="memory hogs launched at once")
+    ap.add_argument("--builders", type=int, default=2, help="new uploads launched at once (one connection each) per build storm")
     ap.add_argument("--kv-cache-mb", type=int, default=256, help="page pool (256 MiB: 364 pages of 16 tokens)")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 8 s phases, 8 clients")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 6 s phases, 4 clients")
     a = ap.parse_args()
     if a.quick:
-        a.rounds, a.seconds, a.clients = 1, 8, 8
+        a.rounds, a.seconds, a.clients = 1, 6, 4
+    mixes = [m.strip() for m in a.mixes.split(",") if m.strip()]
+    if bad := [m for m in mixes if m not in MIXES]:
+        ap.error(f"unknown mix {', '.join(bad)} (known: {', '.join(MIXES)})")
     with tempfile.TemporaryDirectory(prefix="tartlet-soak-") as tmp:
         d = Path(tmp)
-        progs = {"fork": d / "fork_storm.py", "save": d / "save_storm.py"}
-        progs["fork"].write_text(textwrap.dedent(FORK_STORM))
-        progs["save"].write_text(textwrap.dedent(SAVE_STORM))
+        progs = {}
+        for name, src in (("fork", FORK_STORM), ("save", SAVE_STORM), ("store", STORE_FLOOD), ("memory", MEMORY_HOG),
+                          ("count", "from tartlet import store\n\nasync def main(args):\n    return {'keys': len(store.keys())}\n")):  # fmt: skip
+            progs[name] = d / f"{name}_storm.py" if name != "count" else d / "store_count.py"
+            progs[name].write_text(textwrap.dedent(src))
         srv = Server(d, a.kv_cache_mb)
         try:
-            res = asyncio.run(soak(srv, progs, a))
+            res = asyncio.run(soak(srv, progs, mixes, a, d))
         finally:
             srv.stop()
-        payload = summarize(res, a)
+        payload = summarize(res, mixes, a)
     if a.json:
         a.json.write_text(json.dumps(payload, indent=2) + "\n")
 
