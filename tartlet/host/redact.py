@@ -7,8 +7,8 @@ clients (launch errors, an instance's ``error``); neither should learn the
 server's layout. :func:`redact` replaces every registered folder with a
 placeholder such as ``<data>``; the temp folder, the Python installation and
 Tartlet's own source folder are registered from the start, the server
-registers its data, upload, program and cache folders
-(:meth:`tartlet.server.service.Service.scrub`).
+registers its data, upload, program and cache folders when it starts
+(``Service._register_paths``).
 """
 
 from __future__ import annotations

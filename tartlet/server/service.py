@@ -295,7 +295,7 @@ class Service:
                 is_component = False
             if is_component:
                 return Program(inferlet, component.parent, component, {}), True
-            raise ProtocolError("not_found", self.scrub(str(e))) from None
+            raise ProtocolError("not_found", redact(str(e))) from None
         return found, runtimes.installed_runtime == "wasm"
 
     async def prepare(self, program: Program, sandboxed: bool, user: str = "local") -> Program:
@@ -343,7 +343,7 @@ class Service:
                 build.add_done_callback(done)
             return await asyncio.shield(build)
         except (ProgramError, builder.BuildError, WasmLoadError) as e:
-            raise ProtocolError("bad_request", self.scrub(str(e))) from None
+            raise ProtocolError("bad_request", redact(str(e))) from None
 
     def take_rate(self, user: str, kind: str) -> None:
         """Take a token of ``user``'s ``kind`` rate (:mod:`tartlet.host.rate_limits`).
@@ -396,14 +396,6 @@ class Service:
             raise ProtocolError(
                 "limit", f"user {user!r} already runs {cap} instances and builds, the limit (max_instances_per_user)"
             )
-
-    def scrub(self, text: str) -> str:
-        """``text`` with server paths (data dir, caches, temp dir, the Python
-        installation) replaced by placeholders such as ``<data>``, so an
-        error sent to a client names the problem, not the server's layout
-        (:func:`tartlet.host.redact.redact`; the same placeholders are put
-        in errors that reach sandboxed inferlets)."""
-        return redact(text)
 
     def _register_paths(self) -> None:
         from .. import paths
@@ -462,9 +454,9 @@ class Service:
             self.limit_refusals += 1
             raise ProtocolError("limit", str(e)) from None
         except (ProgramError, TypeError) as e:
-            raise ProtocolError("bad_request", self.scrub(str(e))) from None
+            raise ProtocolError("bad_request", redact(str(e))) from None
         except RuntimeError as e:  # WasmInstanceError, WasmLoadError, BuildError
-            raise ProtocolError("bad_request", self.scrub(str(e))) from None
+            raise ProtocolError("bad_request", redact(str(e))) from None
         self.launched += 1
         assert inst.task is not None
         if listener is not None:

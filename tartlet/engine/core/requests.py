@@ -66,6 +66,12 @@ class ForwardRequest:
     then: "Callable[[list[object]], tuple[list[int], list[OutputSlot]] | None] | None" = None
     adapter: LoraAdapter | None = None
 
+    @property
+    def adapter_key(self) -> bytes:
+        """The key of :attr:`adapter` that prefix-cache pages are matched
+        and registered under (``b""``: the base model)."""
+        return b"" if self.adapter is None else self.adapter.key
+
     def rearm(self, tokens: list[int], outputs: list[OutputSlot]) -> None:
         """Make this request the next pass its continuation returned: the
         same future, progress reset, queued again by the scheduler.

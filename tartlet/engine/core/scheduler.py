@@ -237,7 +237,7 @@ class Scheduler:
                     continue
                 if req.positions is None and req.attention is None:
                     first_out = min((s.index for s in req.outputs), default=len(req.tokens))
-                    reused = seq.match_prefix(req.tokens, first_out, b"" if req.adapter is None else req.adapter.key)
+                    reused = seq.match_prefix(req.tokens, first_out, req.adapter_key)
                     req.done = reused
                     self.stats.prefix_tokens_reused += reused
                     if reused == len(req.tokens):
@@ -250,7 +250,7 @@ class Scheduler:
             positions = req.positions[lo:hi] if req.positions is not None else list(range(start, start + n))
             try:
                 slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None,
-                                    adapter=b"" if req.adapter is None else req.adapter.key)
+                                    adapter=req.adapter_key)
             except KvCacheFullError as e:
                 if not isinstance(e, KvQuotaError):  # the pool is full: wait for pages, up to kv_wait_s
                     now = time.perf_counter()

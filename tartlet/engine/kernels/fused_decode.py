@@ -162,7 +162,6 @@ class FusedDecoder:
         or int8 pool; LoRA rows when :attr:`lora` is on and every adapter's
         matrices are float32 CPU ones of this model (the first call with
         an adapter makes its copies in :attr:`lora_dtype`)."""
-
         T = batch.input_ids.shape[0]
         # from DEQUANT_ROWS rows, below AVX-512, projections take PyTorch's GEMM (quant_linear.py)
         if not self.enabled or (T >= DEQUANT_ROWS and self.kernels.isa < 3) or k_cache.dtype not in KV_KINDS:
