@@ -7,9 +7,10 @@ OpenAI client load and WebSocket launches, in one run.
     (what Ray's gateway, proxy and calls cost); alternating rounds.
 (b) routing: a multi-turn chat workload (``--conversations`` x ``--turns``,
     one long system prompt shared by all, each turn sending the whole
-    history) with prefix-aware routing and with the power-of-two baseline
+    history) with prefix-aware routing, with the power-of-two baseline
     (``x-tartlet-routing: power-of-two``: load only, as Ray Serve's default
-    router), alternating, each round with a fresh system prompt so no round
+    router) and with an explicit session per conversation (``x-tartlet-session``:
+    perfect affinity, the ceiling any prefix routing can reach), alternating, each round with a fresh system prompt so no round
     reuses another's cache; the same workload on one replica for the hit
     rate a single replica reaches. Prefix-cache hit rate = prompt tokens
     served from the prefix cache (``tartlet_prefix_tokens_reused_total``,
@@ -172,11 +173,17 @@ async def conversation(c: httpx.AsyncClient, url: str, i: int, turns: int, max_t
 
 
 async def chat_workload(server: Server, n: int, turns: int, max_tokens: int, system: str, policy: str) -> dict[str, Any]:
-    headers = {"x-tartlet-routing": policy}
+    """``policy``: ``tartlet`` (prefix-aware), ``power-of-two``, or ``session``
+    (prefix-aware routing plus an ``x-tartlet-session`` header per conversation)."""
+    def headers(i: int) -> dict[str, str]:
+        if policy == "session":
+            return {"x-tartlet-routing": "tartlet", "x-tartlet-session": f"{system[:24]}/conversation-{i}"}
+        return {"x-tartlet-routing": policy}
+
     reused0 = server.counter("tartlet_prefix_tokens_reused_total")
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 8)) as c:
         t0 = time.perf_counter()
-        convs = await asyncio.gather(*(conversation(c, server.url, i, turns, max_tokens, system, headers) for i in range(n)))
+        convs = await asyncio.gather(*(conversation(c, server.url, i, turns, max_tokens, system, headers(i)) for i in range(n)))
         wall = time.perf_counter() - t0
     reused = server.counter("tartlet_prefix_tokens_reused_total") - reused0
     turns_all = [t for conv in convs for t in conv]
@@ -381,7 +388,7 @@ def main() -> None:
                         add("chat/1 replica", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, "tartlet")))
                     if kind == 2:
                         order = ["tartlet", "power-of-two"] if rnd % 2 == 0 else ["power-of-two", "tartlet"]
-                        for policy in order:
+                        for policy in [*order, "session"][:: 1 if rnd % 2 == 0 else -1]:
                             system = f"[round {rnd} {policy}] " + SYSTEM
                             add(f"chat/{policy}", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, policy)))
                         for policy in order:
@@ -409,8 +416,9 @@ def main() -> None:
     report(f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
            ["server", "tok/s", "vs 1 replica"], rows, None)  # fmt: skip
     rows = []
-    for key in ("chat/1 replica", "chat/tartlet", "chat/power-of-two"):
-        rows.append([key.split("/")[1], f"{med(key, 'hit_rate'):.1%}", f"{med(key, 'ttft_p50') * 1000:.0f}",
+    for key in ("chat/1 replica", "chat/tartlet", "chat/session", "chat/power-of-two"):
+        label = {"session": "session header (affinity ceiling)", "tartlet": "tartlet (prefix-aware)"}.get(key.split("/")[1], key.split("/")[1])
+        rows.append([label, f"{med(key, 'hit_rate'):.1%}", f"{med(key, 'ttft_p50') * 1000:.0f}",
                      f"{med(key, 'ttft_p95') * 1000:.0f}", f"{med(key, 'max_share'):.0%}"])  # fmt: skip
     ttft_gain = statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res["chat/tartlet"], res["chat/power-of-two"]))
     report(f"(b) routing: {a.conversations} conversations x {a.turns} turns, shared system prompt (TTFT p50 gain {ttft_gain:.2f}x)",
@@ -419,7 +427,8 @@ def main() -> None:
             for k in ("snapshots/tartlet", "snapshots/power-of-two")]  # fmt: skip
     summary = {
         "scaling_2x_over_1x": paired("scaling/2x1"), "ttft_p50_gain": ttft_gain,
-        "hit_rate": {k: med(k, "hit_rate") for k in ("chat/1 replica", "chat/tartlet", "chat/power-of-two")},
+        "hit_rate": {k: med(k, "hit_rate") for k in ("chat/1 replica", "chat/tartlet", "chat/session", "chat/power-of-two")},
+        "ttft_p50_gain_session": statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res["chat/session"], res["chat/power-of-two"])),
         "runs": res, "args": vars(a),
     }  # fmt: skip
     if "scaling/single" in res:
