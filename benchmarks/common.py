@@ -74,6 +74,21 @@ def run_inferlets(engine: Any, program: str, args_list: list[dict[str, Any]]) ->
 MODEL = "smollm2-135m-instruct"
 
 
+def tool_text(path: str, chars: int) -> str:
+    """The text of the tool server's answer to ``path`` (``/tool?...``):
+    ``tool output for PATH`` padded with filler words to at least ``chars``
+    characters. Pure Python with no imports, so an inferlet can inline its
+    source (``inspect.getsource``) and compute the same text without the
+    call (bench_agents' ideal run)."""
+    text = f"tool output for {path}"
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    i = 0
+    while len(text) < chars:
+        text += f" {words[i % len(words)]} {i}"
+        i += 1
+    return text
+
+
 def start_tools(latency_s: float) -> tuple[http.server.ThreadingHTTPServer, str]:
     """A local HTTP tool server on loopback (a thread per request): ``GET
     /tool?step=S&call=C&chars=N`` sleeps ``latency_s`` seconds, then answers
@@ -85,14 +100,7 @@ def start_tools(latency_s: float) -> tuple[http.server.ThreadingHTTPServer, str]
         def do_GET(self) -> None:  # noqa: N802
             time.sleep(latency_s)
             q = parse_qs(urlsplit(self.path).query)
-            text = f"tool output for {self.path}"
-            chars = int(q.get("chars", ["0"])[0])
-            words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
-            i = 0
-            while len(text) < chars:
-                text += f" {words[i % len(words)]} {i}"
-                i += 1
-            body = json.dumps({"result": text}).encode()
+            body = json.dumps({"result": tool_text(self.path, int(q.get("chars", ["0"])[0]))}).encode()
             self.send_response(200)
             self.send_header("content-length", str(len(body)))
             self.end_headers()
@@ -124,7 +132,7 @@ def start_server(kv_cache_mb: int, programs: dict[str, str] | None = None,
     cfg.write_text(
         f'data_dir = "{d}"\nprogram_dir = "{d / "programs"}"\n[limits]\nmax_instances_per_user = 1000\n'
         f'[[models]]\nmodel = "{MODEL}"\nkv_cache_mb = {kv_cache_mb}\n'
-        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in (model_options or {}).items())
+        + "".join(f"{k} = {_toml_value(v)}\n" for k, v in (model_options or {}).items())
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "tartlet.cli.main", "serve", "--config", str(cfg), "--port", "0", "--no-auth",
@@ -139,6 +147,14 @@ def start_server(kv_cache_mb: int, programs: dict[str, str] | None = None,
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
             return proc, m.group(1)
     raise RuntimeError("the server did not start")
+
+
+def _toml_value(v: Any) -> str:
+    """``v`` as a TOML value: JSON for strings, numbers and booleans, an
+    inline table for a dict (``speculative = { method = "ngram", ... }``)."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
 
 
 def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> tuple[float, float, float]:

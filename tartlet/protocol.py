@@ -22,6 +22,16 @@ Client -> server:
                       number; may lower the server's wall-time limit)
                       -> ``launched`` {``instance``}
 ``upload``            ``files`` {relative path: text} -> ``uploaded`` {``program``}
+``adapter_add``       ``name``, ``files`` {file name: base64 bytes} (a PEFT
+                      folder's two files or one ``.gguf`` LoRA; omitted: the
+                      pieces sent by ``adapter_chunk``), ``model``
+                      (default: the default model) -> ``adapter_added``
+                      {``model``, ``adapter``}: a LoRA adapter in the user's
+                      namespace (``tartlet adapter add``)
+``adapter_chunk``     ``name``, ``model``, ``file``, ``data_b64``: the next
+                      piece of a file of the upload ``name`` -> ``ok``
+``adapter_list``      ``model`` -> ``adapters`` {``model``, ``adapters``}
+``adapter_remove``    ``name``, ``model`` -> ``ok``
 ``send``              ``instance``, ``data`` (text) or ``data_b64`` (bytes)
 ``close_input``       ``instance``: the inferlet's next ``receive`` raises EOFError
 ``attach``/``detach`` ``instance``: start/stop streaming its output

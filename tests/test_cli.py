@@ -125,7 +125,7 @@ def test_inferlet_arguments_are_documented_without_loading_a_model():
     for name, prog in list_programs().items():
         doc = prog.usage()
         assert "Args:" in doc, name
-        if name not in ("chat", "prefix-cache"):  # turns / system + questions are their inputs
+        if name not in ("chat", "prefix-cache", "adapter-tune"):  # turns / system + questions / examples are their inputs
             assert "prompt (str, required)" in doc, name
     p = tartlet("inferlets", "json-output")
     assert p.returncode == 0 and "alias: ``question``" in p.stdout

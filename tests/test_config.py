@@ -9,7 +9,16 @@ import dataclasses
 import pytest
 
 from tartlet.engine.core.engine import EngineConfig
-from tartlet.server.config import ConfigError, McpServerConfig, ServedModel, ServerConfig, config_from_dict, load_config, render_config
+from tartlet.server.config import (
+    SERVER_MODEL_KEYS,
+    ConfigError,
+    McpServerConfig,
+    ServedModel,
+    ServerConfig,
+    config_from_dict,
+    load_config,
+    render_config,
+)
 
 
 def test_defaults_sandbox_uploads_and_run_installed_natively():
@@ -22,7 +31,7 @@ def test_defaults_sandbox_uploads_and_run_installed_natively():
 
 def test_models_table_has_every_engine_field_and_default():
     assert cfg_engine() == EngineConfig()
-    assert list(ServedModel.model_fields) == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert list(ServedModel.model_fields) == [f.name for f in dataclasses.fields(EngineConfig)] + list(SERVER_MODEL_KEYS)
 
 
 def cfg_engine() -> EngineConfig:
@@ -58,6 +67,14 @@ def test_paths_filled_from_data_dir(tmp_path):
         ({"models": [{"quantize": "q9"}]}, ["quantize", "q8_0"]),
         ({"models": [{"act_bits": 4}]}, ["act_bits"]),
         ({"models": [{"matmul_dtype": "float16"}]}, ["matmul_dtype", "bfloat16"]),
+        ({"models": [{"speculative": {"method": "eagle"}}]}, ["[[models]] #1 speculative.method", "'ngram'", "'eagle'"]),
+        ({"models": [{"speculative": {"max_draft": 0}}]}, ["[[models]] #1 speculative.max_draft", "greater than or equal to 1"]),
+        ({"models": [{"speculative": {"max_draft": 65}}]}, ["speculative.max_draft", "less than or equal to 64"]),
+        ({"models": [{"speculative": {"min_ngram": 3, "max_ngram": 2}}]},
+         ["[[models]] #1 speculative", "max_ngram (2) must be >= min_ngram (3)"]),
+        ({"models": [{"speculative": {"max_batch": "4"}}]}, ["speculative.max_batch", "integer"]),
+        ({"models": [{"speculative": {"n": 3}}]}, ["speculative.n: unknown key", "max_draft, max_ngram, min_ngram, max_batch"]),
+        ({"models": [{"speculative": "ngram"}]}, ["[[models]] #1 speculative", "table"]),
         ({"mcp": {"servers": {"gh": {}}}}, ["[mcp.servers.gh] url: missing"]),
         ({"mcp": {"servers": {"gh": {"url": "ftp://x"}}}}, ["[mcp.servers.gh] url", "http"]),
         ({"mcp": {"servers": {"gh": {"url": "http://x", "token": "t"}}}}, ["[mcp.servers.gh] token: unknown key"]),
@@ -114,6 +131,21 @@ def test_render_round_trips(tmp_path):
     assert back.programs.uploaded_runtime == "native" and back.limits.max_pages_per_instance == 64
     assert back.models[0].model == cfg.models[0].model
     assert back == cfg
+
+
+def test_speculative_table_defaults_round_trip_and_stay_out_of_the_engine(tmp_path):
+    """``[[models]] speculative``: absent is off; an inline table gets the
+    defaults for the keys it leaves out, survives `config init`'s rendering
+    and is the server's, not an :class:`EngineConfig` field."""
+    assert config_from_dict({}).models[0].speculative_settings() is None
+    path = tmp_path / "config.toml"
+    path.write_text('[[models]]\nmodel = "smollm2-135m-instruct"\nspeculative = { method = "ngram", max_draft = 6, min_ngram = 2 }\n')
+    cfg = load_config(path)
+    want = {"method": "ngram", "max_draft": 6, "max_ngram": 3, "min_ngram": 2, "max_batch": 4}
+    assert cfg.models[0].speculative_settings() == want
+    assert cfg.models[0].engine_config() == EngineConfig()
+    path.write_text(render_config(cfg))
+    assert load_config(path) == cfg
 
 
 def test_missing_explicit_file_is_an_error(tmp_path):

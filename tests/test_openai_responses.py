@@ -122,6 +122,26 @@ def test_previous_response_survives_a_restart_and_is_per_user(setup):
         oa.responses.retrieve(r1.id)
 
 
+def test_ignore_eos_generates_exactly_max_output_tokens_across_turns(setup):
+    """The chat route's ``ignore_eos`` (vLLM's extension) on Responses:
+    each turn is exactly ``max_output_tokens`` long, the next turn still
+    continues from the stored snapshot (bench_agents' Responses client)."""
+    oa = client(setup)
+    short = oa.responses.create(model=MODEL, instructions="Answer in one word.", input="Capital of France?", max_output_tokens=40)
+    assert short.status == "completed" and short.usage.output_tokens < 40
+    r1 = oa.responses.create(model=MODEL, instructions="Answer in one word.", input="Capital of France?", max_output_tokens=40,
+                             extra_body={"ignore_eos": True})
+    assert r1.status == "incomplete" and r1.usage.output_tokens == 40
+    assert r1.output_text.startswith(short.output_text)
+    r2 = oa.responses.create(model=MODEL, previous_response_id=r1.id, input="And of Spain?", max_output_tokens=16,
+                             extra_body={"ignore_eos": True})
+    assert r2.usage.output_tokens == 16
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens + r1.usage.output_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.responses.create(model=MODEL, input="x", max_output_tokens=4, extra_body={"ignore_eos": "yes"})
+    assert e.value.body["param"] == "ignore_eos"
+
+
 def test_bad_requests_are_400_naming_the_parameter(setup):
     oa = client(setup)
     for kw, param in [({"input": []}, "input"), ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),

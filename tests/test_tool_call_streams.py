@@ -171,6 +171,29 @@ def test_a_cut_output_never_retracts_what_was_streamed(case):
             assert calls and NAMES[len(calls) - 1] == calls[-1]["name"] and ARGS[len(calls) - 1].startswith(calls[-1]["arguments"])
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_call_is_complete_once_its_arguments_close(case):
+    """``completed`` counts a call from the character that closes its
+    arguments (the calls after it not written yet: an agent can start it
+    then), never before; a cut inside the arguments leaves it incomplete."""
+    _, fmt, text, _ = case
+    ends, at = [], 0
+    for a in ARGS:
+        at = text.index(a, at) + len(a)
+        ends.append(at)
+    s = tools.ToolCallStream(fmt)
+    for k, ch in enumerate(text, 1):
+        s.feed(ch)
+        assert s.completed == sum(e <= k for e in ends), k
+        assert [c.arguments for c in s.calls[:s.completed]] == ARGS[:s.completed]
+    s.end()
+    assert s.completed == 3 and not s.cut
+    cut = tools.ToolCallStream(fmt)
+    cut.feed(text[: ends[1] - 1])
+    cut.end()
+    assert cut.cut and len(cut.calls) == 2 and cut.completed == 1
+
+
 def test_a_broken_call_between_good_ones_is_content():
     text = ('<tool_call>\n{"name": "a", "arguments": {"x": "é"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>\n'
             '<tool_call>\n{"name": "bad name!", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>')

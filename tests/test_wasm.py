@@ -85,6 +85,24 @@ async def test_text_completion_matches_native(wasm_runtime, runtime, text_comple
     assert sandboxed.output == native.output  # same streamed pieces, in order
 
 
+async def test_text_completion_speculates_in_a_component(wasm_runtime, runtime, text_completion_wasm, host_state):
+    """``model-info`` carries ``[[models]] speculative`` and ``kv-stats`` its
+    ``batch-requests`` into a component: the sandboxed ``text-completion``
+    speculates as the native one does (same tokens, same passes)."""
+    slot = host_state.model(None)
+    slot.speculative = {"method": "ngram", "max_draft": 8, "max_ngram": 3, "min_ngram": 1, "max_batch": 4}
+    args = {"prompt": "Repeat this sentence word for word: the keeper trimmed the wick and polished the lens.",
+            "max_tokens": 32}
+    try:
+        native = await run_ok(runtime, "text-completion", args)
+        sandboxed = await run_ok(wasm_runtime, text_completion_wasm, args)
+    finally:
+        slot.speculative = None
+    assert sandboxed == native
+    spec = native["speculative"]
+    assert spec["stopped"] is None and spec["accepted"] > 0 and spec["passes"] < len(native["tokens"])
+
+
 async def test_folder_is_built_on_launch(wasm_runtime, runtime, text_completion_wasm):
     res = await run_ok(wasm_runtime, "text-completion", {"prompt": "Hi", "max_tokens": 4})
     assert res == await run_ok(runtime, "text-completion", {"prompt": "Hi", "max_tokens": 4})

@@ -2,7 +2,7 @@
 native runs (greedy or seeded, short generations). A representative subset
 keeps the suite fast (each new component costs a ~10 s build and a ~10 s
 compile on a cold cache): forks + seeded sampling, distribution probes,
-logprob/entropy probes, and grammar matchers over the WIT."""
+logprob/entropy probes, hidden-state slots, and grammar matchers over the WIT."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ CASES = {
     "parallel-generation": {"prompt": "Name a fruit.", "n": 3, "max_tokens": 8, "seed": 7},
     "beam-search": {"prompt": "The capital of France is", "k": 2, "max_tokens": 6},
     "logit-probe": {"prompt": "Is the sky blue? Answer yes or no.", "k": 5},
+    "embedding": {"prompt": ["A cat sat on the mat.", "Two dogs."], "pooling": "mean", "layer": -3},  # hidden slots over the WIT
     "json-output": {"question": "Give a color.", "schema": {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}, "max_tokens": 24},
 }
 AVAILABLE = list_programs()

@@ -76,7 +76,7 @@ def test_wit_declares_package_interfaces_and_world():
     other interface takes with ``use types.{...}``; the world imports each
     interface that has functions and exports ``run``."""
     text = WIT.read_text()
-    assert "package tartlet:inferlet@0.3.0;" in text
+    assert "package tartlet:inferlet@0.4.0;" in text
     ifaces = wit_interfaces()
     assert list(ifaces) == ["types", *FUNCTION_INTERFACES]
     assert not re.search(r"func\(", ifaces["types"])
@@ -133,12 +133,15 @@ _SCALARS = {"u8": "int", "u16": "int", "u32": "int", "u64": "int", "s32": "int",
 NAMED = {
     "output-slot": "OutputSlot",  # tartlet.sdk.forward.OutputSlot
     "sampler-params": "OutputSlot",  # a `sample` slot (Sampler.slot)
+    "attention-probe": "AttentionProbe",  # tartlet.sdk.attention_probe.AttentionProbe
     "message": "str | bytes",
     "chat-message": "dict[str, Any]",
     "model-details": "dict[str, Any]",
     "pool-stats": "dict[str, int]",
     "stored-value": "str | None",  # a record only because of wasmtime-py (see the WIT)
     "token-mask": "list[int] | bytes",
+    "adapter-module": "dict[str, Any]",  # adapter-info: name, rank, in_features, out_features, scale
+    "lora-weights": "tuple[bytes, bytes]",  # adapter-weights: (A, B)
 }
 #: parameters that cross as JSON text: (function, parameter) -> Python type
 JSON_TEXT = {

@@ -11,10 +11,19 @@ Args:
     ignore_eos (bool): keep generating past end-of-sequence tokens (for
     benchmarks that need a fixed number of tokens).
 
-Returns ``{"text", "tokens", "finish_reason"}``.
+Speculative decoding: when the server configured it for the model
+(``[[models]] speculative``), greedy and seeded generations use its drafter
+(:func:`tartlet.drafter.served_drafter`): the same tokens, fewer passes
+when the output copies the prompt; drafting stops for the rest of the
+generation when acceptance is low or the engine is busy, and the text then
+streams as without it.
+
+Returns ``{"text", "tokens", "finish_reason"}``, and ``"speculative":
+{"passes", "drafted", "accepted", "stopped"}`` when speculation was used.
 """
 
 from tartlet import Model, Sampler, session
+from tartlet.drafter import served_drafter
 
 
 async def main(args: dict) -> dict:
@@ -35,6 +44,7 @@ async def main(args: dict) -> dict:
             if args.get("system"):
                 ctx.system(args["system"])
             ctx.user(prompt)
+        drafter = served_drafter(model, sampler)
         gen = ctx.generate(
             sampler,
             max_tokens=int(args.get("max_tokens", 256)),
@@ -45,8 +55,13 @@ async def main(args: dict) -> dict:
             # so this code runs once per chunk (stop strings are checked here)
             chunk=8,
             overlap=True,
+            drafter=drafter,  # None unless the server speculates; the stream above once it stops drafting
         )
         async for step in gen:
             if step.text:
                 session.send(step.text)
-        return {"text": gen.text, "tokens": gen.tokens, "finish_reason": gen.finish_reason}
+        out = {"text": gen.text, "tokens": gen.tokens, "finish_reason": gen.finish_reason}
+        if drafter is not None:
+            out["speculative"] = {"passes": drafter.passes, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
+                                  "stopped": drafter.stopped}
+        return out

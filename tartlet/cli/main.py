@@ -237,6 +237,9 @@ _register_server_commands(app)  # serve, install, config, auth
 from .client_commands import register as _register_client_commands  # noqa: E402
 
 _register_client_commands(app)  # submit, list, attach, abort, ping
+from .adapter_commands import register as _register_adapter_commands  # noqa: E402
+
+_register_adapter_commands(app)  # adapter add, list, remove
 from .build_commands import register as _register_build_commands  # noqa: E402
 
 _register_build_commands(app)  # build, new

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import itertools
 import json
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import Any, AsyncIterator, Callable
 
 from ..protocol import program_hash
 
+#: Bytes of one piece of an adapter upload (base64: 4/3 of it in one frame).
+ADAPTER_CHUNK_BYTES = 4 * 2**20
 #: File suffixes uploaded from an inferlet folder.
 UPLOAD_SUFFIXES = {".py", ".toml", ".json", ".txt", ".md"}
 
@@ -312,3 +315,58 @@ class Client:
 
     async def abort(self, iid: str) -> None:
         await self._request({"type": "abort", "instance": iid})
+
+    # -- LoRA adapters (tartlet adapter add/list/remove) ----------------------------------
+    async def add_adapter(self, name: str, path: str | Path, model: str | None = None) -> dict[str, Any]:
+        """Upload the LoRA adapter at ``path`` (a PEFT folder, or a llama.cpp
+        GGUF LoRA file) as ``name`` in this user's namespace; returns
+        ``{"name", "modules", "rank", "weight_bytes"}``. The server loads and
+        checks it against the model first.
+
+        Raises:
+            TartletError: ``bad_request`` (a bad adapter: the message names the
+                file and the module), ``limit`` (the adapter quota),
+                ``too_large`` (past ``[limits] max_message_bytes``).
+            ValueError: ``path`` is neither.
+        """
+        files = adapter_files(Path(path))
+        where: dict[str, Any] = {"name": name} if model is None else {"name": name, "model": model}
+        for fname, data in files.items():  # in pieces: each one frame, whatever the adapter's size
+            for i in range(0, len(data), ADAPTER_CHUNK_BYTES):
+                piece = base64.b64encode(data[i : i + ADAPTER_CHUNK_BYTES]).decode()
+                await self._request({"type": "adapter_chunk", **where, "file": fname, "data_b64": piece})
+        info: dict[str, Any] = (await self._request({"type": "adapter_add", **where}))["adapter"]
+        return info
+
+    async def list_adapters(self, model: str | None = None) -> builtins.list[dict[str, Any]]:
+        """The adapters this user may use on ``model``: ``name``, ``owner``
+        (``"served"`` or ``"user"``), ``weight_bytes``, ``modules``, ``rank``."""
+        msg: dict[str, Any] = {"type": "adapter_list"} if model is None else {"type": "adapter_list", "model": model}
+        adapters: builtins.list[dict[str, Any]] = (await self._request(msg))["adapters"]
+        return adapters
+
+    async def remove_adapter(self, name: str, model: str | None = None) -> None:
+        """Delete this user's adapter ``name``.
+
+        Raises:
+            TartletError: ``not_found``.
+        """
+        msg: dict[str, Any] = {"type": "adapter_remove", "name": name}
+        if model is not None:
+            msg["model"] = model
+        await self._request(msg)
+
+
+def adapter_files(path: Path) -> dict[str, bytes]:
+    """The files of an adapter upload: a PEFT folder's ``adapter_config.json``
+    and ``adapter_model.safetensors``, or one ``.gguf`` file.
+
+    Raises:
+        ValueError: neither.
+    """
+    if path.is_file() and path.suffix == ".gguf":
+        return {"adapter.gguf": path.read_bytes()}
+    if path.is_dir() and (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file():
+        return {n: (path / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")}
+    raise ValueError(f"{path} is not a LoRA adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors) "
+                     "or a .gguf file")

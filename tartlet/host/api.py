@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..engine.core.kv_accounting import PageAccount
+from .adapter_api import AdapterFork, AdapterHostMixin
 from .context_api import HostContext
 from .grammar import Matcher
 from .inference_api import InferenceHostMixin
@@ -40,9 +41,10 @@ if TYPE_CHECKING:
     from .messaging import Message
 
 
-class HostApi(ModelHostMixin, SnapshotHostMixin, InferenceHostMixin, IoHostMixin):
+class HostApi(ModelHostMixin, AdapterHostMixin, SnapshotHostMixin, InferenceHostMixin, IoHostMixin):
     """Host calls of one instance, one mixin per WIT interface: models
-    (:class:`~.model_api.ModelHostMixin`), contexts and snapshots
+    (:class:`~.model_api.ModelHostMixin`; LoRA adapters:
+    :class:`~.adapter_api.AdapterHostMixin`), contexts and snapshots
     (:class:`~.context_api.ContextHostMixin`,
     :class:`~.snapshot_api.SnapshotHostMixin`), forward passes
     (:class:`~.inference_api.InferenceHostMixin`, with the grammar matchers
@@ -87,14 +89,19 @@ class HostApi(ModelHostMixin, SnapshotHostMixin, InferenceHostMixin, IoHostMixin
         self._accounts: dict[int, PageAccount] = {}  # id(slot) -> this instance's page account there
         self._decoders: dict[int, Any] = {}
         self._streams: dict[int, TokenStream] = {}
+        self._adapter_forks: dict[tuple[int, str], AdapterFork] = {}  # (id(model slot), name) -> this instance's fork
         self._ids = itertools.count(1)
         self.closed = False
 
     # -- stats -------------------------------------------------------------------
     def kv_stats(self, model: str | None) -> dict[str, int]:
         """Page counts of a model's pool: ``total``, ``free``, ``cached``,
-        ``used``, ``page_size``."""
-        return vars(self.state.model(model).engine.pool.stats())
+        ``used``, ``page_size``; and its engine's load, ``batch_requests``:
+        the requests of its last model call (:attr:`SchedulerStats.last_batch
+        <tartlet.engine.core.stats.SchedulerStats.last_batch>`), which
+        speculative decoding reads to stop drafting when the batch is full."""
+        engine = self.state.model(model).engine
+        return {**vars(engine.pool.stats()), "batch_requests": engine.scheduler.stats.last_batch}
 
     # -- session -----------------------------------------------------------------
     def session_send(self, msg: str | bytes) -> None:
@@ -105,8 +112,9 @@ class HostApi(ModelHostMixin, SnapshotHostMixin, InferenceHostMixin, IoHostMixin
 
     # -- end of instance -----------------------------------------------------------
     def close(self) -> None:
-        """Free every context and decoder this instance still holds (the
-        instance ended, failed or was killed). Snapshots stay."""
+        """Free every context, decoder and adapter fork this instance still
+        holds (the instance ended, failed or was killed). Snapshots and
+        saved adapters stay."""
         if self.closed:
             return
         self.closed = True
@@ -118,3 +126,4 @@ class HostApi(ModelHostMixin, SnapshotHostMixin, InferenceHostMixin, IoHostMixin
             stream.close()
         self._streams.clear()
         self._grammar_close()
+        self._adapters_close()

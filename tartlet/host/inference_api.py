@@ -6,27 +6,35 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, Callable, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import torch
 
+from ..engine.core.attention_probe import AttentionProbeSpec
+from ..engine.core.dry import DryParams, process_breakers
 from ..engine.core.engine import Engine
+from ..engine.core.hidden_states import HiddenSpec, layer_index
 from ..engine.core.requests import ForwardRequest
 from ..engine.core.sampler import OutputSlot as EngineSlot
 from ..engine.core.sampler import ProbeSpec, SamplerSpec
+from ..engine.models.lora import LoraAdapter
+from ..sdk.attention_probe import AttentionProbe, probe_layers
 from ..sdk.errors import InvalidHandleError, SamplingError
 from ..sdk.forward import OutputSlot
-from ..sdk.sampler import step_seed
+from ..sdk.sampler import slot_dry, step_seed, validate_filters
 from .context_api import ContextHostMixin, HostContext, _pending
 from .grammar import GrammarOutputSlot, Matcher
 from .grammar_api import GrammarHostMixin
 from .model_api import check_ids
+from .state import ModelSlot
 from .token_stream import TokenStream
 
 T = TypeVar("T")
 
 #: Largest number of input tokens in one forward call.
 MAX_FORWARD_TOKENS = 65536
+#: Most values one attention probe may return (layers x rows x positions).
+MAX_PROBE_VALUES = 1 << 22
 #: Largest number of output slots in one forward call.
 MAX_OUTPUT_SLOTS = 4096
 
@@ -36,6 +44,9 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
 
     _streams: dict[int, TokenStream]
 
+    if TYPE_CHECKING:
+        def _lora(self, slot: ModelSlot, name: str) -> LoraAdapter: ...  # AdapterHostMixin's
+
     def forward(
         self,
         handle: int,
@@ -44,6 +55,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
         attention: list[list[int]] | None = None,
         outputs: list[OutputSlot] | None = None,
         adapter: str | None = None,
+        probe: AttentionProbe | None = None,
     ) -> Future[list[object]]:
         """Append ``tokens`` to the context and run them through the model.
 
@@ -57,32 +69,49 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                 are padded with False. Default: causal.
             outputs: :class:`tartlet.sdk.forward.OutputSlot` records: ``index``
                 (input token whose logits are used), ``kind`` (``sample``,
-                ``distribution``, ``logits``, ``logprobs``, ``entropy``), the
-                kind's parameters (``temperature``, ``top_k``, ``top_p``,
-                ``min_p``, ``seed``; ``k``; ``token_ids``) and an optional
+                ``distribution``, ``logits``, ``logprobs``, ``entropy``,
+                ``hidden``), the kind's parameters (``temperature``,
+                ``top_k``, ``top_p``, ``min_p``, ``seed``; ``k``;
+                ``token_ids``; ``layer``) and an optional
                 ``logit_mask`` (BRLE over the vocabulary, True = allowed)
                 and/or ``grammar`` (a matcher handle from ``grammar_new``:
                 the host computes its mask during the pass).
-            adapter: the name of a LoRA adapter the context's model serves
-                (:meth:`adapter_names`): this pass runs with it (its rows
-                share the batch with every other row, adapted or not), or
-                None: the base model.
+            adapter: the name of a LoRA adapter this instance sees on the
+                context's model (:meth:`adapter_names`: served, the user's
+                saved ones, its forks): this pass runs with it, with the
+                version it has now, even if a fork is edited before the pass
+                runs (its rows share the batch with every other row,
+                adapted or not), or None: the base model.
+            probe: an attention-score probe
+                (:class:`tartlet.sdk.attention_probe.AttentionProbe`), or
+                None: the attention mass each of the context's positions
+                receives from this pass's queries, computed inside the
+                pass's attention (:mod:`tartlet.engine.core.attention_probe`);
+                such a pass is never served from the prefix cache.
 
         Returns:
             A future of one result per output slot: an int token id for
             ``sample``; ``(ids, probs)`` for ``distribution``; a list of
-            floats for ``logits`` and ``logprobs``; a float for ``entropy``.
+            floats for ``logits`` and ``logprobs``; a float for ``entropy``;
+            ``hidden_size`` floats (float32 values) for ``hidden``: the
+            final hidden state after the final norm (``layer`` None) or
+            decoder layer ``layer``'s output. With a ``probe``, one more
+            result after the slots': its
+            :class:`~tartlet.sdk.attention_probe.AttentionScores`.
 
         Raises:
-            ValueError: any malformed argument (nothing is queued then).
+            ValueError: any malformed argument (nothing is queued then), a
+                ``hidden`` layer outside the model's (``SamplingError``), a
+                malformed probe or one that would return more than
+                :data:`MAX_PROBE_VALUES` values (``SamplingError``).
             AdapterError: the model serves no adapter named ``adapter``.
         """
-        return self._forward(handle, tokens, positions, attention, outputs, adapter)
+        return self._forward(handle, tokens, positions, attention, outputs, adapter, probe=probe)
 
     def _forward(self, handle: int, tokens: list[int], positions: list[int] | None, attention: list[list[int]] | None,
                  outputs: list[OutputSlot] | None, adapter: str | None,
                  then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
-                 matcher: Matcher | None = None) -> Future[list[object]]:  # fmt: skip
+                 matcher: Matcher | None = None, probe: AttentionProbe | None = None) -> Future[list[object]]:  # fmt: skip
         """:meth:`forward`, and ``then(ctx)`` as the request's continuation
         (:class:`~tartlet.engine.core.requests.ForwardRequest`), if given;
         ``matcher`` masks the slots that name a grammar instead of their
@@ -91,7 +120,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
         e = ctx.engine
         if adapter is not None and not isinstance(adapter, str):
             raise TypeError(f"adapter is an adapter name (str) or None, got {type(adapter).__name__}")
-        lora = None if adapter is None else e.adapter(adapter)
+        lora = None if adapter is None else self._lora(ctx.slot, adapter)  # this pass's version (adapter_api.py)
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("forward needs a non-empty list of input tokens")
         if len(tokens) > MAX_FORWARD_TOKENS:
@@ -120,6 +149,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                     raise ValueError(f"attention needs one mask per input token ({len(tokens)}), got {len(attention)}")
                 attn = [_brle_tensor(m, end, f"attention mask {j}") for j, m in enumerate(attention)]
             slots = [self._slot(e, o, len(tokens), matcher) for o in (outputs or [])]
+            spec = None if probe is None else _probe_spec(e, probe, end)
             span = [start, end]  # the tokens of the request's current pass in ctx.tokens
             cont = None
             if then is not None:
@@ -133,7 +163,8 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                             ctx.tokens.extend(nxt[0])
                     return nxt
 
-            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner, then=cont, adapter=lora)
+            req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner, then=cont, adapter=lora,
+                                 probe=spec)
             fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
             ctx.tokens.extend(tokens)
 
@@ -331,8 +362,8 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                         return None
                 if count[0] >= max_steps or tok in stop or stopped():
                     return None
-                spec = base.spec if seed is None else replace(cast(SamplerSpec, base.spec),
-                                                               seed=step_seed(seed, first_step + count[0]))
+                sspec = cast(SamplerSpec, base.spec)  # a `sample` slot (checked above)
+                spec = sspec if seed is None else replace(sspec, seed=step_seed(seed, first_step + count[0]))
                 if grammar is not None:
                     return [tok], [GrammarOutputSlot(0, spec, grammar, base.allowed)]
                 return [tok], [base if seed is None else replace(base, spec=spec)]
@@ -362,14 +393,23 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
         idx = o.index
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_inputs:
             raise ValueError(f"output index {idx!r} outside the {n_inputs} input tokens")
+        if o.kind == "hidden":  # the residual stream at idx, not its logits (hidden_states.py)
+            if o.logit_mask is not None or o.grammar is not None:
+                raise SamplingError("a hidden-state slot reads no logits: it takes no logit_mask or grammar")
+            return EngineSlot(idx, HiddenSpec(layer_index(o.layer, e.config.num_hidden_layers)))
         try:
             if o.kind == "sample":
+                validate_filters(o.typical_p, o.xtc_probability, o.xtc_threshold)
                 spec: SamplerSpec | ProbeSpec = SamplerSpec(
                     temperature=float(0.0 if o.temperature is None else o.temperature),
                     top_k=o.top_k,
                     top_p=float(o.top_p),
                     min_p=float(o.min_p),
                     seed=o.seed,
+                    typical_p=float(o.typical_p),
+                    xtc_probability=float(o.xtc_probability),
+                    xtc_threshold=float(o.xtc_threshold),
+                    dry=_dry(e, o),
                 )
             else:
                 spec = ProbeSpec(
@@ -390,6 +430,39 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                 return GrammarOutputSlot(idx, spec, matcher, allowed)
             return self._grammar_output_slot(e, idx, spec, o.grammar, allowed)
         return EngineSlot(idx, spec, allowed)
+
+
+def _probe_spec(e: Engine, probe: AttentionProbe, n_tokens: int) -> AttentionProbeSpec:
+    """The engine's spec of an attention ``probe`` of a pass that leaves the
+    context ``n_tokens`` long.
+
+    Raises:
+        SamplingError: a malformed probe, or one of more than
+            :data:`MAX_PROBE_VALUES` values.
+    """
+    c = e.config
+    layers = probe_layers(probe, c.num_hidden_layers)
+    rows = c.num_key_value_heads if probe.per_kv_head else 1
+    n = n_tokens if probe.per == "token" else -(-n_tokens // e.pool.page_size)
+    if len(layers) * rows * n > MAX_PROBE_VALUES:
+        raise SamplingError(f"the attention probe would return {len(layers)} layers x {rows} rows x {n} "
+                            f"{probe.per}s, more than {MAX_PROBE_VALUES} values: ask for fewer layers, or per page")
+    return AttentionProbeSpec(layers, probe.reduce, probe.per, probe.per_kv_head)
+
+
+def _dry(e: Engine, o: OutputSlot) -> DryParams | None:
+    """A ``sample`` slot's DRY penalty for the engine (None when off: a
+    multiplier or ``dry_penalty_last_n`` of 0), its sequence breakers
+    matched against ``e``'s vocabulary (:func:`~tartlet.engine.core.dry.process_breakers`).
+
+    Raises:
+        SamplingError: a DRY parameter out of range (named).
+    """
+    dry = slot_dry(o)
+    if dry is None:
+        return None
+    mult, base, allowed, last_n, breakers = dry
+    return DryParams(mult, base, allowed, last_n, process_breakers(e.tokenizer, tuple(breakers)))
 
 
 def _brle_tensor(runs: Any, size: int, what: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Model host calls (WIT interface ``model``): served models, their facts,
-tokenizer, chat template, streaming detokenizers and LoRA adapter names
-(:class:`ModelHostMixin`)."""
+tokenizer, chat template, streaming detokenizers (:class:`ModelHostMixin`;
+the same interface's LoRA adapter calls: :mod:`.adapter_api`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class ModelHostMixin:
         """Facts about a model: ``name``, ``vocab_size``, ``eos_token_ids``,
         ``bos_token_id``, ``page_size``, ``max_seq_len``,
         ``has_chat_template``, ``add_bos_token`` (the model expects
-        ``bos_token_id`` first in every sequence).
+        ``bos_token_id`` first in every sequence), ``speculative`` (the
+        server's ``[[models]] speculative`` settings as a dict, or None).
 
         Raises:
             ValueError: the model is not served.
@@ -45,17 +46,8 @@ class ModelHostMixin:
             "max_seq_len": e.scheduler.max_seq_len,
             "has_chat_template": e.tokenizer.chat_template is not None,
             "add_bos_token": e.tokenizer.add_bos_token,
+            "speculative": None if slot.speculative is None else dict(slot.speculative),
         }
-
-    def adapter_names(self, model: str | None) -> list[str]:
-        """Names of the LoRA adapters the model serves, sorted (pass one as
-        ``adapter`` to :meth:`forward`, :meth:`generate` or
-        :meth:`generate_stream`).
-
-        Raises:
-            ValueError: the model is not served.
-        """
-        return sorted(self.state.model(model).engine.adapters)
 
     def tokenize(self, model: str | None, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings become special tokens."""

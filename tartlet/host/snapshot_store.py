@@ -117,7 +117,8 @@ def _digest(meta: dict[str, str], k: torch.Tensor, v: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) readable by the server's user only (mode 0700)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
 
@@ -138,8 +139,8 @@ class SnapshotStore:
         self.dir = Path(root) / f"{safe}-{hashlib.sha256(engine.name.encode()).hexdigest()[:8]}"
         self.identity = model_identity(engine)
         self.budget_bytes = budget_bytes
-        _private_dir(Path(root))
-        _private_dir(self.dir)
+        private_dir(Path(root))
+        private_dir(self.dir)
 
     def path_for(self, owner: str, name: str) -> Path:
         """The file of ``owner``'s snapshot ``name`` (a ``public/`` one lives
@@ -205,7 +206,7 @@ class SnapshotStore:
         meta["sha256"] = _digest(meta, snap.k, snap.v)
         snap.sha256 = meta["sha256"]
         path = self.path_for(snap.owner, snap.name)
-        _private_dir(path.parent)
+        private_dir(path.parent)
         tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:16]}.tmp")  # unique: replicas may save one name at once
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -4,9 +4,10 @@ users' KV page accounts and their named snapshots."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..engine.core.engine import Engine
+from .adapter_manager import AdapterManager
 from .code_sandbox import CodeSandbox
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import Bus, MessageBus
@@ -22,10 +23,15 @@ class ModelSlot:
     """One served model: its engine, its users' page accounts and its
     named snapshots."""
 
-    def __init__(self, engine: Engine, limits: KvLimits | None = None) -> None:
+    def __init__(self, engine: Engine, limits: KvLimits | None = None, speculative: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        #: the server's speculative decoding for this model (``[[models]]
+        #: speculative``: method, max_draft, max_ngram, min_ngram, max_batch), or None
+        self.speculative = speculative
         self.accounts = KvAccounts(limits, engine.pool.num_pages)
         self.snapshots = SnapshotManager(engine, self.accounts)
+        #: the served and the users' LoRA adapters (:mod:`tartlet.host.adapter_manager`)
+        self.adapters = AdapterManager(engine)
 
 
 class HostState:
@@ -48,9 +54,11 @@ class HostState:
         #: per-user rates of launches, builds, allocating calls and messaging (None: unlimited)
         self.rates: RateLimits | None = None
 
-    def add_engine(self, engine: Engine, name: str | None = None) -> None:
+    def add_engine(self, engine: Engine, name: str | None = None, speculative: dict[str, Any] | None = None) -> None:
+        """Serve ``engine`` as ``name`` (default: the engine's), with the
+        server's speculative decoding settings for it (see :class:`ModelSlot`)."""
         name = name or engine.name
-        self.models[name] = ModelSlot(engine, self.kv_limits)
+        self.models[name] = ModelSlot(engine, self.kv_limits, speculative)
         if self.default_model is None:
             self.default_model = name
 
@@ -76,6 +84,22 @@ class HostState:
             slot.snapshots.registry.max_per_user = limits.max_snapshots_per_user
             if snapshot_dir is not None:
                 restored += slot.snapshots.enable_persistence(Path(snapshot_dir), budget, shared=shared)
+        return restored
+
+    def configure_adapters(self, max_bytes_per_user: int | None, adapter_dir: Path | None = None) -> int:
+        """Apply the per-user adapter quota (bytes, None: unlimited) to every
+        served model and, with ``adapter_dir``, keep users' saved adapters
+        there (registering those already saved). Returns how many were
+        restored.
+
+        Raises:
+            OSError: ``adapter_dir`` cannot be created.
+        """
+        restored = 0
+        for slot in self.models.values():
+            slot.adapters.max_bytes_per_user = max_bytes_per_user
+            if adapter_dir is not None:
+                restored += slot.adapters.enable_persistence(Path(adapter_dir))
         return restored
 
     def model(self, name: str | None) -> ModelSlot:

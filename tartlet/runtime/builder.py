@@ -43,7 +43,7 @@ from ..paths import cache_dir
 from ..sdk.errors import ProgramError
 from .program import Program, load_program
 
-#: The WIT contract (package tartlet:inferlet@0.3.0), world ``inferlet``.
+#: The WIT contract (package tartlet:inferlet@0.4.0), world ``inferlet``.
 WIT_DIR = Path(__file__).resolve().parents[2] / "wit"
 WORLD = "inferlet"
 SDK_DIR = Path(__file__).resolve().parents[1]

@@ -33,21 +33,23 @@ from wasmtime.component import Linker, Record, Variant
 
 from ..host.api import HostApi
 from ..host.redact import redact
+from ..sdk.attention_probe import AttentionProbe, AttentionScores
 from ..sdk.errors import InvalidHandleError, error_code
 from ..sdk.forward import OutputSlot
 
 #: The WIT package the component imports its interfaces from, and its version.
-PACKAGE, VERSION = "tartlet:inferlet", "0.3.0"  # 0.2.0: the interfaces (0.1.0 had one `host`); 0.3.0: LoRA adapters
+PACKAGE, VERSION = "tartlet:inferlet", "0.4.0"  # 0.2.0: the interfaces (0.1.0 had one `host`); 0.3.0: LoRA adapters; 0.4.0: issue 36 probes (hidden states, ...)
 
 #: The interfaces of the WIT package (``wit/tartlet.wit``) and their
 #: functions, each imported by world ``inferlet`` as
-#: ``tartlet:inferlet/NAME@0.3.0`` (their shared types are interface
+#: ``tartlet:inferlet/NAME@0.4.0`` (their shared types are interface
 #: ``types``, which has no function); tests/test_wit_contract.py checks
 #: this table against the WIT.
 INTERFACES: dict[str, tuple[str, ...]] = {
     "model": (
         "model-names", "model-info", "adapter-names", "tokenize", "detokenize", "apply-chat-template", "decoder-new",
-        "decoder-push", "decoder-free", "kv-stats",
+        "decoder-push", "decoder-free", "adapter-info", "adapter-fork", "adapter-save", "adapter-drop", "adapter-delete",
+        "adapter-weights", "adapter-set-weights", "adapter-perturb", "kv-stats",
     ),
     "context": (
         "context-new", "context-fork", "context-free", "context-tokens", "context-len", "context-truncate",
@@ -192,11 +194,19 @@ def _record(**fields: Any) -> Record:
 
 
 def _sampler(p: Any, index: int = 0) -> OutputSlot:
-    """WIT ``sampler-params`` -> a ``sample`` :class:`OutputSlot` at ``index``."""
-    return OutputSlot(
+    """WIT ``sampler-params`` -> a ``sample`` :class:`OutputSlot` at ``index``
+    (no ``dry``: DRY's off values)."""
+    slot = OutputSlot(
         index, "sample", temperature=p.temperature, top_k=getattr(p, "top-k"), top_p=getattr(p, "top-p"),
-        min_p=getattr(p, "min-p"), seed=p.seed,
+        min_p=getattr(p, "min-p"), seed=p.seed, typical_p=getattr(p, "typical-p"),
+        xtc_probability=getattr(p, "xtc-probability"), xtc_threshold=getattr(p, "xtc-threshold"),
     )  # fmt: skip
+    dry = p.dry
+    if dry is not None:
+        slot.dry_multiplier, slot.dry_base = dry.multiplier, dry.base
+        slot.dry_allowed_length, slot.dry_penalty_last_n = getattr(dry, "allowed-length"), getattr(dry, "penalty-last-n")
+        slot.dry_sequence_breakers = list(getattr(dry, "sequence-breakers"))
+    return slot
 
 
 def _slot(o: Any) -> OutputSlot:
@@ -210,11 +220,17 @@ def _slot(o: Any) -> OutputSlot:
         slot.k, slot.temperature = p.k, p.temperature
     elif kind.tag == "logprobs":
         slot.token_ids = list(p)
+    elif kind.tag == "hidden":
+        slot.layer = p  # option<s32>: None = the final hidden state
     return slot
 
 
 def _slot_result(r: Any) -> Any:
-    """A HostApi slot result -> WIT ``slot-result`` (untagged variant)."""
+    """A HostApi slot result -> WIT ``slot-result`` (untagged variant; the
+    attention probe's scores are its one record case)."""
+    if isinstance(r, AttentionScores):  # per layer, its rows one after the other
+        return _record(layers=list(r.layers), reduce=r.reduce, per=r.per, kv_heads=r.kv_heads,
+                       scores=[[x for row in rows for x in row] for rows in r.scores])
     if isinstance(r, tuple):
         ids, probs = r
         return ([int(i) for i in ids], [float(p) for p in probs])
@@ -264,9 +280,13 @@ def _future_payload(kind: str, v: Any) -> Any:
 
 # -- the imports -----------------------------------------------------------------------
 def _forward(h: InstanceHost, handle: int, tokens: list[int], positions: Any, attention: Any, outputs: list[Any],
-             adapter: str | None) -> int:
+             adapter: str | None, probe: Any = None) -> int:
     slots = [_slot(o) for o in outputs]
-    return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots, adapter))
+    ap = None
+    if probe is not None:  # WIT attention-probe -> the SDK's AttentionProbe (HostApi validates it)
+        layers = probe.layers
+        ap = AttentionProbe(None if layers is None else list(layers), probe.reduce, probe.per, getattr(probe, "per-kv-head"))
+    return h.add_future("forward", h.api.forward(handle, list(tokens), positions, attention, slots, adapter, ap))
 
 
 def _generate(h: InstanceHost, handle: int, tokens: list[int], sampler: Any, grammar: int | None, first_step: int,
@@ -300,12 +320,22 @@ def _model_info(h: InstanceHost, model: str | None) -> Record:
         name=i["name"], vocab_size=i["vocab_size"], eos_token_ids=list(i["eos_token_ids"]),
         bos_token_id=i["bos_token_id"], page_size=i["page_size"], max_seq_len=i["max_seq_len"],
         has_chat_template=bool(i["has_chat_template"]), add_bos_token=bool(i["add_bos_token"]),
+        speculative=None if i["speculative"] is None else _record(**i["speculative"]),
     )  # fmt: skip
+
+
+def _adapter_weights(h: InstanceHost, model: str | None, name: str, module: str) -> Record:
+    a, b = h.api.adapter_weights(model, name, module)
+    return _record(a=a, b=b)
+
+
+def _adapter_set_weights(h: InstanceHost, model: str | None, name: str, module: str, a: Any, b: Any) -> None:
+    h.api.adapter_set_weights(model, name, module, None if a is None else bytes(a), None if b is None else bytes(b))
 
 
 def _kv_stats(h: InstanceHost, model: str | None) -> Record:
     s = h.api.kv_stats(model)
-    return _record(**{k: int(s[k]) for k in ("total", "free", "cached", "used", "page_size")})
+    return _record(**{k: int(s[k]) for k in ("total", "free", "cached", "used", "page_size", "batch_requests")})
 
 
 def _chat(h: InstanceHost, model: str | None, messages: list[Any], agp: bool, tools: str | None) -> str:
@@ -339,6 +369,14 @@ def _json_arg(text: str, what: str) -> Any:
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
     "adapter-names": (lambda h, m: h.api.adapter_names(m), "untagged"),
+    "adapter-info": (lambda h, m, n: [_record(**d) for d in h.api.adapter_info(m, n)], "untagged"),
+    "adapter-fork": (lambda h, m, n, new: h.api.adapter_fork(m, n, new), "untagged"),
+    "adapter-save": (lambda h, m, n, new: h.api.adapter_save(m, n, new), "unit"),
+    "adapter-drop": (lambda h, m, n: h.api.adapter_drop(m, n), "unit"),
+    "adapter-delete": (lambda h, m, n: h.api.adapter_delete(m, n), "unit"),
+    "adapter-weights": (_adapter_weights, "tagged"),
+    "adapter-set-weights": (_adapter_set_weights, "unit"),
+    "adapter-perturb": (lambda h, m, n, seed, scale: h.api.adapter_perturb(m, n, seed, scale), "unit"),
     "model-info": (_model_info, "tagged"),
     "tokenize": (lambda h, m, text: h.api.tokenize(m, text), "untagged"),
     "detokenize": (lambda h, m, ids: h.api.detokenize(m, list(ids)), "untagged"),

@@ -15,10 +15,10 @@ sandboxed inferlets see the same ones.
 
 # modules used as namespaces: tartlet.children, .http, .mcp, .messaging, .store (I/O), .session, .forward, .brle, .errors
 from . import brle, children, errors, forward, http, mcp, messaging, session, store
-from .adapter import Adapter
+from .adapter import Adapter, AdapterModule
 from .constraint import AnyJson, Constraint, Grammar, JsonSchema, Regex  # constrained decoding
 from .context import ChatNotAdoptedError, Context, ContextClosedError
-from .drafter import NgramDrafter
+from .drafter import AdaptiveDrafter, NgramDrafter
 from .errors import (  # what host calls raise (tartlet.errors)
     AdapterError,
     ChatTemplateError,
@@ -43,8 +43,10 @@ from .sampler import Sampler
 from .stop import EosTokens, MaxTokens, StopCondition, StopStrings
 
 __all__ = [
+    "AdaptiveDrafter",
     "Adapter",
     "AdapterError",
+    "AdapterModule",
     "AnyJson",
     "Constraint",
     "Grammar",

@@ -39,8 +39,10 @@ from wit_world.imports import io as _wit_io
 from wit_world.imports import model as _wit_model
 from wit_world.imports import types as _wit_types
 
-from .errors import ERROR_CODES, HostError, InvalidHandleError, SamplingError
+from .attention_probe import AttentionProbe, probe_record, scores_from_record
+from .errors import ERROR_CODES, AdapterError, HostError, InvalidHandleError, SamplingError
 from .forward import OUTPUT_KINDS, OutputSlot
+from .sampler import slot_dry, validate_filters
 
 # -- errors ---------------------------------------------------------------------
 # WIT ``error-code`` case -> the SDK's class (tartlet/sdk/errors.py), the very one
@@ -156,6 +158,8 @@ def _slot_result(r: Any) -> Any:
     if isinstance(r, _wit_types.SlotResult_Distribution):
         ids, probs = r.value
         return (list(ids), list(probs))
+    if isinstance(r, _wit_types.SlotResult_Attention):
+        return scores_from_record(r.value)
     return r.value
 
 
@@ -266,12 +270,16 @@ def _sampler_params(o: OutputSlot) -> Any:
         raise SamplingError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         raise SamplingError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    validate_filters(o.typical_p, o.xtc_probability, o.xtc_threshold)
+    dry = slot_dry(o)  # validated; None when DRY is off
     return _wit_types.SamplerParams(
         temperature=_float(0.0 if o.temperature is None else o.temperature, "temperature"),
         top_k=top_k,
         top_p=_float(o.top_p, "top_p"),
         min_p=_float(o.min_p, "min_p"),
         seed=seed,
+        typical_p=float(o.typical_p), xtc_probability=float(o.xtc_probability), xtc_threshold=float(o.xtc_threshold),
+        dry=None if dry is None else _wit_types.DryParams(*dry),
     )
 
 
@@ -293,6 +301,10 @@ def _output_slot(o: Any) -> Any:
         k = _wit_types.SlotKind_Logprobs(_u32s(o.token_ids, "logprobs token_ids"))
     elif kind == "entropy":
         k = _wit_types.SlotKind_Entropy()
+    elif kind == "hidden":  # an s32 here; the host checks it against the model's layers
+        if o.layer is not None and (type(o.layer) is not int or not -(1 << 31) <= o.layer < 1 << 31):
+            raise SamplingError(f"hidden-state layer must be an int or None (the final hidden state), got {o.layer!r}")
+        k = _wit_types.SlotKind_Hidden(o.layer)
     else:
         raise SamplingError(f"unknown output kind {kind!r} ({', '.join(OUTPUT_KINDS)})")
     mask = o.logit_mask
@@ -311,12 +323,49 @@ class WasmHost:
     def adapter_names(self, model: str | None) -> list[str]:
         return _call(_wit_model.adapter_names, _model(model))
 
+    def adapter_info(self, model: str | None, name: str) -> list[dict[str, Any]]:
+        mods = _call(_wit_model.adapter_info, _model(model), _str(name, "adapter name"))
+        return [{k: getattr(m, k) for k in ("name", "rank", "in_features", "out_features", "scale")} for m in mods]
+
+    def adapter_fork(self, model: str | None, name: str, new_name: str | None) -> str:
+        new = None if new_name is None else _str(new_name, "adapter name")
+        return _call(_wit_model.adapter_fork, _model(model), _str(name, "adapter name"), new)
+
+    def adapter_save(self, model: str | None, name: str, new_name: str) -> None:
+        _call(_wit_model.adapter_save, _model(model), _str(name, "adapter name"), _str(new_name, "adapter name"))
+
+    def adapter_drop(self, model: str | None, name: str) -> None:
+        _call(_wit_model.adapter_drop, _model(model), _str(name, "adapter name"))
+
+    def adapter_delete(self, model: str | None, name: str) -> None:
+        _call(_wit_model.adapter_delete, _model(model), _str(name, "adapter name"))
+
+    def adapter_weights(self, model: str | None, name: str, module: str) -> tuple[bytes, bytes]:
+        w = _call(_wit_model.adapter_weights, _model(model), _str(name, "adapter name"), _str(module, "module name"))
+        return bytes(w.a), bytes(w.b)
+
+    def adapter_set_weights(self, model: str | None, name: str, module: str, a: bytes | None, b: bytes | None) -> None:
+        if not all(v is None or isinstance(v, (bytes, bytearray)) for v in (a, b)):
+            raise AdapterError(f"{module}: weights are float32 little-endian bytes (or None)")
+        _call(_wit_model.adapter_set_weights, _model(model), _str(name, "adapter name"), _str(module, "module name"),
+              None if a is None else bytes(a), None if b is None else bytes(b))
+
+    def adapter_perturb(self, model: str | None, name: str, seed: int, scale: float) -> None:
+        if any(isinstance(v, bool) for v in (seed, scale)) or not isinstance(seed, int) or not 0 <= seed < 1 << 63 \
+                or not isinstance(scale, (int, float)):
+            raise AdapterError(f"seed must be an int in [0, 2**63) and scale a number, got {seed!r}, {scale!r}")
+        _call(_wit_model.adapter_perturb, _model(model), _str(name, "adapter name"), seed, float(scale))
+
     def model_info(self, model: str | None) -> dict[str, Any]:
         m = _call(_wit_model.model_info, _model(model))
         return {
             "name": m.name, "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids),
             "bos_token_id": m.bos_token_id, "page_size": m.page_size, "max_seq_len": m.max_seq_len,
             "has_chat_template": m.has_chat_template, "add_bos_token": m.add_bos_token,
+            "speculative": None if m.speculative is None else {
+                "method": m.speculative.method, "max_draft": m.speculative.max_draft, "max_ngram": m.speculative.max_ngram,
+                "min_ngram": m.speculative.min_ngram, "max_batch": m.speculative.max_batch,
+            },
         }  # fmt: skip
 
     def tokenize(self, model: str | None, text: str) -> list[int]:
@@ -410,6 +459,7 @@ class WasmHost:
         attention: list[list[int]] | None = None,
         outputs: list[OutputSlot] | None = None,
         adapter: str | None = None,
+        probe: AttentionProbe | None = None,
     ) -> HostFuture:
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("forward needs a non-empty list of input tokens")
@@ -418,7 +468,8 @@ class WasmHost:
         slots = [_output_slot(o) for o in (outputs or [])]
         pos = None if positions is None else _u32s(positions, "positions")
         attn = None if attention is None else [_u32s(m, "attention mask") for m in attention]
-        return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots, _adapter(adapter)))
+        ap = None if probe is None else probe_record(probe, _wit_types.AttentionProbe)
+        return HostFuture(_call(_wit_inference.forward, handle, tokens, pos, attn, slots, _adapter(adapter), ap))
 
     def generate(
         self, handle: int, tokens: list[int], sampler: OutputSlot, grammar: int | None, first_step: int, max_steps: int,
@@ -445,7 +496,8 @@ class WasmHost:
     # stats, session
     def kv_stats(self, model: str | None) -> dict[str, int]:
         s = _call(_wit_model.kv_stats, _model(model))
-        return {"total": s.total, "free": s.free, "cached": s.cached, "used": s.used, "page_size": s.page_size}
+        return {"total": s.total, "free": s.free, "cached": s.cached, "used": s.used, "page_size": s.page_size,
+                "batch_requests": s.batch_requests}
 
     def session_send(self, msg: str | bytes) -> None:
         if isinstance(msg, str):

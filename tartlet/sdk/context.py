@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import _binding, brle
 from . import tools as _tools
 from .adapter import Adapter, adapter_name
+from .attention_probe import AttentionProbe
 from .chat_transcript import ChatTranscript
 from .forward import OutputSlot
 from .generator import Generator
@@ -357,7 +358,7 @@ class Context:
         *,
         positions: list[int] | None = None,
         attention: list[list[int]] | None = None,
-        outputs: Sequence[OutputSlot] = (),
+        outputs: Sequence[OutputSlot | AttentionProbe] = (),
         adapter: Adapter | str | None = None,
     ) -> list[Any]:
         """One explicit forward pass over pending tokens followed by ``tokens``.
@@ -372,7 +373,9 @@ class Context:
             outputs: :class:`~tartlet.forward.OutputSlot` records (helpers in
                 :mod:`tartlet.forward`); their ``index`` counts
                 within ``tokens`` (or within the pending tokens when
-                ``tokens`` is empty).
+                ``tokens`` is empty). At most one
+                :class:`~tartlet.attention_probe.AttentionProbe` may be among
+                them: its result is the pass's attention scores.
             adapter: a LoRA adapter (:meth:`Model.adapter`, or its name)
                 the whole pass runs with, pending tokens included; None:
                 the base model.
@@ -386,7 +389,8 @@ class Context:
             ValueError: no input at all; a position outside
                 ``[0, model.max_seq_len)``; the pass would outgrow the
                 model's context; positions, masks or slots that do not match
-                ``tokens``; an output index outside the input.
+                ``tokens``; an output index outside the input; two attention
+                probes, or a malformed one (``SamplingError``).
             ContextClosedError: the context was closed.
         """
         self._check_open("forward")
@@ -417,8 +421,14 @@ class Context:
             attn = [brle.causal(start + j) for j in range(n0)] + [list(m) for m in attention]
         shift = n0 if tokens else 0
         n_out = len(tokens) if tokens else n0
-        slots = []
+        slots: list[OutputSlot] = []
+        probe, probe_at = None, 0
         for o in outputs:
+            if isinstance(o, AttentionProbe):  # a pass-wide probe: no index; its result goes back in its place
+                if probe is not None:
+                    raise ValueError("forward takes at most one attention probe")
+                probe, probe_at = o, len(slots)
+                continue
             if not isinstance(o, OutputSlot):
                 raise ValueError(f"an output is a tartlet.forward.OutputSlot (see the helpers there), got {type(o).__name__}")
             i = o.index
@@ -428,11 +438,14 @@ class Context:
             slots.append(replace(o, index=i + shift))
         self._take_pending()
         try:
-            fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots, name)
+            fut = _binding.host().forward(self._h, pending + tokens, pos, attn, slots, name, probe=probe)
         except BaseException:
             self._restore_pending(pending)
             raise
-        return await _binding.wait(fut)
+        results: list[Any] = await _binding.wait(fut)
+        if probe is not None:  # the host returns the probe's scores after the slots' results
+            results = [*results[:probe_at], results[-1], *results[probe_at:-1]]
+        return results
 
     def generate(
         self,

@@ -12,6 +12,10 @@ Every kept token is the sampler's own draw given the kept prefix, so the
 output is exactly what plain decoding with the same sampler gives (token for
 token with greedy sampling); only the number of passes changes.
 
+A drafter whose ``active`` turns False (:class:`~tartlet.drafter.AdaptiveDrafter`)
+is dropped: the fast paths below apply from the next step (with such a
+drafter ``overlap=True`` is allowed, and applies once it stops).
+
 Overlap (``overlap=True``): once a step's token is accounted and the
 generation goes on, the next pass is queued before the step is returned, so
 what the caller does with a step (detokenized text sent to its client, say)
@@ -55,6 +59,7 @@ same granularity for the same cost). Same passes, same tokens.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -74,7 +79,8 @@ class Drafter(Protocol):
 
     ``update(tokens)`` is called first with every token of the context, then
     after each step with the tokens accepted in it; ``draft()`` returns the
-    guessed continuation (possibly empty).
+    guessed continuation (possibly empty). Optional ``active``: once False
+    after ``update``, the generator drops the drafter (module docstring).
     """
 
     def update(self, tokens: list[int]) -> None: ...
@@ -128,8 +134,11 @@ class Generator:
         chunk: int | None = None,
         adapter: str | None = None,
     ) -> None:
-        if overlap and drafter is not None:
-            raise ValueError("overlap=True cannot be combined with a drafter (a step's draft depends on the last)")
+        if overlap and drafter is not None and not hasattr(drafter, "active"):
+            raise ValueError("overlap=True needs a drafter that can stop (an `active` attribute, as AdaptiveDrafter): "
+                             "while it drafts, a step's draft depends on the last, so overlap only applies once it stops")
+        if drafter is not None and getattr(sampler, "_mirostat", None) is not None:
+            raise ValueError("a Mirostat sampler cannot verify drafts (its state changes with each token): drop the drafter")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be an int >= 1 or None, got {chunk!r}")
         self.ctx = ctx
@@ -206,6 +215,7 @@ class Generator:
             ctx._set_pending([last])
         if self.drafter is not None:
             self.drafter.update(ctx.tokens)
+            self._drop_stopped_drafter()
         cmodel = getattr(self.constraint, "model", None)
         if isinstance(cmodel, str) and cmodel != ctx.model.name:
             raise ValueError(f"the constraint was compiled for model {cmodel!r}, the context is on {ctx.model.name!r}")
@@ -270,8 +280,15 @@ class Generator:
         ctx._set_pending([accepted[used - 1]])
         if self.drafter is not None:
             self.drafter.update(accepted[:used])
-        if self.overlap and self.finish_reason is None:
+            self._drop_stopped_drafter()  # then the next step may open a token stream (overlap)
+        elif self.overlap and self.finish_reason is None:
             self._queue_ahead()
+
+    def _drop_stopped_drafter(self) -> None:
+        """Drop a drafter whose ``active`` is False: the generation goes on
+        as without one (token streams, host-side chunks)."""
+        if self.drafter is not None and not getattr(self.drafter, "active", True):
+            self.drafter = None
 
     def _queue_ahead(self) -> None:
         """Queue the next pass now (overlap). A failure to queue leaves the
@@ -467,9 +484,9 @@ class Generator:
         """Whether the engine draws every token as the sampler would: a
         plain :class:`Sampler` (a subclass may override ``slot`` or
         ``pick``, as the OpenAI inferlet's logit-bias sampler does), no
-        custom function."""
+        custom function, not Mirostat (:attr:`Sampler.on_engine`)."""
         cls = type(self.sampler)
-        return self.sampler._custom is None and cls.slot is Sampler.slot and cls.pick is Sampler.pick
+        return self.sampler.on_engine and cls.slot is Sampler.slot and cls.pick is Sampler.pick
 
     async def _step_stream(self) -> None:
         """One step of a token stream: the tokens sampled since the last
@@ -600,7 +617,8 @@ class Generator:
 
         Args:
             sampler: the branch's sampler (default: this one; with a seeded
-                sampler both branches then draw the same tokens).
+                sampler both branches then draw the same tokens; a Mirostat
+                sampler is copied, its state included).
 
         Raises:
             ValueError: the generation has finished, or uses a drafter.
@@ -614,7 +632,7 @@ class Generator:
         child = Generator.__new__(Generator)
         child.__dict__.update(self.__dict__)
         child.ctx = self.ctx.fork()
-        child.sampler = sampler or self.sampler
+        child.sampler = sampler or (copy.copy(self.sampler) if getattr(self.sampler, "_mirostat", None) is not None else self.sampler)
         child.constraint = self.constraint.fork() if self.constraint is not None else None
         child.tokens = list(self.tokens)
         child.stats = GenerationStats(self.stats.steps, self.stats.drafted, self.stats.accepted)

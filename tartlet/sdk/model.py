@@ -26,6 +26,10 @@ class Model:
         add_bos_token: the model expects ``bos_token_id`` first in every
             sequence (SentencePiece models such as Gemma and Llama 2);
             :meth:`Context.fill` on an empty context puts it there.
+        speculative: the server's speculative decoding for this model
+            (``[[models]] speculative``): ``{"method": "ngram", "max_draft",
+            "max_ngram", "min_ngram", "max_batch"}``, or None (see
+            :func:`tartlet.drafter.served_drafter`).
     """
 
     def __init__(self, info: dict[str, Any]) -> None:
@@ -37,6 +41,7 @@ class Model:
         self.max_seq_len: int = info["max_seq_len"]
         self.has_chat_template: bool = info.get("has_chat_template", False)
         self.add_bos_token: bool = info.get("add_bos_token", False)
+        self.speculative: dict[str, Any] | None = info.get("speculative")
 
     @classmethod
     def load(cls, name: str | None = None) -> "Model":
@@ -106,7 +111,9 @@ class Model:
         return _binding.host().snapshot_names(self.name)
 
     def kv_stats(self) -> dict[str, int]:
-        """The pool's page counts: total, free, cached, used, page_size."""
+        """The pool's page counts: total, free, cached, used, page_size;
+        and the engine's load, ``batch_requests``: the requests of its last
+        model call (what :class:`~tartlet.drafter.AdaptiveDrafter` reads)."""
         return _binding.host().kv_stats(self.name)
 
     def __repr__(self) -> str:

@@ -119,6 +119,18 @@ class ToolCallStream:
     yields them) gives the same events joined, and :meth:`ToolFormat.parse`
     is this parser fed at once.
 
+    :attr:`completed` counts the calls whose arguments are final: a call is
+    complete as soon as its arguments' closing brace is read, before the
+    rest of the output (the next calls included) is generated, so an agent
+    can start each call while the model still writes the next ones::
+
+        stream, started = ToolCallStream(fmt), 0
+        async for step in ctx.generate(...):
+            stream.feed(step.text)
+            for call in stream.calls[started:stream.completed]:
+                running.append(asyncio.ensure_future(run_tool(call)))
+            started = stream.completed
+
     Rules:
 
     * A call is committed (reported) once its start is unambiguous: the
@@ -153,6 +165,8 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []
         #: the text ended inside a call's arguments
         self.cut = False
+        #: calls[:completed] have their final arguments (the rest of the output cannot change them)
+        self.completed = 0
         self._buf = ""
         # content | open (after the marker: a call object?) | whole (a call object held to its end)
         # | args | rest (the call object after its arguments) | after (between calls) | text (content to the end)
@@ -283,6 +297,7 @@ class ToolCallStream:
                 return True
             self._commit(call.name)
             self._arguments(call.arguments)
+            self.completed = len(self.calls)
             self._buf, self._state = buf[end:], "after"
             return True
         if st == "args":
@@ -292,6 +307,7 @@ class ToolCallStream:
                 self._buf = ""
                 return False
             self._arguments(buf[:end])
+            self.completed = len(self.calls)
             self._buf = buf[end:]
             if self._v11:
                 self._state = "content"

@@ -28,6 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from ..host.state import HostState
 from . import metrics
 from .config import ServerConfig
+from .embeddings_api import EmbeddingsRoutes
 from .memory_budget import machine_ram, memory_warnings, user_count
 from .openai_api import OpenAiRoutes
 from .openai_errors import ApiError
@@ -112,6 +113,7 @@ def build_app(service: Service) -> Starlette:
     """The Starlette app serving ``service``."""
     oa = OpenAiRoutes(service)
     responses = ResponsesRoutes(oa)
+    embeddings = EmbeddingsRoutes(oa)
 
     async def health(request: Request) -> Response:
         body = {"status": "ok", "models": list(service.state.models), "running_instances": service.running(), "auth": service.auth}
@@ -133,6 +135,7 @@ def build_app(service: Service) -> Starlette:
         Route("/v1/models/{model:path}", oa.model),
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
@@ -159,7 +162,7 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
 
     state = HostState()
     for m in cfg.models:
-        state.add_engine(Engine.load(m.engine_config(), progress=progress), name=m.model)
+        state.add_engine(Engine.load(m.engine_config(), progress=progress), name=m.model, speculative=m.speculative_settings())
     lim = cfg.limits
     if cfg.store.url:  # replicas share topics through PostgreSQL
         from ..host.pg_messaging import PgMessageBus
@@ -214,8 +217,15 @@ def configure_http(state: HostState, cfg: ServerConfig) -> None:
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free port; read
-    it with ``getsockname()``), IPv6 when the host has a colon."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    it with ``getsockname()``), IPv6 when the host has a colon.
+
+    Its protocol is spelled ``IPPROTO_TCP`` (not 0): asyncio turns Nagle's
+    algorithm off (``TCP_NODELAY``) only on sockets whose ``proto`` says
+    TCP, and accepted connections inherit it. With Nagle on, a second small
+    write (a WebSocket ``exit`` event after a launch reply, an HTTP body
+    after its headers, the next streamed chunk) waited for the client's
+    delayed ACK: ~40 ms on Linux."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(1024)

@@ -86,6 +86,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..host.state import ModelSlot
 from ..protocol import ProtocolError
 from ..runtime.instance import Instance, Status
 from ..runtime.program import load_program
@@ -95,7 +96,7 @@ from .ws import bearer
 
 if TYPE_CHECKING:
     pass
-from .openai_errors import ApiError, generation_error
+from .openai_errors import ApiError, generation_error, launch_error
 from .openai_protocol import check_response_format, check_tools, fit_context, format_logprobs, parse_request, prompt_length, read_json_body
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-completion"
 
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "constraint": "stop", "tool_calls": "tool_calls"}
+
+
+def _adapters(slot: ModelSlot, user: str | None) -> list[str]:
+    """The adapter names ``user`` sees on ``slot``'s model (None: the served ones)."""
+    return slot.adapters.names(user) if user is not None else sorted(slot.engine.adapters)
 
 
 class OpenAiRoutes:
@@ -124,23 +130,27 @@ class OpenAiRoutes:
         request.state.user = user  # for the access log
         return user
 
-    def _model_object(self, name: str) -> dict[str, Any]:
+    def _model_object(self, name: str, user: str) -> dict[str, Any]:
         """A served model, or ``BASE:ADAPTER`` with ``parent`` ``BASE`` (vLLM's LoRA model objects)."""
         obj = {"id": name, "object": "model", "created": int(self.service.started_at), "owned_by": "tartlet"}
-        base, adapter = self._resolve(name)
+        base, adapter = self._resolve(name, user)
         if adapter is not None:
             obj.update(parent=base, root=base)
         return obj
 
-    def _served(self) -> list[str]:
-        """Every model id a request may name: each served model, then ``BASE:ADAPTER`` per adapter it serves."""
+    def _served(self, user: str | None = None) -> list[str]:
+        """Every model id ``user``'s requests may name: each served model,
+        then ``BASE:ADAPTER`` per adapter the user sees on it (the served
+        ones and its own, :mod:`tartlet.host.adapter_manager`; no user: the
+        served ones only)."""
         models = self.service.state.models
-        return list(models) + [f"{m}:{a}" for m, slot in models.items() for a in sorted(slot.engine.adapters)]
+        return list(models) + [f"{m}:{a}" for m, slot in models.items() for a in _adapters(slot, user)]
 
-    def _resolve(self, name: str) -> tuple[str, str | None]:
+    def _resolve(self, name: str, user: str | None = None) -> tuple[str, str | None]:
         """``(served model, adapter or None)`` of a request's ``model``: a
         served model's name, or ``BASE:ADAPTER`` naming a LoRA adapter that
-        model serves.
+        model serves or ``user`` saved or uploaded (another user's do not
+        exist here).
 
         Raises:
             ApiError: 404 ``model_not_found`` (the message lists the ids served).
@@ -149,26 +159,26 @@ class OpenAiRoutes:
         if name in models:
             return name, None
         base, _, adapter = name.rpartition(":")
-        if base in models and adapter in models[base].engine.adapters:
+        if base in models and adapter in _adapters(models[base], user):
             return base, adapter
-        raise ApiError(404, f"model {name!r} is not served here (served: {', '.join(self._served())})", "model", "model_not_found")
+        raise ApiError(404, f"model {name!r} is not served here (served: {', '.join(self._served(user))})", "model", "model_not_found")
 
     async def models(self, request: Request) -> Response:
         try:
-            self._user(request)
+            user = self._user(request)
         except ApiError as e:
             return e.response()
-        return JSONResponse({"object": "list", "data": [self._model_object(n) for n in self._served()]})
+        return JSONResponse({"object": "list", "data": [self._model_object(n, user) for n in self._served(user)]})
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{model}``: the model object, or 404."""
         try:
-            self._user(request)
+            user = self._user(request)
             name = request.path_params["model"]
-            self._resolve(name)
+            self._resolve(name, user)
         except ApiError as e:
             return e.response()
-        return JSONResponse(self._model_object(name))
+        return JSONResponse(self._model_object(name, user))
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -182,7 +192,7 @@ class OpenAiRoutes:
             user = self._user(request)
             body = await read_json_body(request, self.service.cfg.limits)
             model = body.get("model") if isinstance(body, dict) else None
-            served, adapter = self._resolve(model) if isinstance(model, str) else (None, None)
+            served, adapter = self._resolve(model, user) if isinstance(model, str) else (None, None)
             slot = self.service.state.model(served)
             engine = slot.engine
             max_seq_len = engine.scheduler.max_seq_len
@@ -216,8 +226,7 @@ class OpenAiRoutes:
                 for i, job in enumerate(jobs):
                     insts.append(self.service.launch(user, self.program, job, listener=listener(i)))
             except ProtocolError as e:
-                status = 429 if e.code == "limit" else 400
-                raise ApiError(status, str(e), code=e.code, kind="rate_limit_error" if status == 429 else "invalid_request_error") from None
+                raise launch_error(e) from None
         except ApiError as e:
             for inst in insts:
                 inst.abort("the request failed")
@@ -238,20 +247,9 @@ class OpenAiRoutes:
             stream = self._stream(insts, queue, rid, created, model_name, chat, req["include_usage"], n)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         # non-streaming: wait, but abort as soon as the client goes away (or one prompt fails)
-        try:
-            if not await wait_or_disconnect(request, insts, queue):
-                for inst in insts:
-                    inst.abort("the client disconnected")
-                for inst in insts:
-                    await inst.wait()
-                return Response(status_code=499)
-            failed = next((inst for inst in insts if inst.done.is_set() and inst.status is not Status.FINISHED), None)
-            if failed is not None:
-                return generation_error(failed).response()
-        finally:
-            for inst in insts:
-                if not inst.done.is_set():
-                    inst.abort("another prompt of the request failed")
+        refused = await await_instances(request, insts, queue)
+        if refused is not None:
+            return refused
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, inst in enumerate(insts):
             r = inst.result
@@ -338,6 +336,27 @@ async def wait_disconnect(request: Request) -> None:
     ``http.disconnect`` message; the body must have been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def await_instances(request: Request, insts: list[Instance], ended: asyncio.Queue[tuple[int, str | None]]) -> Response | None:
+    """A non-streaming request's wait (:func:`wait_or_disconnect`): None when
+    every instance finished; else the response to send: 499 when the client
+    went away (every instance aborted and awaited), or the first failed
+    instance's :func:`generation_error`. Instances still running when it
+    returns (a sibling failed, or the handler was cancelled) are aborted."""
+    try:
+        if not await wait_or_disconnect(request, insts, ended):
+            for inst in insts:
+                inst.abort("the client disconnected")
+            for inst in insts:
+                await inst.wait()
+            return Response(status_code=499)
+        failed = next((inst for inst in insts if inst.done.is_set() and inst.status is not Status.FINISHED), None)
+        return None if failed is None else generation_error(failed).response()
+    finally:
+        for inst in insts:
+            if not inst.done.is_set():
+                inst.abort("the request ended")
 
 
 async def wait_or_disconnect(request: Request, insts: list[Instance], ended: asyncio.Queue[tuple[int, str | None]]) -> bool:

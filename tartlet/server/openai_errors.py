@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from starlette.responses import JSONResponse
 
 from ..runtime.instance import Instance
-
-if TYPE_CHECKING:
-    pass
-
 
 #: ``SomeError: `` / ``pkg.SomeException: `` prefixes: never shown to users.
 _EXC_NAME = re.compile(r"\b(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:?\s*")
@@ -44,6 +40,16 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def launch_error(err: Exception) -> ApiError:
+    """The API error for a launch the service refused (its
+    :class:`~tartlet.protocol.ProtocolError`): 429 ``rate_limit_error`` for a
+    ``limit`` code (a per-user rate or bound), else 400."""
+    code = getattr(err, "code", None)
+    if code == "limit":
+        return ApiError(429, str(err), code=code, kind="rate_limit_error")
+    return ApiError(400, str(err), code=code)
+
+
 def generation_error(inst: Instance) -> ApiError:
     """The API error for a failed instance: 429 ``kv_quota_exceeded``
     (``KvQuotaError``), 503 ``kv_cache_full`` with ``Retry-After: 1``
@@ -60,5 +66,6 @@ def generation_error(inst: Instance) -> ApiError:
     return ApiError(500, f"generation {inst.status.value}: {err}", code="generation_failed", kind="server_error")
 
 
-def _bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+def bad_param(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    """An HTTP 400 ``invalid_request_error`` naming ``param`` (OpenAI's shape)."""
     return ApiError(400, message, param, code)

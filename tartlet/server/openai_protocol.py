@@ -18,13 +18,14 @@ from ..protocol import ProtocolError, parse_json
 from ..sdk.chat_transcript import ChatTranscript
 from ..sdk.errors import GrammarError
 from ..sdk.tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
-from .config import LimitsConfig
+from .limits_config import LimitsConfig
 
 if TYPE_CHECKING:
     from ..engine.core.engine import Engine
-from .openai_errors import ApiError, _bad
+from .openai_errors import ApiError, bad_param
+from .openai_sampling import SAMPLER_FIELDS, parse_sampler_fields
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"} | SAMPLER_FIELDS
 
 
 CHAT_PARAMS = _COMMON | {
@@ -60,7 +61,7 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise _bad(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {v!r}", key)
+        raise bad_param(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {v!r}", key)
     return float(v)
 
 
@@ -69,7 +70,7 @@ def _text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise _bad(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
+    raise bad_param(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
 
 
 class ParsedRequest(TypedDict):
@@ -94,38 +95,38 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
         ApiError: 400 naming the offending parameter.
     """
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad_param("the request body must be a JSON object")
     allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
     for key in body:
         if key in UNSUPPORTED and not (chat and key in TOOL_PARAMS):
-            raise _bad(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
+            raise bad_param(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
         if key not in allowed:
-            raise _bad(f"unsupported parameter '{key}'", key, "unsupported_parameter")
+            raise bad_param(f"unsupported parameter '{key}'", key, "unsupported_parameter")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
-        raise _bad(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
+        raise bad_param(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
     if body.get("best_of") not in (None, 1):
-        raise _bad("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
+        raise bad_param("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
     top_n = parse_logprobs(body, chat)
     if body.get("echo") or body.get("suffix"):
-        raise _bad("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
+        raise bad_param("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
     rf = parse_response_format(body.get("response_format"))
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
+        raise bad_param("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
     args: dict[str, Any] = {"model": model}
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise _bad("'messages' must be a non-empty list", "messages")
+            raise bad_param("'messages' must be a non-empty list", "messages")
         args["messages"] = parse_messages(msgs)
         prompts = None
         parse_tools(body, args)
         forced = isinstance(args.get("tool_choice"), dict) or args.get("tool_choice") == "required"
         if forced and top_n is not None:
-            raise _bad("'logprobs' cannot be combined with a forced tool call (tool_choice required or named)", "logprobs", "unsupported_parameter")
+            raise bad_param("'logprobs' cannot be combined with a forced tool call (tool_choice required or named)", "logprobs", "unsupported_parameter")
         if rf is not None and args.get("tools") and args.get("tool_choice") != "none":
-            raise _bad("'response_format' cannot be combined with 'tools' unless tool_choice is 'none'", "response_format", "unsupported_parameter")
+            raise bad_param("'response_format' cannot be combined with 'tools' unless tool_choice is 'none'", "response_format", "unsupported_parameter")
     else:
         prompts = parse_prompts(body.get("prompt"), vocab_size)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -133,25 +134,25 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
     if mt is None:
         mt = 256 if chat else 16  # the OpenAI default for completions is 16
     if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_seq_len:
-        raise _bad(f"'{key}' must be an integer in [1, {max_seq_len}], got {mt!r}", key)
+        raise bad_param(f"'{key}' must be an integer in [1, {max_seq_len}], got {mt!r}", key)
     args["max_tokens"] = mt
     args["temperature"] = _number(body, "temperature", 0.0, 2.0, 0.0)
     args["top_p"] = _number(body, "top_p", 0.0, 1.0, 1.0)
     if args["top_p"] == 0.0:
-        raise _bad("'top_p' must be > 0", "top_p")
+        raise bad_param("'top_p' must be > 0", "top_p")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("'seed' must be an integer", "seed")
+        raise bad_param("'seed' must be an integer", "seed")
     args["seed"] = seed
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)):
-        raise _bad("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+        raise bad_param("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
     args["stop"] = stop
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: generate exactly max_tokens
     if not isinstance(ignore_eos, bool):
-        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+        raise bad_param("'ignore_eos' must be a boolean", "ignore_eos")
     args["ignore_eos"] = ignore_eos
     if rf is not None:
         args["response_format"] = rf
@@ -166,9 +167,10 @@ def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | Non
         args["n"] = n
     if top_n is not None:
         args["logprobs"] = top_n
+    parse_sampler_fields(body, args)  # llama.cpp's min_p, typical_p, mirostat, dry_*, xtc_*
     so = body.get("stream_options") or {}
     if not isinstance(so, dict) or set(so) - {"include_usage"}:
-        raise _bad("'stream_options' supports only include_usage", "stream_options")
+        raise bad_param("'stream_options' supports only include_usage", "stream_options")
     return {"args": args, "prompts": prompts, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
 
 
@@ -184,12 +186,12 @@ def parse_messages(msgs: list[Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"{where}.role must be system, developer, user, assistant or tool", f"{where}.role")
+            raise bad_param(f"{where}.role must be system, developer, user, assistant or tool", f"{where}.role")
         role = "system" if m["role"] == "developer" else m["role"]
         calls = m.get("tool_calls") if role == "assistant" else None
         if calls is not None:
             if not isinstance(calls, list):
-                raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+                raise bad_param(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
             msg: dict[str, Any] = {"role": role, "content": None if m.get("content") is None else _text(m["content"], where)}
             if calls:
                 msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
@@ -200,7 +202,7 @@ def parse_messages(msgs: list[Any]) -> list[dict[str, Any]]:
         if role == "tool":
             cid = m.get("tool_call_id")
             if not isinstance(cid, str) or not cid:
-                raise _bad(f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)", f"{where}.tool_call_id")
+                raise bad_param(f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)", f"{where}.tool_call_id")
             msg["tool_call_id"] = cid
         out.append(msg)
     return out
@@ -217,16 +219,16 @@ def is_json_object_text(value: Any) -> bool:
 
 def _tool_call(c: Any, where: str) -> dict[str, Any]:
     if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
-        raise _bad(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+        raise bad_param(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
     fn = c["function"]
     cid = c.get("id")
     if not isinstance(cid, str) or not cid:
-        raise _bad(f"{where}.id must be a non-empty string", f"{where}.id")
+        raise bad_param(f"{where}.id must be a non-empty string", f"{where}.id")
     if not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise _bad(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+        raise bad_param(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
     args = fn.get("arguments", "{}")
     if not is_json_object_text(args):
-        raise _bad(f"{where}.function.arguments must be a JSON object as a string, got {args!r:.80}", f"{where}.function.arguments")
+        raise bad_param(f"{where}.function.arguments must be a JSON object as a string, got {args!r:.80}", f"{where}.function.arguments")
     return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
@@ -241,26 +243,26 @@ def parse_tools(body: dict[str, Any], args: dict[str, Any]) -> None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        raise bad_param("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
-            raise _bad("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
+            raise bad_param("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
         return
     try:
         args["tools"] = normalize_tools(tools)
     except ToolSpecError as e:
-        raise _bad(str(e), e.param) from None
+        raise bad_param(str(e), e.param) from None
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or set(choice) - {"type", "function"}:
-            raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            raise bad_param("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
         if fn["name"] not in tool_names(args["tools"]):
-            raise _bad(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({', '.join(tool_names(args['tools']))})", "tool_choice")
+            raise bad_param(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({', '.join(tool_names(args['tools']))})", "tool_choice")
         choice = {"name": fn["name"]}
     elif choice not in ("none", "auto", "required"):
-        raise _bad(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
+        raise bad_param(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
     args["tool_choice"] = choice
 
 
@@ -292,7 +294,7 @@ def check_tools(engine: Engine, args: dict[str, Any]) -> None:
         try:
             Matcher.compile(engine, "json_schema", t["function"]["parameters"]).close()
         except GrammarError as e:
-            raise _bad(f"invalid tools[{i}].function.parameters: {e}", f"tools[{i}].function.parameters", "invalid_json_schema") from None
+            raise bad_param(f"invalid tools[{i}].function.parameters: {e}", f"tools[{i}].function.parameters", "invalid_json_schema") from None
     choice = args.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
         fmt = chat_tool_format(engine.tokenizer)
@@ -300,7 +302,7 @@ def check_tools(engine: Engine, args: dict[str, Any]) -> None:
         try:
             Matcher.compile(engine, "grammar", text).close()
         except GrammarError as e:
-            raise _bad(f"the tools' schemas cannot be combined into a call grammar: {e}", "tools", "invalid_json_schema") from None
+            raise bad_param(f"the tools' schemas cannot be combined into a call grammar: {e}", "tools", "invalid_json_schema") from None
 
 
 #: The most prompts one ``/v1/completions`` request may carry.
@@ -327,17 +329,17 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if chat:
         if lp is not None and not isinstance(lp, bool):
-            raise _bad(f"'logprobs' must be a boolean, got {lp!r}", "logprobs")
+            raise bad_param(f"'logprobs' must be a boolean, got {lp!r}", "logprobs")
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= cap:
-                raise _bad(f"'top_logprobs' must be an integer in [0, {cap}], got {top!r}", "top_logprobs")
+                raise bad_param(f"'top_logprobs' must be an integer in [0, {cap}], got {top!r}", "top_logprobs")
             if not lp:
-                raise _bad("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+                raise bad_param("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
         return (top or 0) if lp else None
     if lp is None:
         return None
     if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= cap:
-        raise _bad(f"'logprobs' must be an integer in [0, {cap}], got {lp!r}", "logprobs")
+        raise bad_param(f"'logprobs' must be an integer in [0, {cap}], got {lp!r}", "logprobs")
     return lp
 
 
@@ -369,10 +371,10 @@ def format_logprobs(entries: list[dict[str, Any]] | None, chat: bool, offset: in
 
 def _token_ids(ids: list[Any], vocab_size: int | None, where: str) -> list[int]:
     if not ids:
-        raise _bad(f"{where} must not be empty", "prompt")
+        raise bad_param(f"{where} must not be empty", "prompt")
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise _bad(f"{where}: token id {t!r} is outside the vocabulary [0, {vocab_size})", "prompt")
+            raise bad_param(f"{where}: token id {t!r} is outside the vocabulary [0, {vocab_size})", "prompt")
     return list(ids)
 
 
@@ -394,19 +396,19 @@ def parse_prompts(prompt: Any, vocab_size: int | None) -> list[dict[str, Any]]:
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
-        raise _bad(shape, "prompt")
+        raise bad_param(shape, "prompt")
     if len(items) > MAX_PROMPTS:
-        raise _bad(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+        raise bad_param(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
     out: list[dict[str, Any]] = []
     for i, p in enumerate(items):
         if isinstance(p, str):
             if not p:
-                raise _bad(f"prompt[{i}] must not be empty", "prompt")
+                raise bad_param(f"prompt[{i}] must not be empty", "prompt")
             out.append({"prompt": p})
         elif isinstance(p, list):
             out.append({"prompt_tokens": _token_ids(p, vocab_size, f"prompt[{i}]")})
         else:
-            raise _bad(shape, "prompt")
+            raise bad_param(shape, "prompt")
     return out
 
 
@@ -420,13 +422,13 @@ def parse_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise _bad("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
+        raise bad_param("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
     out = {}
     for k, v in bias.items():
         if not (isinstance(k, str) and k.isdigit()) or (vocab_size is not None and int(k) >= vocab_size):
-            raise _bad(f"logit_bias key {k!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            raise bad_param(f"logit_bias key {k!r} is not a token id in [0, {vocab_size})", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
-            raise _bad(f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+            raise bad_param(f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
         if v:
             out[str(int(k))] = float(v)
     return out
@@ -505,35 +507,35 @@ def parse_response_format(rf: Any) -> dict[str, Any] | None:
     if rf is None:
         return None
     if not isinstance(rf, dict):
-        raise _bad(f"'response_format' must be an object like {{'type': 'json_schema', ...}}, got {type(rf).__name__}", "response_format")
+        raise bad_param(f"'response_format' must be an object like {{'type': 'json_schema', ...}}, got {type(rf).__name__}", "response_format")
     kind = rf.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise _bad(
+        raise bad_param(
             f"response_format type {kind!r} is not supported (supported: {', '.join(RESPONSE_FORMAT_TYPES)})",
             "response_format.type", "unsupported_parameter",
         )
     extra = set(rf) - {"type", "json_schema"} if kind == "json_schema" else set(rf) - {"type"}
     if extra:
-        raise _bad(f"unknown response_format field(s) for type {kind!r}: {', '.join(sorted(extra))}", "response_format")
+        raise bad_param(f"unknown response_format field(s) for type {kind!r}: {', '.join(sorted(extra))}", "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "json_object"}
     js = rf.get("json_schema")
     if not isinstance(js, dict):
-        raise _bad("response_format type 'json_schema' needs a 'json_schema' object with 'name' and 'schema'", "response_format.json_schema")
+        raise bad_param("response_format type 'json_schema' needs a 'json_schema' object with 'name' and 'schema'", "response_format.json_schema")
     unknown = set(js) - {"name", "description", "schema", "strict"}
     if unknown:
-        raise _bad(f"unknown response_format.json_schema field(s): {', '.join(sorted(unknown))}", "response_format.json_schema")
+        raise bad_param(f"unknown response_format.json_schema field(s): {', '.join(sorted(unknown))}", "response_format.json_schema")
     name = js.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise _bad(f"response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ or -, got {name!r}", "response_format.json_schema.name")
+        raise bad_param(f"response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ or -, got {name!r}", "response_format.json_schema.name")
     schema = js.get("schema")
     if schema is not None and not isinstance(schema, (dict, bool)):
-        raise _bad(f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}", "response_format.json_schema.schema")
+        raise bad_param(f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}", "response_format.json_schema.schema")
     strict = js.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise _bad(f"response_format.json_schema.strict must be a boolean, got {strict!r}", "response_format.json_schema.strict")
+        raise bad_param(f"response_format.json_schema.strict must be a boolean, got {strict!r}", "response_format.json_schema.strict")
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": bool(strict)}}
 
 
@@ -562,7 +564,7 @@ def check_response_format(engine: Engine, rf: dict[str, Any]) -> None:
         Matcher.compile(engine, kind, spec).close()
     except GrammarError as e:
         param = "response_format.json_schema.schema" if rf["type"] == "json_schema" else "response_format"
-        raise _bad(f"invalid response_format: {e}", param, "invalid_json_schema") from None
+        raise bad_param(f"invalid response_format: {e}", param, "invalid_json_schema") from None
 
 
 async def read_json_body(request: Request, limits: LimitsConfig) -> Any:
@@ -586,7 +588,7 @@ async def read_json_body(request: Request, limits: LimitsConfig) -> Any:
     try:
         return parse_json(b"".join(chunks), limits.max_json_depth)
     except ProtocolError as e:
-        raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise bad_param(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 def fit_context(jobs: list[dict[str, Any]], lengths: list[int], max_seq_len: int, chat: bool) -> None:

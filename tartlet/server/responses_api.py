@@ -47,8 +47,8 @@ from ..protocol import ProtocolError
 from ..runtime.instance import Instance, Status
 from ..runtime.program import load_program
 from ..sdk.errors import SnapshotError
-from .openai_api import wait_or_disconnect
-from .openai_errors import ApiError, generation_error
+from .openai_api import await_instances
+from .openai_errors import ApiError, generation_error, launch_error
 from .openai_protocol import check_response_format, check_tools, fit_context, prompt_length, read_json_body
 from .responses_protocol import (
     ResponsesRequest,
@@ -180,8 +180,7 @@ class ResponsesRoutes:
             try:
                 inst = self.service.launch(user, self.program, args, listener=put if req["stream"] else record)
             except ProtocolError as e:
-                status = 429 if e.code == "limit" else 400
-                raise ApiError(status, str(e), code=e.code, kind="rate_limit_error" if status == 429 else "invalid_request_error") from None
+                raise launch_error(e) from None
         except ApiError as e:
             return e.response()
         assert inst.task is not None
@@ -189,16 +188,9 @@ class ResponsesRoutes:
         turn = _Turn(self, user, rid, req, args, inst, recorded)
         if req["stream"]:
             return StreamingResponse(turn.events(queue), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        try:
-            if not await wait_or_disconnect(request, [inst], queue):
-                inst.abort("the client disconnected")
-                await inst.wait()
-                return Response(status_code=499)
-        finally:
-            if not inst.done.is_set():
-                inst.abort("the request ended")
-        if inst.status is not Status.FINISHED:
-            return generation_error(inst).response()
+        refused = await await_instances(request, [inst], queue)
+        if refused is not None:
+            return refused
         return JSONResponse(await turn.finish())
 
     async def _conversation(self, user: str, req: ResponsesRequest) -> dict[str, Any]:

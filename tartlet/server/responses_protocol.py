@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, TypedDict
 
-from .openai_errors import ApiError
+from .openai_errors import ApiError, bad_param
 from .openai_protocol import is_json_object_text, parse_response_format, parse_tools
 
 #: Request fields accepted. Those in IGNORED are accepted and have no effect here.
@@ -32,15 +32,11 @@ FIELDS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "stream", "store",
     "previous_response_id", "max_output_tokens", "temperature", "top_p", "seed", "user", "metadata",
     "include", "truncation", "service_tier", "top_logprobs", "prompt_cache_key", "safety_identifier", "stream_options",
-    "reasoning",
+    "reasoning", "ignore_eos",
 }
 #: Accepted with any value but null or their default only (what SDKs send by default).
 NULL_ONLY: dict[str, tuple[Any, ...]] = {"include": (None, []), "truncation": (None, "disabled"), "service_tier": (None, "auto", "default"),
              "top_logprobs": (None, 0), "reasoning": (None, {})}
-
-
-def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param, code)
 
 
 class ResponsesRequest(TypedDict):
@@ -50,7 +46,7 @@ class ResponsesRequest(TypedDict):
     #: chat messages of this request's input (after the previous response's conversation)
     messages: list[dict[str, Any]]
     instructions: str | None
-    #: inferlet args besides messages and snapshots: tools, tool_choice, max_tokens, temperature, top_p, seed, response_format
+    #: inferlet args besides messages and snapshots: tools, tool_choice, max_tokens, ignore_eos, temperature, top_p, seed, response_format
     args: dict[str, Any]
     #: the request's tools in the Responses shape (echoed in the response object)
     tools: list[dict[str, Any]]
@@ -71,11 +67,11 @@ def _content_text(content: Any, where: str) -> str:
         out = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}.content[{j}] must be an input_text or output_text part (images, files and audio are not supported)",
+                raise bad_param(f"{where}.content[{j}] must be an input_text or output_text part (images, files and audio are not supported)",
                            f"{where}.content")
             out.append(part["text"])
         return "".join(out)
-    raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    raise bad_param(f"{where}.content must be a string or a list of text parts", f"{where}.content")
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
@@ -87,24 +83,24 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise _bad("'input' must be a string or a non-empty list of items", "input")
+        raise bad_param("'input' must be a string or a non-empty list of items", "input")
     out: list[dict[str, Any]] = []
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
-            raise _bad(f"{where} must be an object", where)
+            raise bad_param(f"{where} must be an object", where)
         kind = it.get("type", "message")
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _bad(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
+                raise bad_param(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
             out.append({"role": "system" if role == "developer" else role, "content": _content_text(it.get("content"), where)})
         elif kind == "function_call":
             cid, name, arguments = it.get("call_id"), it.get("name"), it.get("arguments", "{}")
             if not isinstance(cid, str) or not cid or not isinstance(name, str) or not name:
-                raise _bad(f"{where} (function_call) needs 'call_id' and 'name' strings", where)
+                raise bad_param(f"{where} (function_call) needs 'call_id' and 'name' strings", where)
             if not is_json_object_text(arguments):
-                raise _bad(f"{where}.arguments must be a JSON object as a string", f"{where}.arguments")
+                raise bad_param(f"{where}.arguments must be a JSON object as a string", f"{where}.arguments")
             call = {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
@@ -114,12 +110,12 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             cid, output = it.get("call_id"), it.get("output")
             if not isinstance(cid, str) or not cid:
-                raise _bad(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
+                raise bad_param(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
             if not isinstance(output, str):
                 output = json.dumps(output)
             out.append({"role": "tool", "content": output, "tool_call_id": cid})
         else:
-            raise _bad(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output)", f"{where}.type",
+            raise bad_param(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output)", f"{where}.type",
                        "unsupported_parameter")
     return out
 
@@ -155,11 +151,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
+        raise bad_param("'tools' must be a list", "tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
-            raise _bad(f"tools[{i}].type must be 'function' (built-in tools are not supported)", f"tools[{i}].type", "unsupported_parameter")
+            raise bad_param(f"tools[{i}].type must be 'function' (built-in tools are not supported)", f"tools[{i}].type", "unsupported_parameter")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t and t[k] is not None}
         out.append({"type": "function", "function": fn})
     return out
@@ -170,12 +166,12 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise _bad("'text' must be {'format': {...}}", "text")
+        raise bad_param("'text' must be {'format': {...}}", "text")
     fmt = text.get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
     if not isinstance(fmt, dict):
-        raise _bad("'text.format' must be an object", "text.format")
+        raise bad_param("'text.format' must be an object", "text.format")
     if fmt.get("type") == "json_schema":
         js = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         rf = {"type": "json_schema", "json_schema": js}
@@ -195,25 +191,25 @@ def parse_request(body: Any, max_seq_len: int) -> ResponsesRequest:
         ApiError: 400 naming the parameter.
     """
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad_param("the request body must be a JSON object")
     for k, v in body.items():
         if k not in FIELDS:
-            raise _bad(f"unsupported parameter '{k}'", k, "unsupported_parameter")
+            raise bad_param(f"unsupported parameter '{k}'", k, "unsupported_parameter")
         if k in NULL_ONLY and v not in NULL_ONLY[k]:
-            raise _bad(f"'{k}' is not supported", k, "unsupported_parameter")
+            raise bad_param(f"'{k}' is not supported", k, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
+        raise bad_param("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
     messages = input_messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _bad("'instructions' must be a string", "instructions")
+        raise bad_param("'instructions' must be a string", "instructions")
     args: dict[str, Any] = {}
     chat_tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
+            raise bad_param("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
         chat_choice: Any = {"type": "function", "function": {"name": choice["name"]}}
     else:
         chat_choice = choice
@@ -221,35 +217,39 @@ def parse_request(body: Any, max_seq_len: int) -> ResponsesRequest:
     rf = _text_format(body.get("text"))
     if rf is not None:
         if args.get("tools") and args.get("tool_choice") != "none":
-            raise _bad("'text.format' cannot be combined with 'tools' unless tool_choice is 'none'", "text.format", "unsupported_parameter")
+            raise bad_param("'text.format' cannot be combined with 'tools' unless tool_choice is 'none'", "text.format", "unsupported_parameter")
         args["response_format"] = rf
     mt = body.get("max_output_tokens")
     if mt is None:
         mt = 256
     if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_seq_len:
-        raise _bad(f"'max_output_tokens' must be an integer in [1, {max_seq_len}], got {mt!r}", "max_output_tokens")
+        raise bad_param(f"'max_output_tokens' must be an integer in [1, {max_seq_len}], got {mt!r}", "max_output_tokens")
     args["max_tokens"] = mt
+    ignore_eos = body.get("ignore_eos", False)  # the chat route's (vLLM's) extension: generate exactly max_output_tokens
+    if not isinstance(ignore_eos, bool):
+        raise bad_param("'ignore_eos' must be a boolean", "ignore_eos")
+    args["ignore_eos"] = ignore_eos
     for key, lo, hi, default in (("temperature", 0.0, 2.0, 0.0), ("top_p", 0.0, 1.0, 1.0)):
         v = body.get(key)
         if v is None:
             v = default
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (key == "top_p" and v == 0):
-            raise _bad(f"'{key}' must be a number in [{lo:g}, {hi:g}]" + (" above 0" if key == "top_p" else ""), key)
+            raise bad_param(f"'{key}' must be a number in [{lo:g}, {hi:g}]" + (" above 0" if key == "top_p" else ""), key)
         args[key] = float(v)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("'seed' must be an integer", "seed")
+        raise bad_param("'seed' must be an integer", "seed")
     args["seed"] = seed
     prev = body.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not prev):
-        raise _bad("'previous_response_id' must be a response id", "previous_response_id")
+        raise bad_param("'previous_response_id' must be a response id", "previous_response_id")
     store = body.get("store", True)
     stream = body.get("stream", False)
     if not isinstance(store, bool) or not isinstance(stream, bool):
-        raise _bad("'store' and 'stream' must be booleans", "store" if not isinstance(store, bool) else "stream")
+        raise bad_param("'store' and 'stream' must be booleans", "store" if not isinstance(store, bool) else "stream")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict) or len(metadata) > 16 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise _bad("'metadata' must map at most 16 string keys to strings", "metadata")
+        raise bad_param("'metadata' must map at most 16 string keys to strings", "metadata")
     text_format = {"type": "text"} if rf is None else body["text"]["format"]
     return {
         "model": model, "messages": messages, "instructions": instructions, "args": args,

@@ -233,6 +233,9 @@ class Service:
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
         self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir, shared=shared)
+        # users' LoRA adapters (saved by inferlets, uploaded): quota, and their folders in <data_dir>/adapters
+        mb = lim.max_adapter_mb_per_user
+        self.adapters_restored = state.configure_adapters(None if mb is None else int(mb * 2**20), Path(cfg.data_dir) / "adapters")
         self._sandbox: WasmRuntime | None = None  # created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()

@@ -15,6 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..host.session import message_bytes
 from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
 from ..sdk.errors import LimitError
+from .adapter_requests import ADAPTER_REQUESTS, Staging, adapter_request
 from .auth import AuthError
 from .service import Event, Service, Subscriber
 
@@ -82,6 +83,7 @@ class Connection:
         self.pending_bytes = 0
         self.max_pending_bytes = service.cfg.limits.max_backlog_bytes
         self.too_slow = False
+        self.adapter_staging: Staging = {}  # adapter uploads sent in pieces (adapter_requests.py)
 
     def emit(self, ev: Event) -> None:
         if self.too_slow:
@@ -191,6 +193,8 @@ class Connection:
             return {"type": "launched", "instance": inst.id, "program": program.name}
         if t == "upload":
             return {"type": "uploaded", "program": svc.programs.add(req.get("files"))}
+        if t in ADAPTER_REQUESTS:  # tartlet adapter add/list/remove
+            return await adapter_request(svc, user, req, self.adapter_staging)
         if t == "send":
             inst = svc.get(user, _instance_id(req))
             svc.take_rate(user, "message")  # [limits] max_messages_per_s

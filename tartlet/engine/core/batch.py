@@ -16,13 +16,15 @@ The scheduler decides *what* runs; this module decides how it is laid out.
 from __future__ import annotations
 
 import collections.abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 import numpy as np
 import torch
 
 from ..models.lora import LoraAdapter, LoraBatch, lora_batch
+from .attention_probe import AttentionCapture, AttentionProbeSpec
+from .hidden_states import HiddenCapture
 from .sequence import Sequence
 
 
@@ -47,7 +49,12 @@ class AttentionGroup:
             their sequence of each query and of each KV column (padding
             columns: any value, they are masked). Set only for models with
             sliding-window layers, which narrow ``mask`` with them
-            (``kv_index > q_index - W``); ``None`` otherwise.
+            (``kv_index > q_index - W``), and for probed groups; ``None``
+            otherwise.
+        probe: for a group whose requests asked for the attention probe
+            (:mod:`.attention_probe`; such requests are never grouped with
+            others), how its weights are reduced over each request's
+            queries (``"sum"`` or ``"max"``); ``None``: no probe.
     """
 
     rows: torch.Tensor | None
@@ -57,6 +64,7 @@ class AttentionGroup:
     mask: torch.Tensor | None
     q_index: torch.Tensor | None = None
     kv_index: torch.Tensor | None = None
+    probe: str | None = None
 
 
 @dataclass
@@ -73,6 +81,9 @@ class BatchItem:
         attention: per chunk token, a bool ``[start + j + 1]``-or-longer mask
             over logical positions (True = may attend), or None: causal.
         adapter: the LoRA adapter its tokens run with, or None (the base model).
+        hidden_index: ``(chunk-relative index, layer key)`` of each hidden
+            state wanted (:mod:`.hidden_states`), in slot order; these rows
+            are not in ``output_index`` unless their logits are wanted too.
     """
 
     seq: Sequence
@@ -82,6 +93,8 @@ class BatchItem:
     output_index: list[int]
     attention: list[torch.Tensor] | None
     adapter: LoraAdapter | None = None
+    hidden_index: list[tuple[int, int | None]] = field(default_factory=list)
+    probe: AttentionProbeSpec | None = None
 
     @property
     def n(self) -> int:
@@ -101,6 +114,11 @@ class BatchInputs:
         lora: the LoRA adapters of the batch's rows
             (:class:`~tartlet.engine.models.lora.LoraBatch`), or None when
             every row runs the base model.
+        hidden: the hidden states to keep (:class:`~.hidden_states.HiddenCapture`),
+            or None when no item asked for one.
+        probe: the attention probe's groups and buffers
+            (:class:`~.attention_probe.AttentionCapture`), or None when no
+            item asked for one.
     """
 
     input_ids: torch.Tensor
@@ -109,6 +127,8 @@ class BatchInputs:
     groups: list[AttentionGroup]
     output_rows: torch.Tensor
     lora: LoraBatch | None = None
+    hidden: HiddenCapture | None = None
+    probe: AttentionCapture | None = None
 
     def to(self, device: torch.device) -> "BatchInputs":
         """The same batch with every tensor on ``device``."""
@@ -122,10 +142,12 @@ class BatchInputs:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index))
+        groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index),
+                                 g.probe)
                   for g in self.groups]
         return BatchInputs(mv(self.input_ids), mv(self.positions), mv(self.write_slots), groups, mv(self.output_rows),
-                           None if self.lora is None else self.lora.to(device))
+                           None if self.lora is None else self.lora.to(device),
+                           None if self.hidden is None else self.hidden.to(device), self.probe)
 
 
 def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = False) -> BatchInputs:
@@ -133,36 +155,48 @@ def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = Fals
     one attention group for all single-token (decode) items, one for the
     whole causal prompts of each length, and one per other multi-token
     item. ``indexes``: fill ``q_index``/``kv_index`` (models with
-    sliding-window layers)."""
+    sliding-window layers). Items with an attention probe get groups of
+    their own (their decode rows one group, each multi-token chunk one),
+    with their indexes, so the groups of the others are as without them."""
     ids: list[int] = []
     pos: list[int] = []
     write: list[int] = []
     out_rows: list[int] = []
+    hidden: list[tuple[int, int | None]] = []  # (flat row, layer key) of each hidden slot
     groups: list[AttentionGroup] = []
     decode: list[tuple[int, BatchItem]] = []
+    probed: list[tuple[int, BatchItem]] = []  # decode items with an attention probe
+    members: dict[int, list[int]] = {}  # probed group (index in groups) -> its items
     fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}  # whole causal prompts by length: (first row, KV slots)
-    for it in items:
+    for k, it in enumerate(items):
         row0 = len(ids)
         ids.extend(it.token_ids)
         pos.extend(it.seq.positions[it.start : it.start + it.n])
         write.extend(it.slot_mapping)
         out_rows.extend(row0 + i for i in it.output_index)
+        hidden.extend((row0 + i, key) for i, key in it.hidden_index)
         if it.n == 1:
-            decode.append((row0, it))
+            (decode if it.probe is None else probed).append((row0, it))
             continue
         kv, mask, logical = _kv_and_mask(it)
-        if it.start == 0 and mask is None and logical is None:
+        if it.start == 0 and mask is None and logical is None and it.probe is None:
             fresh.setdefault(it.n, []).append((row0, kv))
             continue
         g = AttentionGroup(None, row0, it.n, kv[None], None if mask is None else mask[None])
-        if indexes:
+        if indexes or it.probe is not None:
             g.q_index = torch.arange(it.start, it.start + it.n)[None]
             g.kv_index = (torch.arange(kv.shape[0]) if logical is None else logical)[None]
+        if it.probe is not None:
+            g.probe, members[len(groups)] = it.probe.reduce, [k]
         groups.append(g)
     for n, prompts in fresh.items():  # one attention call for prompts of one length
         groups.append(_prompt_group(n, prompts, indexes))
     if decode:
         groups.append(_decode_group(decode, indexes))
+    if probed:  # one query each: either reduction over queries is the weight itself
+        members[len(groups)] = [k for k, it in enumerate(items) if it.n == 1 and it.probe is not None]
+        groups.append(_decode_group(probed, True))
+        groups[-1].probe = "sum"
     # one tensor, four views: a decode step builds its batch between two
     # passes, on caches the pass has flushed, and each tensor made from a
     # list costs a few microseconds there
@@ -175,6 +209,9 @@ def build_batch(items: collections.abc.Sequence[BatchItem], indexes: bool = Fals
         groups=groups,
         output_rows=flat[3 * T :],
         lora=lora_batch([(it.adapter, it.n) for it in items]) if any(it.adapter is not None for it in items) else None,
+        hidden=HiddenCapture.build(hidden) if hidden else None,
+        probe=AttentionCapture(tuple(sorted({layer for it in items if it.probe is not None for layer in it.probe.layers})),
+                               members) if members else None,
     )
 
 

@@ -26,7 +26,7 @@ from ..loading.quant_formats import QuantWeight
 from ..models.config import ModelConfig
 from ..models.linear import Linear
 from ..models.llama import LlamaModel
-from ..models.lora import LoraAdapter
+from ..models.lora import LoraAdapter, ModuleLora, build_adapter
 from ..models.quant_linear import QuantLinear
 from ..text.tokenizer import Tokenizer
 from .kv_cache import PagePool
@@ -277,17 +277,7 @@ class Engine:
             AdapterError: see :func:`~tartlet.engine.loading.adapter_loader.load_adapter`;
                 also when ``name`` already serves an adapter of other content.
         """
-        from ..loading.adapter_loader import load_adapter
-
-        m = self.model
-        dtype = torch.float32 if m.device.type == "cpu" else m.dtype
-        adapter = load_adapter(path, self.config, name, dtype=dtype, device=m.device)
-        for i, layer in enumerate(adapter.layers):  # the loader checked the config's shapes; these are the model's
-            for proj, pair in layer.items():
-                lin = cast("dict[str, object]", m.layers[i]).get(proj)
-                if not isinstance(lin, (Linear, QuantLinear)) or (pair.at.shape[0], pair.bt.shape[1]) != (
-                        lin.in_features, lin.out_features):
-                    raise AdapterError(f"{adapter.source}: layer {i} {proj} does not fit the loaded model's projection")
+        adapter = self.read_adapter(path, name)
         with self._adapters_lock:
             old = self.adapters.get(adapter.name)
             if old is not None:
@@ -297,6 +287,50 @@ class Engine:
             self.adapters[adapter.name] = adapter
         log.info("LoRA adapter %r: %d modules, rank %d, %.1f MiB (%s)", adapter.name, adapter.modules, adapter.rank,
                  adapter.nbytes / 2**20, adapter.source)
+        return adapter
+
+    def read_adapter(self, path: str | Path, name: str | None = None) -> LoraAdapter:
+        """The LoRA adapter at ``path``, checked against this model, as
+        :meth:`load_adapter` loads it, but not served under a name (the
+        host keeps its users' adapters itself, :mod:`tartlet.host.adapter_manager`).
+
+        Raises:
+            AdapterError: as :meth:`load_adapter`.
+        """
+        from ..loading.adapter_loader import load_adapter
+
+        m = self.model
+        dtype = torch.float32 if m.device.type == "cpu" else m.dtype
+        return self._fits(load_adapter(path, self.config, name, dtype=dtype, device=m.device))
+
+    def build_adapter(self, name: str, source: Path, parts: dict[tuple[int, str], ModuleLora]) -> LoraAdapter:
+        """A new adapter of this model from per-module matrices (an edited
+        copy of another's :attr:`~tartlet.engine.models.lora.LoraAdapter.parts`,
+        :mod:`tartlet.engine.models.lora_edit`), fused and placed as
+        :meth:`load_adapter` places a loaded one; not served under a name.
+
+        Raises:
+            AdapterError: modules or shapes that do not fit the model
+                (:func:`~tartlet.engine.models.lora.build_adapter`).
+        """
+        m = self.model
+        dtype = torch.float32 if m.device.type == "cpu" else m.dtype
+        return self._fits(build_adapter(name, source, self.config, parts, dtype=dtype, device=m.device))
+
+    def _fits(self, adapter: LoraAdapter) -> LoraAdapter:
+        """``adapter``, after checking its fused matrices against the loaded
+        model's projections (the loader checked the config's shapes).
+
+        Raises:
+            AdapterError: a projection it changes does not fit.
+        """
+        m = self.model
+        for i, layer in enumerate(adapter.layers):
+            for proj, pair in layer.items():
+                lin = cast("dict[str, object]", m.layers[i]).get(proj)
+                if not isinstance(lin, (Linear, QuantLinear)) or (pair.at.shape[0], pair.bt.shape[1]) != (
+                        lin.in_features, lin.out_features):
+                    raise AdapterError(f"{adapter.source}: layer {i} {proj} does not fit the loaded model's projection")
         return adapter
 
     def adapter(self, name: str) -> LoraAdapter:

@@ -11,12 +11,14 @@ it, which fails the batch's requests and rolls their sequences back.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ..models.llama import LlamaModel
 from .batch import build_batch
+from .hidden_states import HiddenSpec
 from .kv_cache import PagePool
 from .requests import Chunk
-from .sampler import SamplerSpec, SlotSampler
+from .sampler import OutputSlot, SamplerSpec, SlotSampler
 from .stats import SchedulerStats
 
 
@@ -44,7 +46,8 @@ class ModelRunner:
 
         Returns:
             The result of every output slot, in order of the chunks and of
-            each chunk's ``out_slots``: a sampled token id, a probe's value,
+            each chunk's ``out_slots``: a sampled token id, a probe's value, a
+            hidden state (``hidden_size`` floats),
             or the exception that slot raised (a bad sampler fails its slot
             only).
 
@@ -55,8 +58,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = build_batch(items, self._indexes).to(self.model.device)
         logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        if batch.probe is not None:  # the attention probe's weights into each request's scores
+            batch.probe.collect([it.req.probe_acc for it in items])
         slots = [s for it in items for _, s in it.out_slots]
-        results = self.sampler.run(logits, slots) if slots else []
+        history = _history(items) if any(isinstance(s.spec, SamplerSpec) and s.spec.dry is not None for s in slots) else None
+        if batch.hidden is None:
+            results = self.sampler.run(logits, slots, history) if slots else []
+        else:  # hidden-state slots take their rows of the capture, the others the logits rows
+            on_logits = [s for s in slots if not isinstance(s.spec, HiddenSpec)]
+            sampled = iter(self.sampler.run(logits, on_logits, history) if on_logits else [])
+            hidden = iter(batch.hidden.results())
+            results = [next(hidden) if isinstance(s.spec, HiddenSpec) else next(sampled) for s in slots]
         st = self.stats
         st.model_calls += 1
         st.forward_seconds += time.perf_counter() - t0
@@ -64,9 +76,23 @@ class ModelRunner:
         st.mixed_calls += 0 < decodes < len(items)
         st.batched_requests += len(items)
         st.batch_sizes[len(items)] += 1
+        st.last_batch = len(items)
         st.tokens_computed += sum(it.n for it in items)
         st.decode_steps += decodes
         st.tokens_generated += sum(
             1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
         )
         return results
+
+
+def _history(items: list[Chunk]) -> Callable[[OutputSlot], list[int]]:
+    """For the sampler's DRY penalty: a slot's context tokens up to and
+    including its input token (the request's tokens sit from
+    ``req.start_len`` on in its sequence, which already holds this chunk)."""
+    where = {id(s): (it.seq, it.req.start_len + s.index) for it in items for _, s in it.out_slots}
+
+    def history(slot: OutputSlot) -> list[int]:
+        seq, k = where[id(slot)]
+        return seq.tokens[: k + 1]
+
+    return history

@@ -12,6 +12,7 @@ from typing import Callable, Generic, TypeVar
 import torch
 
 from ..models.lora import LoraAdapter
+from .attention_probe import AttentionProbeSpec, ProbeAccumulator
 from .batch import BatchItem
 from .sampler import OutputSlot
 from .sequence import Sequence
@@ -44,6 +45,12 @@ class ForwardRequest:
             (:class:`~tartlet.engine.models.lora.LoraAdapter`), or ``None``
             for the base model. Rows of different adapters share one model
             call; prefix-cache pages are matched and registered per adapter.
+        probe: the attention-score probe of this pass
+            (:mod:`.attention_probe`), or ``None``. Its scores are one more
+            result after the slots' (the future's last element); the pass
+            is not served from the prefix cache.
+        probe_acc: the probe's values so far (set by the scheduler at the
+            first chunk, filled by the model runner).
     """
 
     seq: Sequence
@@ -65,6 +72,8 @@ class ForwardRequest:
     user: str = ""
     then: "Callable[[list[object]], tuple[list[int], list[OutputSlot]] | None] | None" = None
     adapter: LoraAdapter | None = None
+    probe: AttentionProbeSpec | None = None
+    probe_acc: ProbeAccumulator | None = None
 
     @property
     def adapter_key(self) -> bytes:

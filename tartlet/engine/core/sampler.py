@@ -9,8 +9,12 @@ the others are handled row by row on a short candidate list.
 Formulas: temperature scaling ``softmax(logits / T)``; top-k keeps the k most
 likely tokens; top-p ("nucleus", Holtzman et al., 2020) keeps the smallest set
 whose probability reaches p; min-p (Nguyen et al., 2024) keeps tokens with
-probability >= ``min_p * p_max``. Filters apply in that order, as in HF
-``transformers`` logits processors. Multinomial draws use the exponential-race
+probability >= ``min_p * p_max``; then locally typical sampling and XTC
+(:mod:`.sampling_filters`). Filters apply in that order, as in HF
+``transformers`` logits processors (XTC, which HF lacks, last). The DRY
+repetition penalty (:mod:`.dry`) changes a slot's logits before anything
+else, greedy slots included; it needs the context's tokens, which
+:meth:`SlotSampler.run` takes per slot. Multinomial draws use the exponential-race
 trick ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``, which samples exactly
 proportionally to ``p`` with a per-slot seeded generator.
 """
@@ -25,7 +29,11 @@ from typing import cast
 import torch
 
 from ...sdk.errors import SamplingError
+from ...sdk.sampler import validate_filters
 from ...sdk.sampler import validate_sampler as _sdk_validate
+from . import sampling_filters
+from .dry import DryParams, dry_penalties
+from .hidden_states import HiddenSpec
 
 #: Candidates examined before falling back to a full sort for top-p.
 _TOP_P_CANDIDATES = 512
@@ -42,6 +50,10 @@ class SamplerSpec:
         min_p: relative probability floor in [0, 1]; 0 disables it.
         seed: seed of this draw; equal seeds give equal draws whatever else
             is in the batch. ``None`` draws from the engine's generator.
+        typical_p: locally typical mass in (0, 1]; 1 disables it.
+        xtc_probability, xtc_threshold: XTC's chance of acting per draw in
+            [0, 1] (0 disables it) and its probability threshold in [0, 1].
+        dry: the DRY repetition penalty, or None (off).
     """
 
     temperature: float = 0.0
@@ -49,9 +61,14 @@ class SamplerSpec:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    typical_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry: DryParams | None = None
 
     def __post_init__(self) -> None:
         validate_sampler(self.temperature, self.top_k, self.top_p, self.min_p)
+        validate_filters(self.typical_p, self.xtc_probability, self.xtc_threshold)
 
 
 def validate_sampler(temperature: float, top_k: int | None, top_p: float, min_p: float) -> None:
@@ -95,7 +112,9 @@ class OutputSlot:
 
     Attributes:
         index: input token (0-based within the request) whose logits are used.
-        spec: sampler or probe.
+        spec: sampler or probe; or a hidden-state read-out (:mod:`.hidden_states`),
+            which the model runner answers from the residual stream (it never
+            reaches :class:`SlotSampler`).
         allowed: bool ``[vocab_size]`` logit mask (True = allowed), or None.
         check: for a slot with a mask, a test of one token id (True =
             allowed), or None. For a greedy slot, or a draw at a temperature
@@ -125,21 +144,28 @@ class OutputSlot:
     """
 
     index: int
-    spec: SamplerSpec | ProbeSpec
+    spec: SamplerSpec | ProbeSpec | HiddenSpec
     allowed: torch.Tensor | None = None
     check: Callable[[int], bool] | None = None
     prefetch: Callable[[], None] | None = None
+
+
+def _xtc_seed(seed: int) -> int:
+    """The seed of XTC's coin for a draw seeded ``seed``: a stream apart
+    from the draw's own (splitmix64's constant added)."""
+    return (seed + 0xBF58476D1CE4E5B9) % 2**63
 
 
 def _greedy(s: OutputSlot) -> bool:
     return isinstance(s.spec, SamplerSpec) and s.spec.temperature == 0
 
 
-def checkable(spec: SamplerSpec | ProbeSpec) -> bool:
+def checkable(spec: SamplerSpec | ProbeSpec | HiddenSpec) -> bool:
     """Whether a slot with this spec may pick before reading its mask (see
     :attr:`OutputSlot.check`): greedy, or a plain temperature draw."""
     return isinstance(spec, SamplerSpec) and (
-        spec.temperature == 0 or (spec.top_k is None and spec.top_p >= 1 and spec.min_p == 0)
+        spec.temperature == 0 or (spec.top_k is None and spec.top_p >= 1 and spec.min_p == 0
+                                  and spec.typical_p >= 1 and spec.xtc_probability == 0)
     )
 
 
@@ -161,11 +187,20 @@ class SlotSampler:
         self._argmax_masked = argmax_masked
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
-    def run(self, logits: torch.Tensor, slots: list[OutputSlot]) -> list[object]:
+    def run(self, logits: torch.Tensor, slots: list[OutputSlot],
+            history: Callable[[OutputSlot], list[int]] | None = None) -> list[object]:
         """Results of ``slots`` given float32 ``logits`` ``[S, V]`` (row i
         for slot i). A slot that fails yields its :class:`SamplingError`
-        instead of a result, so one bad request does not fail the batch."""
+        instead of a result, so one bad request does not fail the batch.
+        ``history(slot)``: the token ids of the slot's context up to and
+        including its input token, read for slots with a DRY penalty only
+        (such a slot without ``history`` raises ``ValueError``)."""
         out: list[object] = [None] * len(slots)
+        dry = [i for i, s in enumerate(slots) if isinstance(s.spec, SamplerSpec) and s.spec.dry is not None]
+        if dry:
+            if history is None:
+                raise ValueError("DRY slots need the context's tokens (history)")
+            logits = self._apply_dry(logits, slots, dry, history)
         checked = [i for i, s in enumerate(slots) if s.check is not None and checkable(s.spec)]
         if checked:
             greedy_checked = [i for i in checked if _greedy(slots[i])]
@@ -216,9 +251,26 @@ class SlotSampler:
             row = logits[i] if host is None else host[j]
             spec = slots[i].spec
             try:
-                out[i] = self._sample(row, spec) if isinstance(spec, SamplerSpec) else self._probe(row, spec)
+                out[i] = self._sample(row, spec) if isinstance(spec, SamplerSpec) else self._probe(row, cast(ProbeSpec, spec))
             except SamplingError as e:
                 out[i] = e
+        return out
+
+    def _apply_dry(self, logits: torch.Tensor, slots: list[OutputSlot], rows: list[int],
+                   history: Callable[[OutputSlot], list[int]]) -> torch.Tensor:
+        """``logits`` with each DRY slot's penalties subtracted (a copy when
+        any applies; the model's tensor is left as it is)."""
+        out = logits
+        for i in rows:
+            spec = cast(SamplerSpec, slots[i].spec)
+            assert spec.dry is not None  # rows are the DRY slots
+            pen = dry_penalties(history(slots[i]), spec.dry)
+            if not pen:
+                continue
+            if out is logits:
+                out = logits.clone()
+            ids = torch.tensor(list(pen), device=out.device)
+            out[i, ids] -= torch.tensor(list(pen.values()), dtype=out.dtype, device=out.device)
         return out
 
     def _argmax(self, rows: torch.Tensor) -> list[int]:
@@ -229,6 +281,23 @@ class SlotSampler:
         return cast(list[int], rows.argmax(dim=-1).tolist())
 
     def _sample(self, logits: torch.Tensor, s: SamplerSpec) -> int:
+        p, ids = self.candidates(logits, s)
+        if s.xtc_probability > 0:
+            coin = torch.Generator().manual_seed(_xtc_seed(s.seed)) if s.seed is not None else self._rng
+            p, ids = sampling_filters.xtc(p, torch.arange(len(p)) if ids is None else ids, s.xtc_probability,
+                                          s.xtc_threshold, coin)
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else self._rng
+        e = torch.empty_like(p).exponential_(generator=gen)
+        j = int((p / e).argmax())
+        return j if ids is None else int(ids[j])
+
+    def candidates(self, logits: torch.Tensor, s: SamplerSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens a draw with ``s`` (temperature > 0) chooses among,
+        after temperature, top-k, top-p, min-p and typical-p (XTC, random,
+        comes after, in the draw): their probabilities under
+        ``softmax(logits / T)`` (float32, not renormalised) and their ids
+        (int64), or ``(probabilities of the whole vocabulary, None)`` when
+        no filter applies. ``logits``: float32 ``[V]`` on the CPU."""
         probs = torch.softmax(logits / s.temperature, dim=-1)
         if s.top_k is not None or s.top_p < 1:
             k = min(self.vocab_size, s.top_k or _TOP_P_CANDIDATES)
@@ -247,10 +316,9 @@ class SlotSampler:
             above = p >= s.min_p * p.max()
             p = p[above]
             ids = above.nonzero().squeeze(1) if ids is None else ids[above]
-        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else self._rng
-        e = torch.empty_like(p).exponential_(generator=gen)
-        j = int((p / e).argmax())
-        return j if ids is None else int(ids[j])
+        if s.typical_p < 1:
+            p, ids = sampling_filters.typical(p, torch.arange(len(p)) if ids is None else ids, s.typical_p)
+        return p, ids
 
     def _probe(self, logits: torch.Tensor, s: ProbeSpec) -> object:
         if s.kind == "distribution":

@@ -47,6 +47,8 @@ from typing import Any, Callable, TypeVar
 from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
 from ..models.llama import LlamaModel
 from .admission import admission_error
+from .attention_probe import ProbeAccumulator
+from .hidden_states import HiddenSpec
 from .kv_cache import PagePool
 from .model_runner import ModelRunner
 from .requests import Chunk, Command, ForwardRequest, check_pass
@@ -235,7 +237,7 @@ class Scheduler:
                     q.popleft()
                     req.future.set_exception(refused)
                     continue
-                if req.positions is None and req.attention is None:
+                if req.positions is None and req.attention is None and req.probe is None:  # a probe: every query computed
                     first_out = min((s.index for s in req.outputs), default=len(req.tokens))
                     reused = seq.match_prefix(req.tokens, first_out, req.adapter_key)
                     req.done = reused
@@ -267,8 +269,13 @@ class Scheduler:
             outs = [(k, s) for k, s in enumerate(req.outputs) if lo <= s.index < hi]
             req.waiting_since = 0.0
             chunk_mask = None if req.attention is None else req.attention[lo:hi]
-            items.append(Chunk(seq, req.tokens[lo:hi], start, slots, [s.index - lo for _, s in outs], chunk_mask,
-                               adapter=req.adapter, req=req, out_slots=outs))
+            # hidden-state slots read the residual stream, not logits (hidden_states.py)
+            logit_rows = [s.index - lo for _, s in outs if not isinstance(s.spec, HiddenSpec)]
+            hidden = [(s.index - lo, s.spec.layer) for _, s in outs if isinstance(s.spec, HiddenSpec)]
+            if req.probe is not None and req.probe_acc is None:  # the attention probe's values, over every chunk
+                req.probe_acc = ProbeAccumulator(req.probe, req.start_len + len(req.tokens), self.model.config.num_key_value_heads)
+            items.append(Chunk(seq, req.tokens[lo:hi], start, slots, logit_rows, chunk_mask,
+                               adapter=req.adapter, req=req, out_slots=outs, hidden_index=hidden, probe=req.probe))
             busy.add(id(seq))
             budget -= n
             used[req.user] = used.get(req.user, 0) + n
@@ -322,6 +329,9 @@ class Scheduler:
                 req.results[pos] = results[k]
                 k += 1
             if req.done == len(req.tokens):
+                if req.probe_acc is not None:  # the attention probe's scores follow the slots' results
+                    req.results.append(req.probe_acc.result(self.pool.page_size))
+                    req.probe_acc = None
                 finished.append(req)
         # Expect these sequences back before resolving, so a resubmission
         # that races with this line is not waited for.

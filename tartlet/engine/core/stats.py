@@ -24,6 +24,12 @@ class SchedulerStats:
     futures). The rest is idle (an empty queue). ``mixed_calls``: model
     calls holding both single-token (decode) and multi-token (prefill)
     chunks.
+
+    ``last_batch``: requests in the last model call (0 before the first):
+    the engine's load as speculative decoding reads it (``kv-stats``
+    ``batch_requests``; :class:`tartlet.drafter.AdaptiveDrafter`). Not an
+    average, so a lone request after a burst sees its own calls, not the
+    burst's.
     """
 
     model_calls: int = 0
@@ -38,3 +44,4 @@ class SchedulerStats:
     batch_wait_seconds: float = 0.0
     overhead_seconds: float = 0.0
     batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    last_batch: int = 0

@@ -101,8 +101,11 @@ class DecodeGraphs:
         """Whether ``batch`` is a pure decode step a graph can run: one
         attention group of single-token requests in rows ``0..B-1``, every
         row a request, on this pool with the compute dtype (what the Triton
-        kernel reads), ``B <= max_batch``, no LoRA adapter (those run op by op)."""
+        kernel reads), ``B <= max_batch``, no LoRA adapter, no hidden
+        state and no attention probe asked for (those run op by op: a graph returns logits only)."""
         if k_cache is not self.k or k_cache.dtype != self.model.dtype or len(batch.groups) != 1 or batch.lora is not None:
+            return False
+        if batch.hidden is not None or batch.probe is not None:  # an attention probe: the explicit path (llama._attend)
             return False
         g = batch.groups[0]
         B = g.kv_slots.shape[0]

@@ -13,7 +13,8 @@
  *   tq_paged_decode_attention    one query token per sequence attending to its
  *                                keys/values where they lie in the page pool (no
  *                                gather into a padded copy), grouped-query heads
- *                                sharing each key/value read.
+ *                                sharing each key/value read; optionally copying
+ *                                the softmax weights out (the attention probe).
  *   tq_argmax_rows               greedy sampling: the first maximum of each row of
  *                                logits, as torch.argmax.
  *   tq_argmax_masked             greedy sampling under a logit mask: the first
@@ -127,10 +128,11 @@ int tq_rope_qkv_store_f16(const float *qkv, const float *cos_, const float *sin_
 
 /* Decode attention over pools of `kind` (see tq_paged_decode_attention). Work
  * is split over (sequence, KV head); each task keeps its g = nh / nkv heads'
- * scores in scratch. */
+ * scores in scratch, and copies their softmax weights to probe when it is
+ * not NULL. */
 static int paged_attention(int kind, const float *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                            const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start, float *out,
-                           int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+                           int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale, float *probe)
 {
     const int64_t g = nh / nkv, row = nkv * hd;
     int failed = 0;
@@ -146,12 +148,13 @@ static int paged_attention(int kind, const float *q, int64_t q_stride, const voi
                     const int64_t r = rows ? rows[b] : row_start + b;
                     const float *qh = q + r * q_stride + kh * g * hd, *bb = bias ? bias + b * L : NULL;
                     float *oh = out + r * nh * hd + kh * g * hd;
+                    float *pr = probe ? probe + (b * nh + kh * g) * L : NULL;
                     if (kind == TQ_KV_Q8)
-                        attend_kv_head_q8(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, nkv, kh, scale, p, oh);
+                        attend_kv_head_q8(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, nkv, kh, scale, p, oh, pr);
                     else if (kind == TQ_KV_F16)
-                        attend_kv_head_f16(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
+                        attend_kv_head_f16(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh, pr);
                     else
-                        attend_kv_head(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh);
+                        attend_kv_head(qh, k_pool, v_pool, slots + b * L, bb, L, g, hd, row, kh, scale, p, oh, pr);
                 }
         }
         free(p);
@@ -160,33 +163,38 @@ static int paged_attention(int kind, const float *q, int64_t q_stride, const voi
 }
 
 /* q: query b at q + (row_start + b or rows[b]) * q_stride, heads [nh, hd];
- * out: the same row of out, [nh * hd]; pools float32 [slots, nkv, hd]. */
+ * out: the same row of out, [nh * hd]; pools float32 [slots, nkv, hd].
+ * probe: NULL, or float32 [B, nh, L] that receives every query head's
+ * softmax weights over its L slots (the attention probe; masked slots 0). */
 int tq_paged_decode_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
                            const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                           float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+                           float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                           float *probe)
 {
     return paged_attention(TQ_KV_F32, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
-                           scale);
+                           scale, probe);
 }
 
 /* tq_paged_decode_attention over int8 pools k_pool, v_pool [slots, nkv, hd + 4]
  * (kv_int8.h); the other arguments as tq_paged_decode_attention. */
 int tq_paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *k_pool, const int8_t *v_pool,
                               const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                              float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+                              float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                              float *probe)
 {
     return paged_attention(TQ_KV_Q8, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
-                           scale);
+                           scale, probe);
 }
 
 /* tq_paged_decode_attention over float16 pools k_pool, v_pool [slots, nkv, hd];
  * the other arguments as tq_paged_decode_attention. */
 int tq_paged_decode_attention_f16(const float *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
                                const int64_t *slots, const float *bias, const int64_t *rows, int64_t row_start,
-                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale)
+                               float *out, int64_t B, int64_t L, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                               float *probe)
 {
     return paged_attention(TQ_KV_F16, q, q_stride, k_pool, v_pool, slots, bias, rows, row_start, out, B, L, nh, nkv, hd,
-                           scale);
+                           scale, probe);
 }
 
 /* Rows scanned in blocks of this many values: the first pass keeps each

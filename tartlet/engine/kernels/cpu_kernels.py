@@ -112,7 +112,7 @@ class CpuKernels:
         self._rope = lib.tq_rope_qkv_store
         self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
         self._attn = lib.tq_paged_decode_attention
-        self._attn.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+        self._attn.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P]
         self._rope_q8 = lib.tq_rope_qkv_store_q8
         self._rope_q8.argtypes = self._rope.argtypes
         self._attn_q8 = lib.tq_paged_decode_attention_q8
@@ -227,7 +227,7 @@ class CpuKernels:
 
     def paged_decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor | None,
-        rows: torch.Tensor | None, row_start: int, out: torch.Tensor, scale: float,
+        rows: torch.Tensor | None, row_start: int, out: torch.Tensor, scale: float, probe: torch.Tensor | None = None,
     ) -> None:
         """One query per sequence: for ``b < B``, row ``rows[b]`` (or
         ``row_start + b``) of ``q`` ``[T, nh, hd]`` attends to pool slots
@@ -237,7 +237,11 @@ class CpuKernels:
         head ``h // (nh / nkv)``. The pools are float32 or float16
         ``[slots, nkv, hd]`` (widened on the fly), or int8
         ``[slots, nkv, hd + 4]`` (dequantized on the fly,
-        :mod:`tartlet.engine.core.kv_quant`).
+        :mod:`tartlet.engine.core.kv_quant`). ``probe`` (the attention
+        probe, :mod:`tartlet.engine.core.attention_probe`), when given,
+        float32 ``[B, nh, L]`` contiguous: receives each query head's softmax
+        weights over its ``L`` slots (masked slots 0), the same numbers the
+        weighted sum of values uses; ``None`` costs nothing.
 
         Raises:
             ValueError: a tensor of the wrong shape, dtype, layout or device,
@@ -268,7 +272,10 @@ class CpuKernels:
         os_ = (T, nh * hd)
         if not (out.shape == os_ and out.dtype is F32 and out.is_cpu and out.is_contiguous()):
             bad_tensor(kernel, "out", out, os_)
+        if probe is not None and not (probe.shape == (B, nh, L) and probe.dtype is F32 and probe.is_cpu
+                                      and probe.is_contiguous()):
+            bad_tensor(kernel, "probe", probe, [B, nh, L])
         attn = self._attn_by[k_pool.dtype]  # _check_pools: one of the three
         if attn(q.data_ptr(), qst[0], k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), _ptr(bias),
-                _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale):
+                _ptr(rows), row_start, out.data_ptr(), B, L, nh, nkv, hd, scale, _ptr(probe)):
             raise MemoryError(f"{kernel}: cannot allocate the attention scores of {L} positions")

@@ -40,12 +40,16 @@ typedef struct {
 /* Decode queries attending to their own KV slots (AttentionGroup with one
  * query per request): request b's query is row rows[b] (or row_start + b),
  * its keys/values pool slots kv_slots [B, L], additive mask bias [B, L]
- * (0 or -inf) or NULL. */
+ * (0 or -inf) or NULL. The attention probe (probe NULL: none): probe float32
+ * [n, B, nh, L] receives layer li's softmax weights of every query head at
+ * index probe_layers[li] (probe_layers [n_layers]; -1: layer not probed). */
 typedef struct {
     const int64_t *rows;
     int64_t row_start, B, L;
     const int64_t *kv_slots;
     const float *bias;
+    float *probe;
+    const int64_t *probe_layers;
 } tq_attn_group;
 
 typedef struct {
@@ -756,16 +760,18 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
                     const int64_t r = G->rows ? G->rows[b] : G->row_start + b;
                     const int64_t h0 = kh * g + c % hsplit * ag; /* the task's first query head */
                     const float *qh = q + r * nh * hd + h0 * hd, *bb = G->bias ? G->bias + b * G->L : NULL;
-                    float *oh = attn + r * nh * hd + h0 * hd;
+                    float *oh = attn + r * nh * hd + h0 * hd, *pr = NULL;
+                    if (G->probe && G->probe_layers[li] >= 0) /* the attention probe: this task's heads' weights */
+                        pr = G->probe + ((G->probe_layers[li] * G->B + b) * nh + h0) * G->L;
                     if (D->kv_kind == TQ_KV_Q8)
                         attend_kv_head_q8(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv, kh,
-                                          D->scale, sc, oh);
+                                          D->scale, sc, oh, pr);
                     else if (D->kv_kind == TQ_KV_F16)
                         attend_kv_head_f16(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv * hd,
-                                           kh, D->scale, sc, oh);
+                                           kh, D->scale, sc, oh, pr);
                     else
                         attend_kv_head(qh, ly->k_pool, ly->v_pool, G->kv_slots + b * G->L, bb, G->L, ag, hd, nkv * hd, kh,
-                                       D->scale, sc, oh);
+                                       D->scale, sc, oh, pr);
                     if (o_blocks) {
                         const int64_t nbo = nh * hd / QK, b0 = h0 * hd / QK;
                         quantize_blocks((int)ly->o->bits, attn + r * nh * hd, nbo, b0, b0 + ag * hd / QK,

@@ -184,14 +184,24 @@ ALWAYS_INLINE void scores_8keys(const float *qh, const void *k_pool, const int64
 }
 #endif
 
+/* The attention probe: head h's softmax weights ph [L] copied to probe
+ * [g, L] (row h), when the caller asked for them (probe not NULL). */
+ALWAYS_INLINE void probe_weights(float *probe, int64_t h, const float *ph, int64_t L)
+{
+    if (probe)
+        memcpy(probe + h * L, ph, sizeof(float) * (size_t)L);
+}
+
 /* One attention task: the g query heads sharing KV head kh of one decode
  * query (qh: those heads, [g, hd]) over L pool slots sl (additive mask bb, or
  * NULL), written to out [g, hd]; p: scratch of g * L floats; pools of rows
  * of `row` values, float32 or (f16) float16. Softmax with the running
- * maximum subtracted (exact, not online). */
+ * maximum subtracted (exact, not online). probe: NULL, or [g, L] floats that
+ * receive each head's softmax weights (the attention probe; masked
+ * positions 0). */
 ALWAYS_INLINE void attend_kv_head_any(const float *qh, const void *k_pool, const void *v_pool, const int64_t *sl,
                                       const float *bb, int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh,
-                                      float scale, float *p, float *out, const int f16)
+                                      float scale, float *p, float *out, float *probe, const int f16)
 {
 #ifdef TARTLET_AVX2
     if (hd % 8 == 0) {
@@ -201,6 +211,7 @@ ALWAYS_INLINE void attend_kv_head_any(const float *qh, const void *k_pool, const
             for (int64_t j = 0; j < L; j++) /* a masked key's product is overwritten, whatever its slot holds */
                 ph[j] = bb ? (bb[j] == -INFINITY ? -INFINITY : ph[j] * scale + bb[j]) : ph[j] * scale;
             softmax_row(ph, L);
+            probe_weights(probe, h, ph, L);
             weighted_values(ph, sl, L, v_pool, row, kh * hd, hd, out + h * hd, f16);
         }
         return;
@@ -224,23 +235,25 @@ ALWAYS_INLINE void attend_kv_head_any(const float *qh, const void *k_pool, const
     }
     for (int64_t h = 0; h < g; h++) {
         softmax_row(p + h * L, L);
+        probe_weights(probe, h, p + h * L, L);
         weighted_values(p + h * L, sl, L, v_pool, row, kh * hd, hd, out + h * hd, f16);
     }
 }
 
 /* attend_kv_head_any over float32 pools [slots, row] (row = nkv hd). */
 static void attend_kv_head(const float *qh, const float *k_pool, const float *v_pool, const int64_t *sl, const float *bb,
-                           int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale, float *p, float *out)
+                           int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale, float *p, float *out,
+                           float *probe)
 {
-    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, 0);
+    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, probe, 0);
 }
 
 /* attend_kv_head_any over float16 pools [slots, row]. */
 static void attend_kv_head_f16(const float *qh, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *sl,
                                const float *bb, int64_t L, int64_t g, int64_t hd, int64_t row, int64_t kh, float scale,
-                               float *p, float *out)
+                               float *p, float *out, float *probe)
 {
-    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, 1);
+    attend_kv_head_any(qh, k_pool, v_pool, sl, bb, L, g, hd, row, kh, scale, p, out, probe, 1);
 }
 
 /* RMSNorm of one row: o = w * (x * rsqrt(mean(x^2) + eps)). */

@@ -55,9 +55,10 @@ import torch
 from ..models.attention_plan import row_attention
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
 from .abi import KV_KINDS
-from .quant_kernels import LORA_PROJECTIONS, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
+from .quant_kernels import LORA_PROJECTIONS, AttnGroupArgs, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
 
 if TYPE_CHECKING:
+    from ..core.attention_probe import ProbeBuffer
     from ..core.batch import BatchInputs
     from ..models.attention_plan import GroupPlan
     from ..models.llama import LlamaModel
@@ -229,6 +230,7 @@ class FusedDecoder:
     def run(
         self, x: torch.Tensor, batch: "BatchInputs", cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[GroupPlan],
+        probes: "dict[tuple[int | None, int], ProbeBuffer] | None" = None,
     ) -> torch.Tensor | None:
         """Every layer over ``x`` float32 ``[T, H]`` (updated in place), then
         (when :attr:`has_head`) the final norm and LM head of
@@ -240,12 +242,20 @@ class FusedDecoder:
                 or float16, or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
             groups: the model's per-group plans (:class:`~tartlet.engine.models.attention_plan.GroupPlan`),
                 each run by the attention kernel.
+            probes: the attention probe's buffers of probed groups, keyed
+                ``(None, id(group))``
+                (:meth:`~tartlet.engine.core.attention_probe.AttentionCapture.allocate`):
+                the step copies their layers' softmax weights there.
 
         Returns:
             float32 logits ``[S, vocab_size]`` of ``batch.output_rows``, or
             ``None`` without :attr:`has_head` (``x`` holds the last layer's output).
         """
-        args = [(p.group.rows, p.group.row_start, p.slots, p.rows_bias) for p in groups]
+        args: list[AttnGroupArgs] = []
+        for p in groups:
+            pb = probes.get((None, id(p.group))) if probes else None
+            g = (p.group.rows, p.group.row_start, p.slots, p.rows_bias)
+            args.append(g if pb is None else (*g, pb.out, pb.slot))
         logits = None
         if self.has_head:
             logits = torch.empty(batch.output_rows.shape[0], self.model.lm_head.out_features, dtype=torch.float32)

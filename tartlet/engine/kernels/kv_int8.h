@@ -1,6 +1,6 @@
 /* int8 KV rows for cpu_kernels.c: the quantizing RoPE + KV write and the
  * dequantizing inner loops of paged decode attention. Include after
- * float_kernels.h (exp_nonpositive, softmax_row, TARTLET_AVX2).
+ * float_kernels.h (exp_nonpositive, softmax_row, probe_weights, TARTLET_AVX2).
  *
  * Row format (tartlet/engine/core/kv_quant.py, which is the PyTorch twin): each
  * (token, KV head) row of hd values is hd int8 quants q followed by a float32
@@ -117,9 +117,11 @@ static void weighted_values_q8(const float *p, const int64_t *sl, int64_t L, con
 
 /* float_kernels.h's attend_kv_head over int8 pools: the g query heads
  * sharing KV head kh (qh [g, hd]) over L slots sl (additive mask bb or NULL),
- * out [g, hd]; p: scratch of g * L floats. */
+ * out [g, hd]; p: scratch of g * L floats; probe: NULL or [g, L], each
+ * head's softmax weights (probe_weights). */
 static void attend_kv_head_q8(const float *qh, const int8_t *k_pool, const int8_t *v_pool, const int64_t *sl, const float *bb,
-                              int64_t L, int64_t g, int64_t hd, int64_t nkv, int64_t kh, float scale, float *p, float *out)
+                              int64_t L, int64_t g, int64_t hd, int64_t nkv, int64_t kh, float scale, float *p, float *out,
+                              float *probe)
 {
     const int64_t rb = hd + KV_Q8_SCALE_BYTES;
     for (int64_t j = 0; j < L; j++) {
@@ -135,6 +137,7 @@ static void attend_kv_head_q8(const float *qh, const int8_t *k_pool, const int8_
     }
     for (int64_t h = 0; h < g; h++) {
         softmax_row(p + h * L, L);
+        probe_weights(probe, h, p + h * L, L);
         weighted_values_q8(p + h * L, sl, L, v_pool, nkv, kh, hd, out + h * hd);
     }
 }

@@ -618,7 +618,7 @@ static const tq_abi_entry abi_table[] = {
     TQ_ABI_FIELD(tq_layer_desc, down), TQ_ABI_FIELD(tq_layer_desc, k_pool), TQ_ABI_FIELD(tq_layer_desc, v_pool),
     TQ_ABI_SIZE(tq_attn_group), TQ_ABI_FIELD(tq_attn_group, rows), TQ_ABI_FIELD(tq_attn_group, row_start),
     TQ_ABI_FIELD(tq_attn_group, B), TQ_ABI_FIELD(tq_attn_group, L), TQ_ABI_FIELD(tq_attn_group, kv_slots),
-    TQ_ABI_FIELD(tq_attn_group, bias),
+    TQ_ABI_FIELD(tq_attn_group, bias), TQ_ABI_FIELD(tq_attn_group, probe), TQ_ABI_FIELD(tq_attn_group, probe_layers),
     TQ_ABI_SIZE(tq_decoder_desc), TQ_ABI_FIELD(tq_decoder_desc, n_layers), TQ_ABI_FIELD(tq_decoder_desc, hidden),
     TQ_ABI_FIELD(tq_decoder_desc, nh), TQ_ABI_FIELD(tq_decoder_desc, nkv), TQ_ABI_FIELD(tq_decoder_desc, hd),
     TQ_ABI_FIELD(tq_decoder_desc, ffn), TQ_ABI_FIELD(tq_decoder_desc, eps), TQ_ABI_FIELD(tq_decoder_desc, scale),

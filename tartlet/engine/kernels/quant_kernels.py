@@ -70,9 +70,17 @@ class LayerDesc(ctypes.Structure):
 
 
 class AttnGroupDesc(ctypes.Structure):
-    """A decode attention group (``tq_attn_group``)."""
+    """A decode attention group (``tq_attn_group``), with its attention
+    probe buffer and layer table (NULL: no probe)."""
 
-    _fields_ = [("rows", _P), ("row_start", _I), ("B", _I), ("L", _I), ("kv_slots", _P), ("bias", _P)]
+    _fields_ = [("rows", _P), ("row_start", _I), ("B", _I), ("L", _I), ("kv_slots", _P), ("bias", _P), ("probe", _P),
+                ("probe_layers", _P)]
+
+
+#: One attention group of :meth:`QuantKernels.decode_layers`: ``(rows,
+#: row_start, kv_slots, bias)``, plus ``(probe, probe_layers)`` for a probed group.
+AttnGroupArgs = (tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None]
+                 | tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor])
 
 
 class DecoderDesc(ctypes.Structure):
@@ -486,7 +494,7 @@ class QuantKernels:
 
     def decode_layers(
         self, desc: DecoderDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
-        groups: list[tuple[torch.Tensor | None, int, torch.Tensor, torch.Tensor | None]], threads: int,
+        groups: "list[AttnGroupArgs]", threads: int,
         out_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None,
         lora: "tuple[list[ctypes.Array[LoraMat]], torch.Tensor] | None" = None,
     ) -> None:
@@ -503,7 +511,12 @@ class QuantKernels:
             groups: per attention group ``(rows, row_start, kv_slots, bias)``:
                 int64 ``[B]`` rows or ``None`` (rows ``row_start + b``),
                 int64 ``[B, L]`` pool slots, float32 ``[B, L]`` additive mask
-                or ``None``; every row in exactly one group.
+                or ``None``; every row in exactly one group. A probed group
+                (the attention probe) adds ``(probe, probe_layers)``: float32
+                ``[n, B, nh, L]`` contiguous, receiving layer ``l``'s softmax
+                weights of every query head at ``probe[probe_layers[l]]``,
+                and int64 ``[n_layers]`` (-1: layer ``l`` not probed; values
+                not checked beyond the shape).
             out_rows: int64 ``[S]`` rows of ``x`` whose logits are wanted.
             logits: float32 ``[S, vocab]`` contiguous, written.
             lora: LoRA adapters of some rows: ``(adapters, row_adapter)``,
@@ -530,7 +543,8 @@ class QuantKernels:
                 and write_slots.is_contiguous()):
             bad_tensor(kernel, "write_slots", write_slots, [T], "int64")
         arr = (AttnGroupDesc * len(groups))()
-        for i, (rows, row_start, kv, bias) in enumerate(groups):
+        for i, group in enumerate(groups):
+            rows, row_start, kv, bias = group[:4]
             ks = kv.shape
             if not (len(ks) == 2 and kv.dtype is I64 and kv.is_cpu and kv.is_contiguous()):
                 bad_tensor(kernel, f"groups[{i}] kv_slots", kv, ["B", "L"], "int64")
@@ -542,6 +556,17 @@ class QuantKernels:
             elif not (rows.shape == (ks[0],) and rows.dtype is I64 and rows.is_cpu and rows.is_contiguous()):
                 bad_tensor(kernel, f"groups[{i}] rows", rows, [ks[0]], "int64")
             arr[i] = AttnGroupDesc(_ptr(rows), row_start, ks[0], ks[1], kv.data_ptr(), _ptr(bias))
+            if len(group) == 6:  # the attention probe of this group
+                probe, layers = group[4], group[5]
+                nh = desc.nh
+                if not (probe.dim() == 4 and probe.shape[1:] == (ks[0], nh, ks[1]) and probe.dtype is F32 and probe.is_cpu
+                        and probe.is_contiguous()):
+                    bad_tensor(kernel, f"groups[{i}] probe", probe, ["n", ks[0], nh, ks[1]])
+                if not (layers.shape == (desc.n_layers,) and layers.dtype is I64 and layers.is_cpu and layers.is_contiguous()):
+                    bad_tensor(kernel, f"groups[{i}] probe_layers", layers, [desc.n_layers], "int64")
+                if int(layers.max()) >= probe.shape[0]:
+                    raise ValueError(f"{kernel}: groups[{i}] probe_layers names index {int(layers.max())}, the probe holds {probe.shape[0]}")
+                arr[i].probe, arr[i].probe_layers = probe.data_ptr(), layers.data_ptr()
         if logits is not None:
             ls = logits.shape
             vocab = desc.head.contents.n_total if desc.head else "vocab"

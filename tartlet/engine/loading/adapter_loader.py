@@ -67,15 +67,17 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     p = Path(path)
     if p.name == "adapter_config.json":
         p = p.parent
+    source = p
     if p.is_dir():
         modules = _peft_modules(p)
+        source = p / "adapter_model.safetensors"  # errors of a module name the file holding it
     elif p.is_file() and p.suffix == ".gguf":
         modules = _gguf_modules(p, config)
     elif p.is_file():
         raise AdapterError(f"{p}: not an adapter (expected a PEFT folder with adapter_config.json, or a .gguf file)")
     else:
         raise AdapterError(f"{p}: no such adapter file or folder")
-    return build_adapter(name or (p.stem if p.is_file() else p.name), p, config, modules, dtype, device)
+    return build_adapter(name or (p.stem if p.is_file() else p.name), source, config, modules, dtype, device)
 
 
 def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.batch import AttentionGroup, BatchInputs
+from ..core.hidden_states import FINAL, HiddenCapture
 from ..core.kv_quant import from_pool, to_pool
 from ..cuda import attention as cuda_attention
 from ..cuda import rms_norm as cuda_rms_norm
@@ -64,6 +65,7 @@ from ..loading import os_memory
 from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
 from .attention_plan import GroupPlan, row_attention
 from .config import ModelConfig
+from .explicit_attention import explicit_attention
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
@@ -408,14 +410,19 @@ class LlamaModel:
             kv_slots, kv_index = kv_slots.gather(1, cols), kv_index.gather(1, cols)
             mask = mask.gather(2, cols[:, None, :].expand(B, g.num_queries, width))
         visible = None if g.num_queries == 1 and bool(mask.all()) else mask
-        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), visible, g.q_index, kv_index)
+        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), visible, g.q_index, kv_index, g.probe)
 
     def _attend(
-        self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor
+        self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
+        probe: torch.Tensor | None = None,
     ) -> None:
         """Attention of one group's queries over its KV slots, written into
         its rows of ``out`` ``[T, heads * head_dim]``; ``bias`` is the group's
-        mask as an additive ``[B, 1, Q, L]`` float mask (0 or -inf)."""
+        mask as an additive ``[B, 1, Q, L]`` float mask (0 or -inf). With
+        ``probe`` (float32 ``[B, heads, L]``, the attention probe) the
+        weights are computed explicitly (:func:`explicit_attention`, not
+        SDPA) and written there, reduced over each request's queries
+        (``g.probe``)."""
         B, L = g.kv_slots.shape
         Q = g.num_queries
         if g.rows is None:
@@ -427,7 +434,7 @@ class LlamaModel:
         k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
         cap = self.config.attn_logit_softcapping
-        if cap is None:
+        if cap is None and probe is None:
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
                 k,
@@ -437,21 +444,23 @@ class LlamaModel:
                 scale=self.scale,
                 enable_gqa=self.nkv != self.nh,
             )
-        else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py)
-            rep = self.nh // self.nkv
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            scores = torch.matmul(qg.transpose(1, 2), k.transpose(2, 3)) * self.scale
-            scores = torch.tanh(scores / cap) * cap
-            if bias is not None:
-                scores = scores + bias
-            elif Q > 1:
-                scores = scores.masked_fill(~torch.ones(Q, L, dtype=torch.bool, device=q.device).tril(L - Q), float("-inf"))
-            o = torch.matmul(torch.softmax(scores.float(), -1).to(v.dtype), v)
+        else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py); the probe
+            o = explicit_attention(qg.transpose(1, 2), k, v, bias, self.scale, cap, probe, g.probe or "sum")
         o = o.transpose(1, 2).reshape(B * Q, self.nh * self.hd)
         if g.rows is None:
             out[g.row_start : g.row_start + B * Q] = o
         else:
             out.index_copy_(0, g.rows, o)
+
+    def _keep_hidden(self, cap: HiddenCapture, i: int, x: torch.Tensor) -> None:
+        """Keep what ``cap`` wants of ``x`` ``[T, H]``, the residual stream
+        after layer ``i``: its rows for that layer, and after the last layer
+        the final hidden states (the final norm of their rows, as the LM head
+        sees them)."""
+        if i in cap.rows:
+            cap.keep(i, x.index_select(0, cap.rows[i]))
+        if i == len(self.layers) - 1 and FINAL in cap.rows:
+            cap.keep(FINAL, self._rms_norm(x.index_select(0, cap.rows[FINAL]), self.norm))
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -474,7 +483,12 @@ class LlamaModel:
                 rows ``batch.write_slots`` are written.
 
         Returns:
-            float32 logits ``[S, vocab_size]`` for ``batch.output_rows``.
+            float32 logits ``[S, vocab_size]`` for ``batch.output_rows``
+            (``S`` may be 0: no LM head runs). The hidden states
+            ``batch.hidden`` asks for are stored in it as the layers pass
+            (:class:`~tartlet.engine.core.hidden_states.HiddenCapture`); a
+            pass reading a layer before the last runs op by op, not in the
+            fused decode step.
         """
         c = self.config
         nh, nkv, hd = self.nh, self.nkv, self.hd
@@ -523,9 +537,18 @@ class LlamaModel:
         # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
         cuda = {}
         if triton_kv:
-            cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps if p.group.num_queries == 1}
-        if kern is not None and self.fused is not None and self.fused.accepts(batch, k_cache):  # LoRA rows too
-            logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None])
+            cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps
+                    if p.group.num_queries == 1 and p.group.probe is None}  # a probed group: explicit weights (_attend)
+        # the attention probe's buffers, per (window, group object) (attention_probe.py)
+        probes = {} if batch.probe is None else batch.probe.allocate(plans, self.windows, nh, self.device)
+        hid = batch.hidden  # hidden states to keep (hidden_states.py), or None
+        last = len(self.layers) - 1
+        # the fused step returns the last layer's output only (x, in place): a pass reading an earlier layer runs op by op
+        fused_ok = hid is None or hid.layers() <= {last}
+        if kern is not None and self.fused is not None and fused_ok and self.fused.accepts(batch, k_cache):  # LoRA rows too
+            logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None], probes)
+            if hid is not None:
+                self._keep_hidden(hid, last, x)
             if logits is not None:  # the head ran in the step too
                 return logits
             layers = []  # done
@@ -562,13 +585,15 @@ class LlamaModel:
                 q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
             for plan in plans[self.windows[i]]:
                 g = plan.group
+                pb = probes.get((self.windows[i], id(g))) if probes else None
+                pr = None if pb is None else pb.at(i)  # this layer's probe buffer of the group
                 if plan.by_kernel and kern is not None:  # by_kernel: kern is not None
-                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, g.rows, g.row_start, attn_out, self.scale)
+                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, g.rows, g.row_start, attn_out, self.scale, pr)
                 elif id(g) in cuda:
                     rows, lens, mask2d = cuda[id(g)]
                     cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)
                 else:
-                    self._attend(q, attn_out, g, plan.bias, kc, vc)
+                    self._attend(q, attn_out, g, plan.bias, kc, vc, pr)
             if c.gemma_norms:  # norms after attention and MLP too, before each residual add
                 x = x + self._rms_norm(proj(i, "o", attn_out), layer["post_attn"])
                 gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
@@ -580,6 +605,10 @@ class LlamaModel:
                 x = proj(i, "o", attn_out, residual=x)
                 gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
                 x = proj(i, "down", self.act(gate).mul_(up), residual=x)
+            if hid is not None:
+                self._keep_hidden(hid, i, x)
+        if batch.output_rows.shape[0] == 0:  # hidden states only: no LM head
+            return torch.empty(0, self.lm_head.out_features, dtype=torch.float32, device=self.device)
         h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
         logits = self.lm_head(h).float()
         if c.final_logit_softcapping is not None:  # Gemma 2: c * tanh(logits / c)

@@ -34,7 +34,7 @@ adapter, and adapters no row of the batch uses, cost nothing.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -123,6 +123,11 @@ class LoraAdapter:
             no entry.
         rank: the largest ``r`` of its modules.
         modules: how many modules (``layer``, Hugging Face name) it changes.
+        parts: its matrices as the file held them, per ``(layer, Hugging
+            Face name)`` (float32 on the CPU, the scale not folded in): what
+            :func:`~tartlet.engine.loading.adapter_writer.save_peft` writes
+            and an inferlet reads and sets (:mod:`.lora_edit`). Never changed
+            in place: an edited adapter is a new :class:`LoraAdapter`.
     """
 
     name: str
@@ -131,11 +136,19 @@ class LoraAdapter:
     layers: list[dict[str, LoraPair]]
     rank: int
     modules: int
+    parts: dict[tuple[int, str], ModuleLora] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         """Bytes of its matrices."""
         return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values() for t in (p.at, p.bt))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of its per-module ``A`` and ``B`` in float32 (:attr:`parts`;
+        the tensors of its PEFT ``adapter_model.safetensors``): what the
+        per-user adapter quota counts."""
+        return sum(4 * (m.a.numel() + m.b.numel()) for m in self.parts.values())
 
 
 def build_adapter(name: str, source: Path, config: ModelConfig, modules: dict[tuple[int, str], ModuleLora],
@@ -194,7 +207,14 @@ def build_adapter(name: str, source: Path, config: ModelConfig, modules: dict[tu
         layers[layer][proj] = LoraPair(a.t().contiguous().to(device, dtype), b.t().contiguous().to(device, dtype),
                                        tuple(blocks) if len(blocks) > 1 else ())
     rank = max(lora.a.shape[0] for lora in modules.values())
-    return LoraAdapter(name, source, h.digest(), layers, rank, len(modules))
+    own = {k: ModuleLora(_cpu32(m.a), _cpu32(m.b), float(m.scale)) for k, m in sorted(modules.items())}
+    return LoraAdapter(name, source, h.digest(), layers, rank, len(modules), own)
+
+
+def _cpu32(t: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU copy of ``t`` that owns its memory (not a view of a
+    file mapping or of the caller's tensor)."""
+    return t.detach().to("cpu", torch.float32, copy=True).contiguous()
 
 
 def _projection_out(config: ModelConfig, layer: int, proj: str) -> int:

@@ -28,6 +28,16 @@ Args:
     logit_bias (dict, optional): token id (int or its decimal string) ->
         bias added to that token's logit before sampling (OpenAI's
         ``logit_bias``; -100/100 in effect ban/force a token).
+    sampler (dict, optional): more keyword arguments of ``Sampler`` (the
+        server's llama.cpp fields: ``min_p``, ``typical_p``,
+        ``xtc_probability``, ``xtc_threshold``, ``dry_multiplier``,
+        ``dry_base``, ``dry_allowed_length``, ``dry_penalty_last_n``,
+        ``dry_sequence_breakers``), applied by the engine.
+    mirostat (dict, optional): ``{"tau", "eta"}``: sample with
+        ``Sampler.mirostat_v2`` instead (llama.cpp's ``mirostat: 2``; the
+        other truncation fields do not apply; greedy when ``temperature``
+        is 0, as llama.cpp). Neither combines with ``logit_bias``,
+        penalties or ``logprobs`` (the server refuses it).
     presence_penalty, frequency_penalty (float, optional): OpenAI's
         penalties over the generated tokens: ``logit[j] -= c[j] *
         frequency_penalty + (c[j] > 0) * presence_penalty`` where ``c[j]``
@@ -59,6 +69,17 @@ applied by the host), adjusts them here and picks the token: argmax when
 within ``top_p``. ``logprobs`` takes the same path (greedy output is then
 still the argmax of the same logits; seeded draws use this module's RNG).
 
+Speculative decoding: when the server configured it for the model
+(``[[models]] speculative``, :attr:`Model.speculative`), a choice of ``n`` 1
+sampled greedily or with a seed by the engine (no ``logprobs``,
+``logit_bias``, penalties, Mirostat, ``response_format`` or forced tool
+call) generates with :func:`tartlet.drafter.served_drafter`'s drafter: the
+same tokens as without it, fewer passes when the output copies the prompt;
+drafting stops for the rest of the choice when acceptance is low or the
+engine is busy, and the choice then streams as any other (a host token
+stream). A choice's ``speculative`` reports ``{"passes", "drafted",
+"accepted", "stopped"}`` (None when not used).
+
 Chat output is split into reasoning and content
 (:class:`tartlet.tools.ReasoningSplitter`: ``<think>...</think>`` at the
 start, or from the first token when the prompt opens ``<think>``).
@@ -74,7 +95,7 @@ are generated, also in ``auto`` mode; several calls get indices 0, 1, ...), and
 ``{"i": k, "finish_reason": str, "completion_tokens": int}`` when fork ``k``
 ends (``tool_calls`` when it called tools). Returns ``{"choices": [{"text",
 "reasoning", "tool_calls", "finish_reason", "completion_tokens",
-"logprobs"}], "prompt_tokens", "text", "finish_reason",
+"logprobs", "speculative"}], "prompt_tokens", "text", "finish_reason",
 "completion_tokens"}`` (the last three: choice 0's text and finish reason,
 the completion tokens of all choices; ``prompt_tokens``: every token the
 model reads before the first generated one, the chat template's assistant
@@ -92,6 +113,7 @@ import math
 import random
 
 from tartlet import AnyJson, JsonSchema, Model, Sampler, forward, session
+from tartlet.drafter import served_drafter
 from tartlet.tools import ForcedToolCall, ReasoningSplitter, ToolCallStream, prompt_opens_reasoning, tool_format
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -175,7 +197,11 @@ def make_sampler(args: dict, seed=None) -> Sampler:
     frequency = float(args.get("frequency_penalty") or 0.0)
     top_n = args.get("logprobs")
     if top_n is None and not bias and presence == 0 and frequency == 0:
-        return Sampler(temperature=temperature, top_p=top_p, seed=seed)
+        miro = args.get("mirostat")
+        if miro is not None and temperature > 0:
+            return Sampler.mirostat_v2(float(miro["tau"]), eta=float(miro["eta"]), temperature=temperature, seed=seed)
+        extra = {} if miro is not None else dict(args.get("sampler") or {})
+        return Sampler(temperature=temperature, top_p=top_p, seed=seed, **extra)
     return BiasedSampler(temperature, top_p, seed, bias, presence, frequency, None if top_n is None else int(top_n))
 
 
@@ -209,7 +235,17 @@ async def run_forced_call(k: int, ctx, args: dict, sampler, name) -> dict:
     calls = [{"id": forced.call.id, "name": forced.call.name, "arguments": forced.call.arguments}] if forced.call else []
     session.send(json.dumps({"i": k, "finish_reason": forced.finish_reason, "completion_tokens": len(gen.tokens)}))
     return {"text": "", "reasoning": None, "tool_calls": calls, "finish_reason": forced.finish_reason,
-            "completion_tokens": len(gen.tokens), "logprobs": None}
+            "completion_tokens": len(gen.tokens), "logprobs": None, "speculative": None}
+
+
+def speculation(gen, drafter) -> dict | None:
+    """What speculative decoding did for a choice (None: not used):
+    ``passes`` (forward passes while drafting), ``drafted`` and ``accepted``
+    draft tokens, ``stopped`` (None, ``"load"`` or ``"acceptance"``: see
+    :class:`tartlet.drafter.AdaptiveDrafter`)."""
+    if drafter is None:
+        return None
+    return {"passes": drafter.passes, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted, "stopped": drafter.stopped}
 
 
 async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
@@ -246,10 +282,13 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
             session.send(json.dumps({"i": k, "tool_call": d}))
         pending.clear()
     want_lp = args.get("logprobs") is not None
+    # the server's speculative decoding ([[models]] speculative) for one choice the engine samples greedily or
+    # seeded (None otherwise: logprobs, bias, penalties, Mirostat); off for good once it stops paying
+    drafter = served_drafter(model, sampler) if int(args.get("n", 1)) == 1 and constraint is None else None
     gen = ctx.generate(
         sampler, max_tokens=int(args.get("max_tokens", 256)), stop=args.get("stop") or None, constraint=constraint,
         eos=not args.get("ignore_eos", False), overlap=True,  # the next pass runs while this step is sent
-        adapter=args.get("adapter"),
+        adapter=args.get("adapter"), drafter=drafter,
     )
     names: dict[int, str] = {}
 
@@ -297,7 +336,8 @@ async def run_choice(k: int, ctx, args: dict, model, constraint) -> dict:
         send_calls()
         text = "".join(content_parts)
     choice = {"text": text, "reasoning": "".join(reasoning_parts) if splitter is not None and splitter.saw_reasoning else None,
-              "tool_calls": calls, "finish_reason": finish, "completion_tokens": len(gen.tokens), "logprobs": None}
+              "tool_calls": calls, "finish_reason": finish, "completion_tokens": len(gen.tokens), "logprobs": None,
+              "speculative": speculation(gen, drafter)}
     if want_lp:
         choice["logprobs"] = [e for off, e in entries if off < len(gen.text)]
     session.send(json.dumps({"i": k, "finish_reason": finish, "completion_tokens": len(gen.tokens)}))

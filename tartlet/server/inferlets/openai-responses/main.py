@@ -18,7 +18,9 @@ Args:
         included, under this snapshot name when done (a failed save, e.g.
         over the snapshot quota, is reported as ``saved: false``).
     max_tokens (int), temperature (float, 0 = greedy), top_p (float),
-    seed (int), response_format (chat shape, optional).
+    seed (int), response_format (chat shape, optional), ignore_eos (bool,
+    default false; true: EOS does not end the turn, so the reply is exactly
+    ``max_tokens`` long unless ``response_format`` completes first).
 
 Streams one JSON object per ``session.send``, in the order generated:
 ``{"text": str}`` as content is generated, ``{"tool_call": {"index", "id",
@@ -105,7 +107,8 @@ async def main(args: dict) -> dict:
                     else:
                         session.send(json.dumps({"tool_call": e}))
             try:
-                gen = ctx.generate(sampler, max_tokens=max_tokens, constraint=constraint)
+                gen = ctx.generate(sampler, max_tokens=max_tokens, constraint=constraint, eos=not args.get("ignore_eos", False),
+                                   overlap=True)  # the next pass runs while this step is sent, as on the chat route
                 async for step in gen:
                     send(stream.feed(step.text) if stream is not None else [{"content": step.text}] if step.text else [])
             finally:

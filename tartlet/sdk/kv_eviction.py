@@ -1,0 +1,511 @@
+"""KV-cache eviction policies under a token budget, driven by the
+attention-score probe (:mod:`tartlet.attention_probe`).
+
+A policy holds at most ``budget`` tokens of a context's KV cache visible
+to attention: after its prefill and after every decode step it hides the
+tokens it evicts with :meth:`Context.mask_token_range` (token granularity)
+and frees every full page whose tokens are all hidden with
+:meth:`Context.drop_masked_pages`. RoPE positions are kept as they are
+(nothing is re-indexed). Four methods:
+
+- :class:`SinkWindow` (``"window"``): StreamingLLM (Xiao et al., ICLR 2024,
+  "Efficient Streaming Language Models with Attention Sinks"): the first
+  ``sink`` tokens and the most recent ``budget - sink``. No probe.
+- :class:`H2O` (``"h2o"``): Zhang et al., NeurIPS 2023, "H2O: Heavy-Hitter
+  Oracle for Efficient Generative Inference of Large Language Models": the
+  ``recent`` most recent tokens plus the ``budget - recent`` "heavy
+  hitters" with the largest cumulative attention (the probe's ``sum``
+  scores of the prompt's queries, then of every decode step, added up).
+  The paper splits the budget evenly (e.g. 10% heavy + 10% recent), the
+  default here (``recent = budget // 2``). Each step over budget evicts the
+  non-recent token with the lowest cumulative score.
+- :class:`SnapKV` (``"snapkv"``): Li et al., 2024, "SnapKV: LLM Knows What
+  You Are Looking for Before Generation": the prompt but its last
+  ``window`` tokens is prefilled, then the window in a second pass with the
+  probe; the window's attention to the earlier positions is pooled along
+  the positions (1-D ``max`` or ``avg`` pooling, stride 1, ``kernel_size``
+  odd, padding ``kernel_size // 2``: ``F.max_pool1d`` / ``F.avg_pool1d`` of
+  the reference code ``snapkv_utils.py``) and the top ``budget - window``
+  positions are kept with the window. Defaults: window 32, kernel 7, max
+  pooling (the reference repository's LongBench configuration; its code's
+  defaults are kernel 5, ``avgpool``). The paper compresses the prompt
+  only; to hold the budget through decoding as well, each step over budget
+  here evicts the remaining prompt token with the lowest pooled score, and
+  once none is left the oldest generated token (decode passes carry no
+  probe).
+- :class:`TOVA` (``"tova"``): Oren et al., 2024, "Transformers are
+  Multi-State RNNs": once over budget, each step evicts the token with the
+  lowest attention from the current query (the prompt's last token for
+  the prompt: a second pass over it with the probe). The paper averages
+  the heads of each layer and lets each layer keep its own tokens; a mask
+  here is shared by every layer, so the score is averaged over the heads
+  of ``layers`` (default: all layers; ``layers=[-1]``: the last only).
+
+H2O and TOVA select per token for all layers and heads at once (the
+papers select per layer or per head), again because a mask hides a token
+from every layer and head.
+
+Memory accounting: KV memory is held in pages of ``page_size`` tokens, so
+the bytes held are the pages held, not the tokens kept: a page is released
+only when every one of its tokens is evicted and it is full (the
+partly filled last page is never released). :meth:`EvictionPolicy.pages_held`
+counts the pages the context still holds (``ctx.stats()["live_pages"]`` for a
+context only this policy masks); the bytes are that times
+``layers x 2 x kv_heads x head_dim x dtype bytes x page_size``. With a
+scattered eviction pattern (H2O, SnapKV, TOVA) pages stay held while any
+of their tokens is kept, so they hold more pages than ``budget / page_size``;
+the sliding window frees pages as fast as it evicts.
+
+Usage::
+
+    policy = kv_eviction.make_policy("h2o", budget=256)
+    ctx.user(prompt); ctx.begin_assistant()
+    async for tok in policy.generate(ctx, Sampler.greedy(), max_tokens=128):
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from . import forward as fwd
+from .attention_probe import AttentionProbe, AttentionScores
+from .context import Context
+from .forward import OutputSlot
+from .sampler import Sampler
+
+#: Method names :func:`make_policy` accepts.
+METHODS = ("window", "h2o", "snapkv", "tova")
+#: ``SnapKV.pooling`` values.
+POOLINGS = ("max", "avg")
+
+
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def _layers_arg(layers: Any) -> list[int] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)) or not layers or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise ValueError(f"layers must be a non-empty list of ints or None (all layers), got {layers!r}")
+    return list(layers)
+
+
+def pool1d(scores: Sequence[float], kernel_size: int, pooling: str = "max") -> list[float]:
+    """SnapKV's smoothing of per-position scores: 1-D pooling with stride 1
+    and ``kernel_size // 2`` padding on both sides, so the output has
+    ``len(scores)`` values (``kernel_size`` odd). ``"max"`` pads with
+    ``-inf`` (``torch.nn.functional.max_pool1d``); ``"avg"`` pads with 0
+    and divides by ``kernel_size`` (``avg_pool1d`` with its default
+    ``count_include_pad=True``), as SnapKV's ``snapkv_utils.py`` calls them.
+
+    Args:
+        scores: floats, one per position.
+        kernel_size: odd int >= 1.
+        pooling: ``"max"`` or ``"avg"``.
+
+    Raises:
+        ValueError: ``kernel_size`` not an odd int >= 1, or ``pooling`` unknown.
+    """
+    k = _int_arg("kernel_size", kernel_size, 1)
+    if k % 2 == 0:
+        raise ValueError(f"kernel_size must be odd (the pooled scores keep one value per position), got {k}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    h, n = k // 2, len(scores)
+    if pooling == "max":
+        return [max(scores[max(0, i - h) : i + h + 1]) for i in range(n)]
+    return [sum(scores[max(0, i - h) : i + h + 1]) / k for i in range(n)]
+
+
+class EvictionPolicy:
+    """Base of the policies: bookkeeping of the kept tokens and pages of
+    one context, the prefill and decode-step drivers, and the eviction
+    itself (mask, then drop the pages left empty).
+
+    One policy object serves one context, from its prefill on; tokens that
+    were already in the KV cache before :meth:`prefill` count as kept
+    (and as evictable). Do not mask that context's tokens by other means
+    while the policy runs: the policy's counts would no longer match.
+
+    Attributes:
+        budget: most tokens kept visible in the KV cache between passes.
+        evicted: tokens evicted so far.
+        dropped_pages: pages released so far (``drop_masked_pages``).
+        peak_pages: the most pages held after any pass.
+    """
+
+    method = ""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = _int_arg("budget", budget, 1)
+        self.evicted = 0
+        self.dropped_pages = 0
+        self.peak_pages = 0
+        self._kept = bytearray()       # per position of the context: 1 = in the KV cache and visible
+        self._page_kept: list[int] = []  # per page: kept tokens
+        self._page_gone: list[bool] = []  # per page: released
+        self._ps = 0
+        self._ctx: Context | None = None
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens of the KV cache still visible (at most ``budget`` between passes)."""
+        return len(self._kept) - self.evicted
+
+    def kept_positions(self) -> list[int]:
+        """The kept positions (context token indexes), ascending."""
+        return [j for j, k in enumerate(self._kept) if k]
+
+    def pages_held(self) -> int:
+        """Pages of the context not released: every page holding a kept
+        token, the partly filled last page, and full pages whose tokens are
+        all evicted but which were not dropped yet (none between passes)."""
+        return sum(1 for gone in self._page_gone if not gone)
+
+    def probe(self) -> AttentionProbe | None:
+        """The probe each decode step carries (None: none)."""
+        return None
+
+    def _bind(self, ctx: Context) -> None:
+        if self._ctx is None:
+            self._ctx, self._ps = ctx, ctx.page_size
+        elif self._ctx is not ctx:
+            raise ValueError("an eviction policy serves one context: make a new policy for another context")
+
+    def _grow(self, n: int) -> None:
+        """Count the positions up to ``n`` (the KV length after a pass) as kept."""
+        ps = self._ps
+        for j in range(len(self._kept), n):
+            if j // ps == len(self._page_kept):
+                self._page_kept.append(0)
+                self._page_gone.append(False)
+            self._page_kept[j // ps] += 1
+        self._kept.extend(b"\x01" * (n - len(self._kept)))
+
+    async def _evict(self, ctx: Context, positions: Sequence[int]) -> None:
+        """Hide ``positions`` (kept ones) and release the full pages left
+        without a kept token."""
+        pos = sorted(set(positions))
+        if not pos:
+            return
+        ps = self._ps
+        for j in pos:
+            if not self._kept[j]:
+                raise ValueError(f"position {j} is not kept")  # a policy bug, not a caller's
+            self._kept[j] = 0
+            self._page_kept[j // ps] -= 1
+        self.evicted += len(pos)
+        start = prev = pos[0]
+        for j in pos[1:] + [-1]:  # one mask call per run of consecutive positions
+            if j != prev + 1:
+                ctx.mask_token_range(start, prev + 1)
+                start = j
+            prev = j
+        full = len(self._kept) // ps
+        empty = [p for p in range(full) if self._page_kept[p] == 0 and not self._page_gone[p]]
+        if empty:
+            self.dropped_pages += await ctx.drop_masked_pages()
+            for p in empty:
+                self._page_gone[p] = True
+
+    def _note_pages(self) -> None:
+        self.peak_pages = max(self.peak_pages, self.pages_held())
+
+    # -- passes ------------------------------------------------------------------------
+    async def _pass(self, ctx: Context, outputs: Sequence[OutputSlot], probe: AttentionProbe | None,
+                    split: int = 0) -> tuple[list[Any], AttentionScores | None]:
+        """Run the pending tokens: with ``split`` > 0, all but the last
+        ``split`` first (flushed, no probe) and those last ones in a second
+        pass with ``probe``; ``outputs`` (index 0) read the last token."""
+        pending = ctx._take_pending()
+        if not pending:
+            raise ValueError("prefill needs pending tokens (fill the prompt first)")
+        tail = pending
+        if 0 < split < len(pending):
+            ctx._set_pending(pending[:-split])
+            tail = pending[-split:]
+            try:
+                await ctx.flush()
+            except BaseException:
+                ctx._restore_pending(tail)
+                raise
+        slots: list[Any] = [replace(o, index=len(tail) - 1) for o in outputs]
+        if probe is not None:
+            slots.append(probe)
+        try:
+            res = await ctx.forward(tail, outputs=slots)
+        except BaseException:
+            ctx._restore_pending(tail)
+            raise
+        if probe is None:
+            return res, None
+        return res[:-1], res[-1]
+
+    async def prefill(self, ctx: Context, outputs: Sequence[OutputSlot] = ()) -> list[Any]:
+        """Run the context's pending tokens (the prompt) through the model
+        and evict down to ``budget``.
+
+        Args:
+            ctx: the context; its pending tokens are the prompt.
+            outputs: slots (:mod:`tartlet.forward`, ``index`` 0) read at the
+                prompt's last token, e.g. ``forward.sample(0, sampler)``.
+
+        Returns:
+            One result per slot of ``outputs``.
+
+        Raises:
+            ValueError: no pending tokens, a slot whose index is not 0, or
+                this policy already serves another context.
+        """
+        self._bind(ctx)
+        for o in outputs:
+            if not isinstance(o, OutputSlot) or o.index != 0:
+                raise ValueError(f"prefill outputs are OutputSlots at index 0 (the prompt's last token), got {o!r}")
+        if len(self._kept) < ctx.kv_len:
+            self._grow(ctx.kv_len)
+        res = await self._prefill(ctx, list(outputs))
+        self._note_pages()
+        return res
+
+    async def step(self, ctx: Context, token: int, outputs: Sequence[OutputSlot] = ()) -> list[Any]:
+        """One decode pass over ``token`` (with this policy's probe), then
+        evict down to ``budget``.
+
+        Args:
+            ctx: the context (after :meth:`prefill`), with no pending tokens.
+            token: the input token id.
+            outputs: slots at index 0 (e.g. ``forward.sample(0, sampler,
+                step=i)``, ``forward.logprobs(0, [next_id])``).
+
+        Returns:
+            One result per slot of ``outputs``.
+
+        Raises:
+            ValueError: the context has pending tokens, or is not this
+                policy's.
+        """
+        if self._ctx is not ctx:
+            raise ValueError("step needs the context this policy prefilled")
+        if ctx.pending:
+            raise ValueError("step takes the context with no pending tokens (the token is the input)")
+        probe = self.probe()
+        res = await ctx.forward([token], outputs=[*outputs, *([probe] if probe is not None else [])])
+        scores = res.pop() if probe is not None else None
+        self._grow(ctx.kv_len)
+        await self._decoded(ctx, scores)
+        self._note_pages()
+        return res
+
+    async def generate(self, ctx: Context, sampler: Sampler | None = None, *, max_tokens: int = 256,
+                       eos: bool = True) -> AsyncIterator[int]:
+        """Prefill the pending prompt, then decode, yielding each token.
+
+        The last yielded token is left pending (as :meth:`Context.generate`
+        leaves it). Seeded samplers use step ``i`` for the ``i``-th token.
+
+        Raises:
+            ValueError: ``max_tokens`` < 1, or as :meth:`prefill`.
+        """
+        sampler = sampler or Sampler.greedy()
+        max_tokens = _int_arg("max_tokens", max_tokens, 1)
+        (tok,) = await self.prefill(ctx, [fwd.sample(0, sampler, step=0)])
+        stops = set(ctx.model.eos_token_ids) if eos else set()
+        for i in range(1, max_tokens + 1):
+            yield tok
+            if i == max_tokens or tok in stops:
+                break
+            (tok,) = await self.step(ctx, tok, [fwd.sample(0, sampler, step=i)])
+        ctx.fill_tokens([tok])
+
+    # -- what the methods define ------------------------------------------------------
+    async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        raise NotImplementedError
+
+    async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
+        raise NotImplementedError
+
+    def _lowest(self, score: Sequence[float], candidates: Sequence[int], n: int) -> list[int]:
+        """The ``n`` candidates with the lowest ``score`` (ties: earlier first)."""
+        return sorted(candidates, key=lambda j: (score[j], j))[:max(0, n)]
+
+
+class SinkWindow(EvictionPolicy):
+    """StreamingLLM (Xiao et al., 2024): keep the first ``sink`` tokens
+    (attention sinks) and the last ``budget - sink``; no probe.
+
+    Raises:
+        ValueError: ``budget`` < 1, or ``sink`` not in ``[0, budget)``.
+    """
+
+    method = "window"
+
+    def __init__(self, budget: int, *, sink: int = 4) -> None:
+        super().__init__(budget)
+        self.sink = _int_arg("sink", sink, 0)
+        if self.sink >= self.budget:
+            raise ValueError(f"sink must be less than budget ({self.budget}), got {sink}")
+
+    async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        res, _ = await self._pass(ctx, outputs, None)
+        self._grow(ctx.kv_len)
+        await self._decoded(ctx, None)
+        return res
+
+    async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
+        over = self.kept_tokens - self.budget
+        if over > 0:
+            old = [j for j in range(self.sink, len(self._kept)) if self._kept[j]][:over]
+            await self._evict(ctx, old)
+
+
+class H2O(EvictionPolicy):
+    """H2O (Zhang et al., 2023): ``recent`` latest tokens plus the
+    ``budget - recent`` heavy hitters by cumulative attention (summed over
+    ``layers``, heads and every query since the prompt).
+
+    Raises:
+        ValueError: ``budget`` < 1, ``recent`` not in ``[0, budget]``,
+            ``layers`` malformed.
+    """
+
+    method = "h2o"
+
+    def __init__(self, budget: int, *, recent: int | None = None, layers: list[int] | None = None) -> None:
+        super().__init__(budget)
+        self.recent = self.budget // 2 if recent is None else _int_arg("recent", recent, 0)
+        if self.recent > self.budget:
+            raise ValueError(f"recent must be at most budget ({self.budget}), got {recent}")
+        self.layers = _layers_arg(layers)
+        self.cumulative: list[float] = []  # per position: attention received so far
+
+    def probe(self) -> AttentionProbe:
+        return fwd.attention_scores(self.layers)
+
+    def _add(self, scores: AttentionScores) -> None:
+        total = scores.total()
+        self.cumulative.extend([0.0] * (len(total) - len(self.cumulative)))
+        for j, s in enumerate(total):
+            self.cumulative[j] += s
+
+    async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        res, scores = await self._pass(ctx, outputs, self.probe())
+        self._grow(ctx.kv_len)
+        await self._decoded(ctx, scores)
+        return res
+
+    async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
+        if scores is not None:
+            self._add(scores)
+        over = self.kept_tokens - self.budget
+        if over > 0:
+            old = [j for j in range(len(self._kept) - self.recent) if self._kept[j]]
+            await self._evict(ctx, self._lowest(self.cumulative, old, over))
+
+
+class TOVA(EvictionPolicy):
+    """TOVA (Oren et al., 2024): over budget, evict the tokens the current
+    query attends to least (heads of ``layers`` averaged; default every
+    layer); the prompt's scores are its last token's.
+
+    Raises:
+        ValueError: ``budget`` < 1, ``layers`` malformed.
+    """
+
+    method = "tova"
+
+    def __init__(self, budget: int, *, layers: list[int] | None = None) -> None:
+        super().__init__(budget)
+        self.layers = _layers_arg(layers)
+
+    def probe(self) -> AttentionProbe:
+        return fwd.attention_scores(self.layers)
+
+    async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        over = self.kept_tokens + len(ctx.pending) > self.budget
+        res, scores = await self._pass(ctx, outputs, self.probe() if over else None, split=1 if over else 0)
+        self._grow(ctx.kv_len)
+        await self._decoded(ctx, scores)
+        return res
+
+    async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
+        over = self.kept_tokens - self.budget
+        if over > 0 and scores is not None:
+            await self._evict(ctx, self._lowest(scores.total(), self.kept_positions(), over))
+
+
+class SnapKV(EvictionPolicy):
+    """SnapKV (Li et al., 2024): the prompt's last ``window`` tokens vote
+    (probe ``sum`` over ``layers``, heads and the window's queries), the
+    votes are pooled (:func:`pool1d`) and the top ``budget - window``
+    earlier positions are kept with the window; decode steps over budget
+    evict the lowest-voted prompt tokens first, then the oldest.
+
+    Raises:
+        ValueError: ``budget`` < 1, ``window`` not in ``[1, budget]``,
+            ``kernel_size`` not odd, ``pooling`` unknown, ``layers``
+            malformed.
+    """
+
+    method = "snapkv"
+
+    def __init__(self, budget: int, *, window: int | None = None, kernel_size: int = 7, pooling: str = "max",
+                 layers: list[int] | None = None) -> None:
+        super().__init__(budget)
+        self.window = min(32, self.budget) if window is None else _int_arg("window", window, 1)
+        if self.window > self.budget:
+            raise ValueError(f"window must be at most budget ({self.budget}), got {window}")
+        pool1d([], kernel_size, pooling)  # checks both
+        self.kernel_size, self.pooling = kernel_size, pooling
+        self.layers = _layers_arg(layers)
+        self.votes: list[float] = []   # pooled score per prompt position before the window
+        self._order: list[int] = []     # prompt positions still kept, the next to evict last
+
+    async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        over = self.kept_tokens + len(ctx.pending) > self.budget
+        probe = fwd.attention_scores(self.layers) if over else None
+        res, scores = await self._pass(ctx, outputs, probe, split=self.window if over else 0)
+        self._grow(ctx.kv_len)
+        if scores is not None:
+            prefix = max(0, len(self._kept) - self.window)
+            self.votes = pool1d(scores.total()[:prefix], self.kernel_size, self.pooling)
+            kept = [j for j in range(prefix) if self._kept[j]]
+            self._order = sorted(kept, key=lambda j: (self.votes[j], j), reverse=True)
+        await self._decoded(ctx, None)
+        return res
+
+    async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
+        over = self.kept_tokens - self.budget
+        if over <= 0:
+            return
+        gone = self._order[len(self._order) - min(over, len(self._order)):]
+        del self._order[len(self._order) - len(gone):]
+        rest, taken = over - len(gone), set(gone)
+        old = [j for j in range(len(self._kept)) if self._kept[j] and j not in taken][:rest] if rest > 0 else []
+        await self._evict(ctx, gone + old)
+
+
+def make_policy(method: str, budget: int, **options: Any) -> EvictionPolicy:
+    """The policy named ``method`` (:data:`METHODS`) with a KV budget of
+    ``budget`` tokens and its keyword ``options`` (``sink``; ``recent``,
+    ``layers``; ``window``, ``kernel_size``, ``pooling``, ``layers``;
+    ``layers``).
+
+    Raises:
+        ValueError: an unknown method, an option the method does not take,
+            or a bad value (naming it).
+    """
+    classes: dict[str, type[EvictionPolicy]] = {"window": SinkWindow, "h2o": H2O, "snapkv": SnapKV, "tova": TOVA}
+    if method not in classes:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    try:
+        return classes[method](budget, **options)
+    except TypeError as e:  # an option this method does not take
+        raise ValueError(f"method {method!r} takes no option among {sorted(options)}: {e}") from None

@@ -1,0 +1,143 @@
+"""KV eviction policies (``tartlet.kv_eviction``) on the real model: each
+method keeps at most its budget of tokens visible, frees exactly the pages
+it says it frees (context and pool page counts), generates the full-cache
+greedy tokens when the budget holds everything, and still generates under a
+tight budget; SnapKV's pooling equals torch's; bad arguments raise errors
+naming them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import inline_program, run, run_ok
+from tartlet.runtime.instance import Status
+from tartlet.sdk import kv_eviction
+from tartlet.sdk.kv_eviction import pool1d
+
+PROMPT = "Write a short story about a lighthouse keeper named Ada who counts ships every night."
+N_NEW, BUDGET, STEPS = 24, 40, 40
+TIGHT = {"window": {"sink": 4}, "h2o": {"recent": 16}, "snapkv": {"window": 8, "kernel_size": 5}, "tova": {}}
+
+PROGRAM = """
+from tartlet import Model, Sampler, forward, kv_eviction
+
+async def main(args):
+    model = Model.load()
+    out = {"generous": {}, "tight": {}}
+    with model.new_context() as ref:
+        ref.user(args["prompt"])
+        out["ref"] = await ref.generate(max_tokens=args["n_new"], eos=False).collect_tokens()
+    for method, opts in args["tight"].items():
+        policy = kv_eviction.make_policy(method, 4096)
+        with model.new_context() as c:
+            c.user(args["prompt"])
+            c.begin_assistant()
+            out["generous"][method] = [t async for t in policy.generate(c, max_tokens=args["n_new"], eos=False)]
+            out["prompt_len"] = c.kv_len - args["n_new"] + 1
+        policy = kv_eviction.make_policy(method, args["budget"], **opts)
+        with model.new_context() as c:
+            await c.stats()  # after the closed contexts' pages went back (commands run in order)
+            used0 = model.kv_stats()["used"]
+            c.user(args["prompt"])
+            c.begin_assistant()
+            (tok,) = await policy.prefill(c, [forward.sample(0, Sampler.greedy())])
+            rows, toks = [], [tok]
+            for i in range(args["steps"] + 1):
+                st = await c.stats()
+                rows.append({"kept": policy.kept_tokens, "held": policy.pages_held(), "dropped": policy.dropped_pages,
+                             "evicted": policy.evicted, "kv_len": c.kv_len, **st})
+                if i < args["steps"]:
+                    (tok,) = await policy.step(c, tok, [forward.sample(0, Sampler.greedy())])
+                    toks.append(tok)
+            used1 = model.kv_stats()["used"]
+            out["tight"][method] = {"rows": rows, "toks": toks, "kept": policy.kept_positions(),
+                                    "pool_pages": used1 - used0, "peak": policy.peak_pages}
+            if method == "h2o":
+                out["h2o_cumulative"] = policy.cumulative
+    return out
+"""
+
+
+@pytest.fixture(scope="module")
+async def result(host_state, tmp_path_factory):
+    from harness import assert_no_leaks
+    from tartlet.runtime.native import NativeRuntime
+
+    runtime = NativeRuntime(host_state)
+    prog = inline_program(tmp_path_factory.mktemp("kv-eviction"), PROGRAM, "kv_eviction_probe")
+    out = await run_ok(runtime, prog, {"prompt": PROMPT, "n_new": N_NEW, "budget": BUDGET, "steps": STEPS,
+                                       "tight": TIGHT})
+    assert_no_leaks(host_state)
+    return out
+
+
+def test_generous_budget_gives_the_full_cache_greedy_tokens(result):
+    for method in kv_eviction.METHODS:
+        assert result["generous"][method] == result["ref"], method
+
+
+@pytest.mark.parametrize("method", kv_eviction.METHODS)
+def test_tight_budget_holds_and_frees_the_pages_it_says(result, engine, method):
+    ps = engine.pool.page_size
+    r = result["tight"][method]
+    assert result["prompt_len"] > BUDGET  # the prompt alone is over budget: the prefill evicts
+    for row in r["rows"]:
+        assert row["kept"] == BUDGET  # between passes, exactly the budget is visible
+        assert row["evicted"] == row["kv_len"] - BUDGET
+        assert row["pages"] == -(-row["kv_len"] // ps)
+        assert row["live_pages"] == row["held"] == row["pages"] - row["dropped"]  # the pages it says it freed are gone
+    last = r["rows"][-1]
+    assert r["pool_pages"] == last["live_pages"]  # and the pool's used pages agree
+    assert r["peak"] == max(row["held"] for row in r["rows"]) and last["live_pages"] >= -(-BUDGET // ps)
+    assert len(r["toks"]) == STEPS + 1 and all(0 <= t < engine.config.vocab_size for t in r["toks"])
+    kept, n = r["kept"], last["kv_len"]
+    assert len(kept) == BUDGET
+    if method == "window":  # StreamingLLM: the sinks and the latest tokens, nothing else
+        assert kept == list(range(4)) + list(range(n - BUDGET + 4, n))
+        assert last["dropped"] == (n - BUDGET + 4) // ps - 1 >= 2  # full pages inside [sink, n - budget + sink)
+        assert last["live_pages"] <= 1 + -(-(BUDGET - 4) // ps) + 1
+    if method == "h2o":  # the recent window is kept; the last step evicted the lowest cumulative score outside it
+        assert kept[-16:] == list(range(n - 16, n))
+
+
+def test_pool1d_equals_torch():
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(37, generator=g, dtype=torch.float64)
+    for k in (1, 3, 5, 7):
+        mx = F.max_pool1d(x[None, None], kernel_size=k, padding=k // 2, stride=1)[0, 0]
+        av = F.avg_pool1d(x[None, None], kernel_size=k, padding=k // 2, stride=1)[0, 0]
+        assert pool1d(x.tolist(), k, "max") == pytest.approx(mx.tolist(), abs=1e-15)
+        assert pool1d(x.tolist(), k, "avg") == pytest.approx(av.tolist(), abs=1e-15)
+
+
+@pytest.mark.parametrize("method, budget, opts, msg", [
+    ("lru", 8, {}, "method must be one of window, h2o, snapkv, tova, got 'lru'"),
+    ("h2o", 0, {}, "budget must be an int >= 1, got 0"),
+    ("h2o", 8.5, {}, "budget must be an int >= 1, got 8.5"),
+    ("h2o", 8, {"recent": 9}, "recent must be at most budget (8), got 9"),
+    ("h2o", 8, {"layers": []}, "layers must be a non-empty list of ints"),
+    ("window", 8, {"sink": 8}, "sink must be less than budget (8), got 8"),
+    ("window", 8, {"sink": -1}, "sink must be an int >= 0, got -1"),
+    ("snapkv", 8, {"window": 9}, "window must be at most budget (8), got 9"),
+    ("snapkv", 8, {"kernel_size": 4}, "kernel_size must be odd"),
+    ("snapkv", 8, {"pooling": "mean"}, "pooling must be one of max, avg, got 'mean'"),
+    ("tova", 8, {"sink": 2}, "method 'tova' takes no option among ['sink']"),
+])
+def test_bad_arguments_are_named(method, budget, opts, msg):
+    with pytest.raises(ValueError) as e:
+        kv_eviction.make_policy(method, budget, **opts)
+    assert msg in str(e.value)
+
+
+async def test_inferlet_generates_under_budget(runtime, engine):
+    res = await run_ok(runtime, "kv-eviction", {"prompt": PROMPT, "method": "snapkv", "budget": 32, "window": 8,
+                                                "max_tokens": 32, "ignore_eos": True})
+    assert len(res["tokens"]) == 32 and res["kept_tokens"] == 32 and res["method"] == "snapkv"
+    final = res["final_stats"]
+    assert final["pages"] - final["live_pages"] == res["dropped_pages"] >= 1
+    inst = await run(runtime, "kv-eviction", {"prompt": "x", "method": "h2o", "budget": 4, "recent": 5})
+    assert inst.status is Status.FAILED and "recent must be at most budget (4), got 5" in inst.error
