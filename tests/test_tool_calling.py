@@ -363,7 +363,8 @@ def test_tool_result_round_trip(server, oa, smol_tokenizer):
     assert c.message.content or c.message.tool_calls
     # the prompt grew by the call and the result, and the server's length check counts what the inferlet filled
     assert r.usage.prompt_tokens > first.usage.prompt_tokens + 10
-    from tartlet.server.openai_protocol import parse_request, prompt_length
+    from tartlet.server.openai_models import parse_request
+    from tartlet.server.openai_protocol import prompt_length
 
     for body, usage in ((dict(messages=history, tools=TOOLS), r.usage), (dict(messages=ASK, tools=TOOLS, tool_choice="required"), first.usage)):
         job = parse_request(dict(body, model=MODEL), True, 8192)["args"]

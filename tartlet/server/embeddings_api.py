@@ -40,8 +40,9 @@ import base64
 import sys
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -49,7 +50,8 @@ from ..protocol import ProtocolError
 from ..runtime.instance import Instance
 from ..runtime.program import load_program
 from .openai_api import await_instances
-from .openai_errors import ApiError, bad_param, launch_error
+from .openai_errors import PARAM, ApiError, bad_param, launch_error, validation_error
+from .openai_fields import invalid, non_empty_string
 from .openai_protocol import read_json_body
 from .service import post
 
@@ -58,8 +60,6 @@ if TYPE_CHECKING:
 
 PROGRAM_DIR = Path(__file__).parent / "inferlets" / "openai-embedding"
 
-#: The parameters of an embeddings request (OpenAI's API reference).
-EMBEDDING_PARAMS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
 #: ``encoding_format`` values.
@@ -68,45 +68,11 @@ ENCODINGS = ("float", "base64")
 _SHAPE = "'input' must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-def parse_embedding_request(body: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """Validate an embeddings request body; returns ``{"model", "inputs",
-    "encoding_format", "dimensions"}`` (``inputs``: strings and token-id
-    lists, in order; token ids checked against ``vocab_size`` when given).
-
-    Raises:
-        ApiError: 400 naming the offending parameter.
-    """
-    if not isinstance(body, dict):
-        raise bad_param("the request body must be a JSON object")
-    for key in body:
-        if key not in EMBEDDING_PARAMS:
-            raise bad_param(f"unsupported parameter '{key}'", key, "unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_param("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
-    inputs = parse_inputs(body.get("input"), vocab_size)
-    fmt = body.get("encoding_format")
-    if fmt is None:
-        fmt = "float"
-    if fmt not in ENCODINGS:
-        raise bad_param(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {fmt!r}", "encoding_format")
-    dims = body.get("dimensions")
-    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
-        raise bad_param(f"'dimensions' must be a positive integer, got {dims!r}", "dimensions")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_param(f"'user' must be a string, got {type(user).__name__}", "user")
-    return {"model": model, "inputs": inputs, "encoding_format": fmt, "dimensions": dims}
-
-
-def parse_inputs(value: Any, vocab_size: int | None) -> list[str | list[int]]:
+def _inputs(value: Any, info: ValidationInfo) -> list[str | list[int]]:
     """The inputs of ``input``: a string, a list of strings, a list of
-    token ids or a list of token-id lists, each non-empty.
-
-    Raises:
-        ApiError: 400 (``param`` ``input``) for any other shape, an empty
-            input, an id outside the vocabulary or more than :data:`MAX_INPUTS`.
-    """
+    token ids or a list of token-id lists, each non-empty (ids checked
+    against the validation context's ``vocab_size``)."""
+    vocab_size = (info.context or {}).get("vocab_size")
     if isinstance(value, str):
         items: list[Any] = [value]
     elif isinstance(value, list) and value and all(_is_id(t) for t in value):
@@ -114,25 +80,80 @@ def parse_inputs(value: Any, vocab_size: int | None) -> list[str | list[int]]:
     elif isinstance(value, list) and value:
         items = value
     else:
-        raise bad_param(_SHAPE if value != [] else "'input' must not be empty", "input")
+        raise invalid(_SHAPE if value != [] else "'input' must not be empty")
     if len(items) > MAX_INPUTS:
-        raise bad_param(f"'input' holds {len(items)} inputs, more than the {MAX_INPUTS} of one request", "input")
+        raise invalid(f"'input' holds {len(items)} inputs, more than the {MAX_INPUTS} of one request")
     out: list[str | list[int]] = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
-                raise bad_param(f"input[{i}] must not be an empty string", "input")
+                raise invalid(f"input[{i}] must not be an empty string")
             out.append(item)
         elif isinstance(item, list) and all(_is_id(t) for t in item):
             if not item:
-                raise bad_param(f"input[{i}] must not be an empty list of token ids", "input")
+                raise invalid(f"input[{i}] must not be an empty list of token ids")
             bad = [t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)]
             if bad:
-                raise bad_param(f"input[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "input")
+                raise invalid(f"input[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             out.append(list(item))
         else:
-            raise bad_param(_SHAPE, "input")
+            raise invalid(_SHAPE)
     return out
+
+
+def _encoding(v: Any) -> str:
+    if v is None:
+        return "float"
+    if v not in ENCODINGS:
+        raise invalid(f"{PARAM} must be one of {', '.join(ENCODINGS)}, got {v!r}")
+    return str(v)
+
+
+def _dimensions(v: Any) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise invalid(f"{PARAM} must be a positive integer, got {v!r}")
+    return v
+
+
+def _user(v: Any) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise invalid(f"{PARAM} must be a string, got {type(v).__name__}")
+    return v
+
+
+class EmbeddingRequest(BaseModel):
+    """A ``/v1/embeddings`` body (:mod:`.openai_fields`; any other key is a
+    400 ``unsupported_parameter``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, non_empty_string("is required (see GET /v1/models)", "missing_required_parameter")] = Field(
+        "", validate_default=True,
+    )
+    #: strings and token-id lists, in order
+    input: Annotated[list[str | list[int]], PlainValidator(_inputs)] = Field(None, validate_default=True)
+    encoding_format: Annotated[str, PlainValidator(_encoding)] = "float"
+    dimensions: Annotated[int | None, PlainValidator(_dimensions)] = None
+    user: Annotated[str | None, PlainValidator(_user)] = None
+
+
+def parse_embedding_request(body: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """Validate an embeddings request body (:class:`EmbeddingRequest`);
+    returns ``{"model", "inputs", "encoding_format", "dimensions"}``
+    (``inputs``: strings and token-id lists, in order; token ids checked
+    against ``vocab_size`` when given).
+
+    Raises:
+        ApiError: 400 naming the offending parameter (:func:`.openai_errors.validation_error`):
+            an unknown one, a bad ``input`` (any other shape, an empty input,
+            an id outside the vocabulary, more than :data:`MAX_INPUTS`),
+            ``encoding_format`` or ``dimensions``.
+    """
+    try:
+        req = EmbeddingRequest.model_validate(body, context={"vocab_size": vocab_size})
+    except ValidationError as e:
+        raise validation_error(e) from None
+    return {"model": req.model, "inputs": req.input, "encoding_format": req.encoding_format, "dimensions": req.dimensions}
 
 
 def _is_id(t: Any) -> bool:

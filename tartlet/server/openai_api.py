@@ -7,8 +7,10 @@ API requests batch with every other inferlet. Greedy requests
 inferlet's output for the same prompt. Request and response shapes follow
 the OpenAI API reference (chat.completion, chat.completion.chunk,
 text_completion objects; ``data: ...`` SSE frames ending with
-``data: [DONE]``). The routes and streaming are here; each parameter's
-checks in :mod:`.openai_protocol`, the error bodies in :mod:`.openai_errors`.
+``data: [DONE]``). The routes and streaming are here; the request bodies'
+pydantic models in :mod:`.openai_models` (fields in :mod:`.openai_fields`,
+:mod:`.openai_sampling`), the rest of the protocol in :mod:`.openai_protocol`,
+the error bodies in :mod:`.openai_errors`.
 
 ``response_format`` (chat and completions) constrains the output with the
 SDK's constrained decoding (:mod:`tartlet.sdk.constraint`): ``{"type":
@@ -97,7 +99,8 @@ from .ws import bearer
 if TYPE_CHECKING:
     pass
 from .openai_errors import ApiError, generation_error, launch_error
-from .openai_protocol import check_response_format, check_tools, fit_context, format_logprobs, parse_request, prompt_length, read_json_body
+from .openai_models import parse_request
+from .openai_protocol import check_response_format, check_tools, fit_context, format_logprobs, prompt_length, read_json_body
 
 log = logging.getLogger(__name__)
 

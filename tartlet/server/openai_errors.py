@@ -1,13 +1,15 @@
 """Errors of the OpenAI-compatible routes: :class:`ApiError` (an HTTP
-status and OpenAI's error body), the 400s that name a parameter, and an
+status and OpenAI's error body), the 400s that name a parameter (among them
+:func:`validation_error`, a request model's pydantic error), and an
 instance's failure mapped to a status and code without Python class names."""
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from ..runtime.instance import Instance
@@ -69,3 +71,51 @@ def generation_error(inst: Instance) -> ApiError:
 def bad_param(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     """An HTTP 400 ``invalid_request_error`` naming ``param`` (OpenAI's shape)."""
     return ApiError(400, message, param, code)
+
+
+#: Where a field error's message names its parameter (:func:`.openai_fields.invalid`, filled in by :func:`validation_error`).
+PARAM = "{param}"
+
+#: The ``code`` of each error that :func:`.openai_fields.invalid` makes.
+FIELD_CODES = frozenset({"invalid_value", "unsupported_parameter", "missing_required_parameter", "invalid_json_schema"})
+
+
+def param_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as OpenAI writes a ``param``:
+    ``("messages", 2, "content")`` -> ``messages[2].content``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_error(exc: ValidationError, unsupported: Mapping[str, str] | None = None) -> ApiError:
+    """The HTTP 400 of a ``/v1`` request body its pydantic model refused
+    (:mod:`.openai_models`): the first error, an unknown parameter before
+    any other.
+
+    - an unknown top-level key: ``unsupported_parameter`` naming it (with
+      ``unsupported[key]``, why a known OpenAI parameter is refused);
+    - a body that is not an object: ``param`` null;
+    - an error of :func:`.openai_fields.invalid`: its code and message,
+      ``{param}`` replaced by the parameter (``'temperature'``,
+      ``messages[1].role``); ``param`` is the location, the ``field`` of
+      the error's context appended, or its ``at`` (a check across fields);
+    - any other pydantic error: ``invalid_value`` (``missing`` ones:
+      ``missing_required_parameter``) with pydantic's message.
+    """
+    errors = exc.errors(include_url=False)
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        key = param_path(loc)
+        why = (unsupported or {}).get(key)
+        return bad_param(f"unsupported parameter '{key}'" + (f": {why}" if why else ""), key, "unsupported_parameter")
+    if not loc and kind == "model_type":
+        return bad_param("the request body must be a JSON object")
+    param = ctx.get("at") or param_path(loc + ((ctx["field"],) if "field" in ctx else ()))
+    shown = f"'{param}'" if param.isidentifier() else param
+    if kind in FIELD_CODES:
+        return bad_param(str(err["msg"]).replace(PARAM, shown), param or None, kind)
+    code = "missing_required_parameter" if kind == "missing" else "invalid_value"
+    return bad_param(f"invalid {shown}: {err['msg']}", param or None, code)

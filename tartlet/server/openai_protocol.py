@@ -1,15 +1,14 @@
-"""The OpenAI-compatible request protocol: what ``/v1/chat/completions``
-and ``/v1/completions`` (and the Responses routes, for their shared parts)
-accept and how each parameter is checked (an HTTP 400 naming the ``param``),
-the prompt-length check, tools and ``response_format``. No routes here
-(:mod:`.openai_api`)."""
+"""The OpenAI-compatible request protocol beside the request models
+(:mod:`.openai_models`): the request body read, ``response_format``'s
+shape (shared with the Responses route's ``text.format``), the tools' and
+response format's grammars compiled, the prompt-length check and the
+``logprobs`` objects. No routes here (:mod:`.openai_api`)."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -17,195 +16,12 @@ from ..host.grammar import Matcher
 from ..protocol import ProtocolError, parse_json
 from ..sdk.chat_transcript import ChatTranscript
 from ..sdk.errors import GrammarError
-from ..sdk.tools import ToolFormat, ToolSpecError, detect_format, normalize_tools, render_with, tool_names, uses_tools
+from ..sdk.tools import ToolFormat, detect_format, render_with, uses_tools
 from .limits_config import LimitsConfig
 
 if TYPE_CHECKING:
     from ..engine.core.engine import Engine
 from .openai_errors import ApiError, bad_param
-from .openai_sampling import SAMPLER_FIELDS, parse_sampler_fields
-
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos"} | SAMPLER_FIELDS
-
-
-CHAT_PARAMS = _COMMON | {
-    "messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
-    "response_format", "metadata", "store", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
-}
-
-
-COMPLETION_PARAMS = _COMMON | {
-    "response_format", "prompt", "frequency_penalty", "presence_penalty", "logprobs", "echo", "best_of", "suffix", "logit_bias",
-}
-
-
-#: Tool-calling parameters (chat only).
-TOOL_PARAMS = {"tools", "tool_choice", "parallel_tool_calls"}
-
-
-#: Known OpenAI parameters and why they are refused.
-UNSUPPORTED = {
-    "tools": "tool calling is available on /v1/chat/completions only",
-    "tool_choice": "tool calling is available on /v1/chat/completions only",
-    "parallel_tool_calls": "tool calling is available on /v1/chat/completions only",
-    "functions": "the deprecated 'functions' parameter is not supported: use 'tools'",
-    "function_call": "the deprecated 'function_call' parameter is not supported: use 'tool_choice'",
-    "audio": "audio output is not supported", "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported", "reasoning_effort": "reasoning_effort is not supported",
-    "web_search_options": "web search is not supported", "service_tier": "service tiers are not supported",
-}
-
-
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad_param(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {v!r}", key)
-    return float(v)
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad_param(f"{where}.content must be a string or a list of text parts (images and audio are not supported)", where)
-
-
-class ParsedRequest(TypedDict):
-    """A validated request (:func:`parse_request`)."""
-
-    #: the inferlet args (for completions, without the prompt)
-    args: dict[str, Any]
-    #: completions: per-prompt args, ``{"prompt": str}`` or ``{"prompt_tokens": [int]}``; None for chat
-    prompts: list[dict[str, Any]] | None
-    stream: bool
-    include_usage: bool
-
-
-def parse_request(body: Any, chat: bool, max_seq_len: int, vocab_size: int | None = None) -> ParsedRequest:
-    """Validate an OpenAI request body; returns ``{"args", "prompts",
-    "stream", "include_usage"}``: the inferlet args, and for completions the
-    list of per-prompt args (``{"prompt": str}`` or ``{"prompt_tokens":
-    [int]}``; None for chat). Token ids and ``logit_bias`` keys are checked
-    against ``vocab_size`` when given.
-
-    Raises:
-        ApiError: 400 naming the offending parameter.
-    """
-    if not isinstance(body, dict):
-        raise bad_param("the request body must be a JSON object")
-    allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
-    for key in body:
-        if key in UNSUPPORTED and not (chat and key in TOOL_PARAMS):
-            raise bad_param(f"unsupported parameter '{key}': {UNSUPPORTED[key]}", key, "unsupported_parameter")
-        if key not in allowed:
-            raise bad_param(f"unsupported parameter '{key}'", key, "unsupported_parameter")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
-        raise bad_param(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
-    if body.get("best_of") not in (None, 1):
-        raise bad_param("'best_of' must be 1 (use the best-of-n inferlet)", "best_of", "unsupported_parameter")
-    top_n = parse_logprobs(body, chat)
-    if body.get("echo") or body.get("suffix"):
-        raise bad_param("'echo' and 'suffix' are not supported", "echo" if body.get("echo") else "suffix", "unsupported_parameter")
-    rf = parse_response_format(body.get("response_format"))
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_param("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
-    args: dict[str, Any] = {"model": model}
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise bad_param("'messages' must be a non-empty list", "messages")
-        args["messages"] = parse_messages(msgs)
-        prompts = None
-        parse_tools(body, args)
-        forced = isinstance(args.get("tool_choice"), dict) or args.get("tool_choice") == "required"
-        if forced and top_n is not None:
-            raise bad_param("'logprobs' cannot be combined with a forced tool call (tool_choice required or named)", "logprobs", "unsupported_parameter")
-        if rf is not None and args.get("tools") and args.get("tool_choice") != "none":
-            raise bad_param("'response_format' cannot be combined with 'tools' unless tool_choice is 'none'", "response_format", "unsupported_parameter")
-    else:
-        prompts = parse_prompts(body.get("prompt"), vocab_size)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = body.get(key)
-    if mt is None:
-        mt = 256 if chat else 16  # the OpenAI default for completions is 16
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_seq_len:
-        raise bad_param(f"'{key}' must be an integer in [1, {max_seq_len}], got {mt!r}", key)
-    args["max_tokens"] = mt
-    args["temperature"] = _number(body, "temperature", 0.0, 2.0, 0.0)
-    args["top_p"] = _number(body, "top_p", 0.0, 1.0, 1.0)
-    if args["top_p"] == 0.0:
-        raise bad_param("'top_p' must be > 0", "top_p")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad_param("'seed' must be an integer", "seed")
-    args["seed"] = seed
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)):
-        raise bad_param("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
-    args["stop"] = stop
-    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: generate exactly max_tokens
-    if not isinstance(ignore_eos, bool):
-        raise bad_param("'ignore_eos' must be a boolean", "ignore_eos")
-    args["ignore_eos"] = ignore_eos
-    if rf is not None:
-        args["response_format"] = rf
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = _number(body, key, -2.0, 2.0, 0.0)
-        if v:
-            args[key] = v
-    bias = parse_logit_bias(body.get("logit_bias"), vocab_size)
-    if bias:
-        args["logit_bias"] = bias
-    if n is not None and n > 1:
-        args["n"] = n
-    if top_n is not None:
-        args["logprobs"] = top_n
-    parse_sampler_fields(body, args)  # llama.cpp's min_p, typical_p, mirostat, dry_*, xtc_*
-    so = body.get("stream_options") or {}
-    if not isinstance(so, dict) or set(so) - {"include_usage"}:
-        raise bad_param("'stream_options' supports only include_usage", "stream_options")
-    return {"args": args, "prompts": prompts, "stream": bool(body.get("stream")), "include_usage": bool(so.get("include_usage"))}
-
-
-def parse_messages(msgs: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages in the inferlet's shape: ``developer`` becomes
-    ``system``; an assistant message may carry ``tool_calls`` (then its
-    content may be null), a ``tool`` message needs ``tool_call_id``.
-
-    Raises:
-        ApiError: 400 naming the message (``messages[i]...``).
-    """
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_param(f"{where}.role must be system, developer, user, assistant or tool", f"{where}.role")
-        role = "system" if m["role"] == "developer" else m["role"]
-        calls = m.get("tool_calls") if role == "assistant" else None
-        if calls is not None:
-            if not isinstance(calls, list):
-                raise bad_param(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
-            msg: dict[str, Any] = {"role": role, "content": None if m.get("content") is None else _text(m["content"], where)}
-            if calls:
-                msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
-            elif msg["content"] is None:
-                msg["content"] = ""
-        else:
-            msg = {"role": role, "content": _text(m.get("content"), where)}
-        if role == "tool":
-            cid = m.get("tool_call_id")
-            if not isinstance(cid, str) or not cid:
-                raise bad_param(f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)", f"{where}.tool_call_id")
-            msg["tool_call_id"] = cid
-        out.append(msg)
-    return out
 
 
 def is_json_object_text(value: Any) -> bool:
@@ -215,55 +31,6 @@ def is_json_object_text(value: Any) -> bool:
         return isinstance(value, str) and isinstance(json.loads(value), dict)
     except ValueError:
         return False
-
-
-def _tool_call(c: Any, where: str) -> dict[str, Any]:
-    if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
-        raise bad_param(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
-    fn = c["function"]
-    cid = c.get("id")
-    if not isinstance(cid, str) or not cid:
-        raise bad_param(f"{where}.id must be a non-empty string", f"{where}.id")
-    if not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise bad_param(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
-    args = fn.get("arguments", "{}")
-    if not is_json_object_text(args):
-        raise bad_param(f"{where}.function.arguments must be a JSON object as a string, got {args!r:.80}", f"{where}.function.arguments")
-    return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def parse_tools(body: dict[str, Any], args: dict[str, Any]) -> None:
-    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into
-    ``args`` (``tools``: normalized list; ``tool_choice``: ``auto``,
-    ``none``, ``required`` or ``{"name": str}``).
-
-    Raises:
-        ApiError: 400 naming the parameter (``tools[0].function.name``, ``tool_choice``, ...).
-    """
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    ptc = body.get("parallel_tool_calls")
-    if ptc is not None and not isinstance(ptc, bool):
-        raise bad_param("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    if tools is None:
-        if choice not in (None, "none"):
-            raise bad_param("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
-        return
-    try:
-        args["tools"] = normalize_tools(tools)
-    except ToolSpecError as e:
-        raise bad_param(str(e), e.param) from None
-    if choice is None:
-        choice = "auto"
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or set(choice) - {"type", "function"}:
-            raise bad_param("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
-        if fn["name"] not in tool_names(args["tools"]):
-            raise bad_param(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({', '.join(tool_names(args['tools']))})", "tool_choice")
-        choice = {"name": fn["name"]}
-    elif choice not in ("none", "auto", "required"):
-        raise bad_param(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice")
-    args["tool_choice"] = choice
 
 
 _tool_formats: dict[str, ToolFormat] = {}
@@ -305,44 +72,6 @@ def check_tools(engine: Engine, args: dict[str, Any]) -> None:
             raise bad_param(f"the tools' schemas cannot be combined into a call grammar: {e}", "tools", "invalid_json_schema") from None
 
 
-#: The most prompts one ``/v1/completions`` request may carry.
-MAX_PROMPTS = 64
-
-
-#: The most choices (``n``) one request may ask for.
-MAX_N = 16
-
-
-#: The most alternatives per token: ``top_logprobs`` (chat) and ``logprobs`` (completions).
-MAX_TOP_LOGPROBS = {True: 20, False: 5}
-
-
-def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
-    """How many alternatives per token to report, or None for no logprobs:
-    chat's ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs
-    ``logprobs``), completions' ``logprobs`` (0..5).
-
-    Raises:
-        ApiError: 400 naming the bad parameter.
-    """
-    cap = MAX_TOP_LOGPROBS[chat]
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat:
-        if lp is not None and not isinstance(lp, bool):
-            raise bad_param(f"'logprobs' must be a boolean, got {lp!r}", "logprobs")
-        if top is not None:
-            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= cap:
-                raise bad_param(f"'top_logprobs' must be an integer in [0, {cap}], got {top!r}", "top_logprobs")
-            if not lp:
-                raise bad_param("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-        return (top or 0) if lp else None
-    if lp is None:
-        return None
-    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= cap:
-        raise bad_param(f"'logprobs' must be an integer in [0, {cap}], got {lp!r}", "logprobs")
-    return lp
-
-
 def format_logprobs(entries: list[dict[str, Any]] | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
     """The OpenAI ``logprobs`` object of a choice (or of a stream chunk) from
     the inferlet's entries (``{"token", "logprob", "top": [[str, float]]}``):
@@ -367,71 +96,6 @@ def format_logprobs(entries: list[dict[str, Any]] | None, chat: bool, offset: in
         "top_logprobs": [dict((t, v) for t, v in e["top"]) for e in entries],
         "text_offset": offsets,
     }
-
-
-def _token_ids(ids: list[Any], vocab_size: int | None, where: str) -> list[int]:
-    if not ids:
-        raise bad_param(f"{where} must not be empty", "prompt")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise bad_param(f"{where}: token id {t!r} is outside the vocabulary [0, {vocab_size})", "prompt")
-    return list(ids)
-
-
-def parse_prompts(prompt: Any, vocab_size: int | None) -> list[dict[str, Any]]:
-    """The prompts of a completions request: a string, a list of strings, a
-    list of token ids or a list of token-id lists; one args dict each
-    (``{"prompt": str}`` or ``{"prompt_tokens": [int]}``).
-
-    Raises:
-        ApiError: 400 (``param`` ``prompt``) for any other shape, an empty
-            prompt, an id outside the vocabulary or more than
-            :data:`MAX_PROMPTS` prompts.
-    """
-    shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists"
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt:
-        items = prompt
-    else:
-        raise bad_param(shape, "prompt")
-    if len(items) > MAX_PROMPTS:
-        raise bad_param(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
-    out: list[dict[str, Any]] = []
-    for i, p in enumerate(items):
-        if isinstance(p, str):
-            if not p:
-                raise bad_param(f"prompt[{i}] must not be empty", "prompt")
-            out.append({"prompt": p})
-        elif isinstance(p, list):
-            out.append({"prompt_tokens": _token_ids(p, vocab_size, f"prompt[{i}]")})
-        else:
-            raise bad_param(shape, "prompt")
-    return out
-
-
-def parse_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
-    """OpenAI's ``logit_bias``: token id (a decimal string in JSON) -> bias
-    in [-100, 100]; zero biases are dropped.
-
-    Raises:
-        ApiError: 400 (``param`` ``logit_bias``) for a bad key or value.
-    """
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise bad_param("'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
-    out = {}
-    for k, v in bias.items():
-        if not (isinstance(k, str) and k.isdigit()) or (vocab_size is not None and int(k) >= vocab_size):
-            raise bad_param(f"logit_bias key {k!r} is not a token id in [0, {vocab_size})", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
-            raise bad_param(f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
-        if v:
-            out[str(int(k))] = float(v)
-    return out
 
 
 def prompt_length(tokenizer: Any, job: dict[str, Any]) -> int:

@@ -14,7 +14,8 @@ without ``"type": "message"``); ``{"type": "function_call", "call_id",
 ``"none"``, ``"required"`` or ``{"type": "function", "name"}``;
 ``text.format`` is ``{"type": "text" | "json_object"}`` or ``{"type":
 "json_schema", "name", "schema", "strict"}``. Anything else is an HTTP 400
-naming the parameter.
+naming the parameter (the body is the pydantic model :class:`ResponsesBody`;
+the items, tools and ``text`` are checked by this module's parsers).
 """
 
 from __future__ import annotations
@@ -22,21 +23,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, TypedDict
+from typing import Annotated, Any, NamedTuple, TypedDict
 
-from .openai_errors import ApiError, bad_param
-from .openai_protocol import is_json_object_text, parse_response_format, parse_tools
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
-#: Request fields accepted. Those in IGNORED are accepted and have no effect here.
-FIELDS = {
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "stream", "store",
-    "previous_response_id", "max_output_tokens", "temperature", "top_p", "seed", "user", "metadata",
-    "include", "truncation", "service_tier", "top_logprobs", "prompt_cache_key", "safety_identifier", "stream_options",
-    "reasoning", "ignore_eos",
-}
-#: Accepted with any value but null or their default only (what SDKs send by default).
-NULL_ONLY: dict[str, tuple[Any, ...]] = {"include": (None, []), "truncation": (None, "disabled"), "service_tier": (None, "auto", "default"),
-             "top_logprobs": (None, 0), "reasoning": (None, {})}
+from .openai_errors import PARAM, ApiError, bad_param, validation_error
+from .openai_fields import boolean, checked_by, integer, invalid, non_empty_string, number
+from .openai_models import parse_tools
+from .openai_protocol import is_json_object_text, parse_response_format
 
 
 class ResponsesRequest(TypedDict):
@@ -184,78 +178,133 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         raise
 
 
+def _null_only(*allowed: Any) -> PlainValidator:
+    """A field accepted only null or at its default (what SDKs send)."""
+
+    def check(v: Any) -> Any:
+        if v not in allowed:
+            raise invalid(f"{PARAM} is not supported", "unsupported_parameter")
+        return v
+
+    return PlainValidator(check)
+
+
+class _Input(NamedTuple):
+    #: the chat messages of ``input``
+    messages: list[dict[str, Any]]
+    #: ``input`` as Responses items with ids (``GET /v1/responses/{id}/input_items``)
+    items: list[dict[str, Any]]
+
+
+def _input(items: Any) -> _Input:
+    return _Input(input_messages(items), input_item_objects(items))
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and (choice.get("type") != "function" or not isinstance(choice.get("name"), str)):
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+    return choice
+
+
+def _instructions(v: Any) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise invalid(f"{PARAM} must be a string")
+    return v
+
+
+def _response_id(v: Any) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v):
+        raise invalid(f"{PARAM} must be a response id")
+    return v
+
+
+def _metadata(v: Any) -> dict[str, str]:
+    metadata = v or {}
+    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(isinstance(k, str) and isinstance(x, str) for k, x in metadata.items()):
+        raise invalid(f"{PARAM} must map at most 16 string keys to strings")
+    return metadata
+
+
+class ResponsesBody(BaseModel):
+    """A ``POST /v1/responses`` body (:mod:`.openai_fields`): any key not
+    here is a 400 ``unsupported_parameter``, and so is a value other than
+    null or the default for ``include``, ``truncation``, ``service_tier``,
+    ``top_logprobs`` and ``reasoning``; ``user``, ``prompt_cache_key``,
+    ``safety_identifier`` and ``stream_options`` are accepted and unused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, non_empty_string("is required (see GET /v1/models)", "missing_required_parameter")] = Field(
+        "", validate_default=True,
+    )
+    input: Annotated[_Input, checked_by(_input)] = Field(None, validate_default=True)
+    instructions: Annotated[str | None, PlainValidator(_instructions)] = None
+    #: the chat shape (``{"type": "function", "function": {...}}``), checked with ``tool_choice`` by :func:`.openai_models.parse_tools`
+    tools: Annotated[list[dict[str, Any]], checked_by(_tools)] = Field(default_factory=list)
+    tool_choice: Annotated[Any, PlainValidator(_tool_choice)] = None
+    parallel_tool_calls: Any = None
+    #: the chat ``response_format`` of ``text.format`` (None: plain text)
+    text: Annotated[dict[str, Any] | None, checked_by(_text_format)] = None
+    max_output_tokens: Annotated[int | None, integer(1, hi_from="max_seq_len")] = None
+    #: the chat route's (vLLM's) extension: generate exactly max_output_tokens
+    ignore_eos: Annotated[bool | None, boolean] = None
+    temperature: Annotated[float | None, number(0.0, 2.0)] = None
+    top_p: Annotated[float | None, number(0.0, 1.0)] = None
+    seed: Annotated[int | None, integer()] = None
+    previous_response_id: Annotated[str | None, PlainValidator(_response_id)] = None
+    store: Annotated[bool | None, boolean] = None
+    stream: Annotated[bool | None, boolean] = None
+    metadata: Annotated[dict[str, str], PlainValidator(_metadata)] = Field(default_factory=dict)
+    include: Annotated[Any, _null_only(None, [])] = None
+    truncation: Annotated[Any, _null_only(None, "disabled")] = None
+    service_tier: Annotated[Any, _null_only(None, "auto", "default")] = None
+    top_logprobs: Annotated[Any, _null_only(None, 0)] = None
+    reasoning: Annotated[Any, _null_only(None, {})] = None
+    user: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_above_zero(cls, v: float | None) -> float | None:
+        if v == 0.0:
+            raise invalid(f"{PARAM} must be > 0")
+        return v
+
+
 def parse_request(body: Any, max_seq_len: int) -> ResponsesRequest:
-    """Validate a ``POST /v1/responses`` body.
+    """Validate a ``POST /v1/responses`` body (:class:`ResponsesBody`, its
+    tools as the chat route's, :func:`.openai_models.parse_tools`).
 
     Raises:
-        ApiError: 400 naming the parameter.
+        ApiError: 400 naming the parameter (:func:`.openai_errors.validation_error`).
     """
-    if not isinstance(body, dict):
-        raise bad_param("the request body must be a JSON object")
-    for k, v in body.items():
-        if k not in FIELDS:
-            raise bad_param(f"unsupported parameter '{k}'", k, "unsupported_parameter")
-        if k in NULL_ONLY and v not in NULL_ONLY[k]:
-            raise bad_param(f"'{k}' is not supported", k, "unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_param("'model' is required (see GET /v1/models)", "model", "missing_required_parameter")
-    messages = input_messages(body.get("input"))
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise bad_param("'instructions' must be a string", "instructions")
+    try:
+        b = ResponsesBody.model_validate(body, context={"max_seq_len": max_seq_len})
+    except ValidationError as e:
+        raise validation_error(e) from None
+    choice = b.tool_choice
+    chat_choice = {"type": "function", "function": {"name": choice["name"]}} if isinstance(choice, dict) else choice
     args: dict[str, Any] = {}
-    chat_tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad_param("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
-        chat_choice: Any = {"type": "function", "function": {"name": choice["name"]}}
-    else:
-        chat_choice = choice
-    parse_tools({"tools": chat_tools or None, "tool_choice": chat_choice, "parallel_tool_calls": body.get("parallel_tool_calls")}, args)
-    rf = _text_format(body.get("text"))
+    parse_tools({"tools": b.tools or None, "tool_choice": chat_choice, "parallel_tool_calls": b.parallel_tool_calls}, args)
+    rf = b.text
     if rf is not None:
         if args.get("tools") and args.get("tool_choice") != "none":
             raise bad_param("'text.format' cannot be combined with 'tools' unless tool_choice is 'none'", "text.format", "unsupported_parameter")
         args["response_format"] = rf
-    mt = body.get("max_output_tokens")
-    if mt is None:
-        mt = 256
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_seq_len:
-        raise bad_param(f"'max_output_tokens' must be an integer in [1, {max_seq_len}], got {mt!r}", "max_output_tokens")
-    args["max_tokens"] = mt
-    ignore_eos = body.get("ignore_eos", False)  # the chat route's (vLLM's) extension: generate exactly max_output_tokens
-    if not isinstance(ignore_eos, bool):
-        raise bad_param("'ignore_eos' must be a boolean", "ignore_eos")
-    args["ignore_eos"] = ignore_eos
-    for key, lo, hi, default in (("temperature", 0.0, 2.0, 0.0), ("top_p", 0.0, 1.0, 1.0)):
-        v = body.get(key)
-        if v is None:
-            v = default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (key == "top_p" and v == 0):
-            raise bad_param(f"'{key}' must be a number in [{lo:g}, {hi:g}]" + (" above 0" if key == "top_p" else ""), key)
-        args[key] = float(v)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad_param("'seed' must be an integer", "seed")
-    args["seed"] = seed
-    prev = body.get("previous_response_id")
-    if prev is not None and (not isinstance(prev, str) or not prev):
-        raise bad_param("'previous_response_id' must be a response id", "previous_response_id")
-    store = body.get("store", True)
-    stream = body.get("stream", False)
-    if not isinstance(store, bool) or not isinstance(stream, bool):
-        raise bad_param("'store' and 'stream' must be booleans", "store" if not isinstance(store, bool) else "stream")
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise bad_param("'metadata' must map at most 16 string keys to strings", "metadata")
+    args["max_tokens"] = b.max_output_tokens if b.max_output_tokens is not None else 256
+    args["ignore_eos"] = bool(b.ignore_eos)
+    args["temperature"] = b.temperature if b.temperature is not None else 0.0
+    args["top_p"] = b.top_p if b.top_p is not None else 1.0
+    args["seed"] = b.seed
     text_format = {"type": "text"} if rf is None else body["text"]["format"]
     return {
-        "model": model, "messages": messages, "instructions": instructions, "args": args,
+        "model": b.model, "messages": b.input.messages, "instructions": b.instructions, "args": args,
         "tools": [dict(t, strict=t.get("strict", True)) for t in (body.get("tools") or [])],
-        "tool_choice": choice if choice is not None else "auto", "text_format": text_format, "stream": stream, "store": store,
-        "previous_response_id": prev, "metadata": metadata, "input_items": input_item_objects(body["input"]),
+        "tool_choice": choice if choice is not None else "auto", "text_format": text_format,
+        "stream": bool(b.stream), "store": b.store is not False,
+        "previous_response_id": b.previous_response_id, "metadata": b.metadata, "input_items": b.input.items,
     }
 
 
