@@ -29,7 +29,7 @@ from pathlib import Path
 from ..engine.core.engine import Engine
 from ..engine.loading.adapter_writer import WEIGHTS_FILE, save_peft
 from ..engine.models.lora import ModuleLora
-from .snapshot_store import private_dir
+from .snapshot_store import fsync_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class AdapterStore:
             if dest.exists():
                 raise FileExistsError(f"adapter folder for {name!r} exists")
             os.rename(tmp, dest)
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -140,17 +140,3 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (best effort)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

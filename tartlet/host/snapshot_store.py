@@ -216,7 +216,7 @@ class SnapshotStore:
                 os.fsync(f.fileno())
                 snap.stamp = file_stamp(os.fstat(f.fileno()))  # a rename keeps inode, size and mtime
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -302,7 +302,7 @@ def _file_name(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:40] + ".safetensors"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (best effort: not every file system
     lets a folder be opened)."""
     try:
