@@ -46,13 +46,29 @@ def number(lo: float, hi: float, open_lo: bool = False, finite: bool = False) ->
     """A JSON number (not a boolean) in ``[lo, hi]`` (``(lo, hi]`` with
     ``open_lo``; NaN never, infinities only with ``hi`` infinite and not
     ``finite``), as a float; null is None."""
+    return PlainValidator(_number_check(lo, hi, open_lo, finite))
 
+
+def _number_check(lo: float, hi: float, open_lo: bool = False, finite: bool = False) -> Callable[[Any], float | None]:
     def check(v: Any) -> float | None:
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if open_lo else lo <= v) or not v <= hi or (finite and math.isinf(v)):
             raise invalid(f"{PARAM} must be a number in {_bounds(lo, hi, open_lo)}, got {v!r}")
         return float(v)
+
+    return check
+
+
+def nucleus() -> PlainValidator:
+    """``top_p``: a number in ``[0, 1]`` (:func:`number`) above 0; null is None."""
+    in_range = _number_check(0.0, 1.0)
+
+    def check(v: Any) -> float | None:
+        p = in_range(v)
+        if p == 0.0:
+            raise invalid(f"{PARAM} must be > 0")
+        return p
 
     return PlainValidator(check)
 

@@ -32,7 +32,7 @@ from pydantic import (
 
 from ..sdk.tools import ToolSpecError, normalize_tools, tool_names
 from .openai_errors import PARAM, validation_error
-from .openai_fields import boolean, checked_by, integer, invalid, non_empty_string, number
+from .openai_fields import boolean, checked_by, integer, invalid, non_empty_string, nucleus, number
 from .openai_protocol import is_json_object_text, parse_response_format
 from .openai_sampling import SamplerFields
 
@@ -266,7 +266,7 @@ class _Request(SamplerFields):
     response_format: Annotated[dict[str, Any] | None, checked_by(parse_response_format)] = None
     max_tokens: Annotated[int | None, integer(1, hi_from="max_seq_len")] = None
     temperature: Annotated[float | None, number(0.0, 2.0)] = None
-    top_p: Annotated[float | None, number(0.0, 1.0)] = None
+    top_p: Annotated[float | None, nucleus()] = None
     seed: Annotated[int | None, integer()] = None
     stop: Annotated[list[str] | None, PlainValidator(_stop)] = None
     #: vLLM's extension: generate exactly max_tokens
@@ -277,13 +277,6 @@ class _Request(SamplerFields):
     stream: Any = None
     stream_options: Annotated[bool, PlainValidator(_include_usage)] = False
     user: Any = None
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p_above_zero(cls, v: float | None) -> float | None:
-        if v == 0.0:
-            raise invalid(f"{PARAM} must be > 0")
-        return v
 
     def inferlet_args(self) -> dict[str, Any]:
         """The ``openai-completion`` inferlet's args (for completions,

@@ -25,10 +25,10 @@ import time
 import uuid
 from typing import Annotated, Any, NamedTuple, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from .openai_errors import PARAM, ApiError, bad_param, validation_error
-from .openai_fields import boolean, checked_by, integer, invalid, non_empty_string, number
+from .openai_fields import boolean, checked_by, integer, invalid, non_empty_string, nucleus, number
 from .openai_models import parse_tools
 from .openai_protocol import is_json_object_text, parse_response_format
 
@@ -249,7 +249,7 @@ class ResponsesBody(BaseModel):
     #: the chat route's (vLLM's) extension: generate exactly max_output_tokens
     ignore_eos: Annotated[bool | None, boolean] = None
     temperature: Annotated[float | None, number(0.0, 2.0)] = None
-    top_p: Annotated[float | None, number(0.0, 1.0)] = None
+    top_p: Annotated[float | None, nucleus()] = None
     seed: Annotated[int | None, integer()] = None
     previous_response_id: Annotated[str | None, PlainValidator(_response_id)] = None
     store: Annotated[bool | None, boolean] = None
@@ -264,13 +264,6 @@ class ResponsesBody(BaseModel):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     stream_options: Any = None
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p_above_zero(cls, v: float | None) -> float | None:
-        if v == 0.0:
-            raise invalid(f"{PARAM} must be > 0")
-        return v
 
 
 def parse_request(body: Any, max_seq_len: int) -> ResponsesRequest:
