@@ -19,6 +19,7 @@ from .hidden_states import HiddenSpec
 from .kv_cache import PagePool
 from .requests import Chunk
 from .sampler import OutputSlot, SamplerSpec, SlotSampler
+from .sequence import Sequence
 from .stats import SchedulerStats
 
 
@@ -61,7 +62,7 @@ class ModelRunner:
         if batch.probe is not None:  # the attention probe's weights into each request's scores
             batch.probe.collect([it.req.probe_acc for it in items])
         slots = [s for it in items for _, s in it.out_slots]
-        history = _history(items) if any(isinstance(s.spec, SamplerSpec) and s.spec.dry is not None for s in slots) else None
+        history = _history(items)  # read only by slots with a DRY penalty (the sampler finds them)
         if batch.hidden is None:
             results = self.sampler.run(logits, slots, history) if slots else []
         else:  # hidden-state slots take their rows of the capture, the others the logits rows
@@ -88,10 +89,13 @@ class ModelRunner:
 def _history(items: list[Chunk]) -> Callable[[OutputSlot], list[int]]:
     """For the sampler's DRY penalty: a slot's context tokens up to and
     including its input token (the request's tokens sit from
-    ``req.start_len`` on in its sequence, which already holds this chunk)."""
-    where = {id(s): (it.seq, it.req.start_len + s.index) for it in items for _, s in it.out_slots}
+    ``req.start_len`` on in its sequence, which already holds this chunk).
+    The slot map is built on the first call: most steps make none."""
+    where: dict[int, tuple[Sequence, int]] = {}
 
     def history(slot: OutputSlot) -> list[int]:
+        if not where:
+            where.update({id(s): (it.seq, it.req.start_len + s.index) for it in items for _, s in it.out_slots})
         seq, k = where[id(slot)]
         return seq.tokens[: k + 1]
 
