@@ -1,4 +1,4 @@
-"""A test inferlet for tests/test_cluster.py: one operation per launch
+"""A test inferlet for tests/server/test_cluster.py: one operation per launch
 (``args["op"]``), so each test can act on one replica and check on another.
 
 - ``save``: fill ``prompt``, save snapshot ``name``, then generate

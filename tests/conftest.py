@@ -9,9 +9,21 @@ then the local cache; set ``TARTLET_MODELS_DIR`` to choose where).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+#: The tests sit in one folder per layer (engine, sdk, host, runtime,
+#: inferlets, server, project); the shared helpers (harness, server_harness,
+#: the references) here. Test modules import helpers of other test modules by
+#: name (``from test_quant_kernels import random_gguf``; the int8 KV tests
+#: rerun test_snapshots' scenarios), wherever they sit, so every layer folder
+#: is importable, also when a single file runs.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")):
+        if str(_folder) not in sys.path:
+            sys.path.append(str(_folder))
 
 #: Fixtures that start a server (in-process, but loading a model of its own,
 #: and the OpenAI API tests on it generate a lot): every test using one,
@@ -27,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     starts, through ``OMP_NUM_THREADS``): N workers each running as many
     threads as there are cores would oversubscribe the machine, and OpenMP's
     spinning threads then burn CPU waiting for each other. Results do not
-    depend on the thread count (tests/test_fused_decode.py checks it)."""
+    depend on the thread count (tests/engine/test_fused_decode.py checks it)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch
@@ -154,7 +166,7 @@ def quant_engine(quant_loaded):
 @pytest.fixture(scope="session")
 def q8_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, an int8 KV pool of 32 MiB
-    (tests/test_kv_int8.py, tests/test_fused_decode.py)."""
+    (tests/engine/test_kv_int8.py, tests/engine/test_fused_decode.py)."""
     from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = quant_loaded
@@ -166,7 +178,7 @@ def q8_engine(gguf_path, quant_loaded):
 @pytest.fixture(scope="module")
 def f16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, a float16 KV pool of 32 MiB
-    (tests/test_fused_decode.py)."""
+    (tests/engine/test_fused_decode.py)."""
     from tartlet.engine.core.engine import Engine, EngineConfig
 
     lm = quant_loaded
@@ -179,7 +191,7 @@ def f16_engine(gguf_path, quant_loaded):
 def bf16_engine(gguf_path, quant_loaded):
     """The default model, quantized weights, the panel GEMM in bfloat16
     (``matmul_dtype="bfloat16"``); skips on CPUs without AVX-512 and
-    AVX512_BF16 (tests/test_fused_decode.py)."""
+    AVX512_BF16 (tests/engine/test_fused_decode.py)."""
     from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.engine.kernels import quant_kernels
 

@@ -4,7 +4,7 @@ path computed (recorded as they leave its RoPE), the keys as the page pool
 holds them (float16 widened, int8 rows dequantized exactly in float64),
 and ``softmax(q . k * scale)`` over the keys each query may see, built from
 the sequence's own state (causality, hidden tokens, dropped pages, a
-sliding window). Used by tests/test_attention_probe*.py.
+sliding window). Used by tests/engine/test_attention_probe.py and tests/sdk/test_attention_probe_api.py.
 """
 
 from __future__ import annotations

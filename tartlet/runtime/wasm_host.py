@@ -43,7 +43,7 @@ PACKAGE, VERSION = "tartlet:inferlet", "0.4.0"  # 0.2.0: the interfaces (0.1.0 h
 #: The interfaces of the WIT package (``wit/tartlet.wit``) and their
 #: functions, each imported by world ``inferlet`` as
 #: ``tartlet:inferlet/NAME@0.4.0`` (their shared types are interface
-#: ``types``, which has no function); tests/test_wit_contract.py checks
+#: ``types``, which has no function); tests/runtime/test_wit_contract.py checks
 #: this table against the WIT.
 INTERFACES: dict[str, tuple[str, ...]] = {
     "model": (
@@ -365,7 +365,7 @@ def _json_arg(text: str, what: str) -> Any:
 #   call-error> whose T wasmtime-py tells apart from the error's Record by its
 #   Python class; tagged: result<T, call-error> with T a record, so both
 #   cases are Records and need wasmtime's Variant("ok"/"err", ...)
-#   (tests/test_wit_contract.py checks each mode against the WIT)
+#   (tests/runtime/test_wit_contract.py checks each mode against the WIT)
 IMPORTS: dict[str, tuple[Any, str]] = {
     "model-names": (lambda h: h.api.model_names(), "plain"),
     "adapter-names": (lambda h, m: h.api.adapter_names(m), "untagged"),

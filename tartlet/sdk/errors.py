@@ -109,7 +109,7 @@ class ProgramError(ValueError):
 
 
 #: WIT ``error-code`` case (kebab-case of the class name) -> exception class;
-#: the order is the WIT enum's (tests/test_wit_contract.py checks both).
+#: the order is the WIT enum's (tests/runtime/test_wit_contract.py checks both).
 #: :func:`error_code` walks an exception's MRO, so the most specific class
 #: wins; ``other`` (``Exception``) catches the rest.
 ERROR_CODES: dict[str, type[Exception]] = {

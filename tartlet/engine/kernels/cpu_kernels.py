@@ -6,7 +6,7 @@ dispatch than in arithmetic (~8 us each on a 2-core VM, ~40 per layer). The
 C kernels replace the worst chains: RMSNorm, RoPE + the KV-cache write, and
 decode attention read straight from the page pool (no gathered copy of the
 keys and values). Results equal the PyTorch path up to float32 summation
-order (checked by ``tests/test_cpu_kernels.py``). The RoPE + KV write and
+order (checked by ``tests/engine/test_cpu_kernels.py``). The RoPE + KV write and
 the attention also serve int8 pools (``kv_int8.h``; rows as
 :mod:`tartlet.engine.core.kv_quant` lays them out: keys and values are quantized
 as they are written and dequantized inside the attention loops) and float16

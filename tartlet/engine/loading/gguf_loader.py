@@ -150,7 +150,7 @@ def _reader_class() -> Any:
     ``ndarray`` views whose base is the memmap, which stays mapped while any
     of them lives, as before). ``_get`` is the reader's private slicing
     method (gguf-py 0.10-0.19); where a gguf version lacks it, the reader is
-    used as is, and ``tests/test_loader.py`` compares both readers field by
+    used as is, and ``tests/engine/test_loader.py`` compares both readers field by
     field and tensor by tensor.
     """
     import gguf

@@ -224,7 +224,7 @@ def test_pool_geometry_and_capacity(q8_engine, quant_engine):
 
 def test_fused_decode_takes_int8_pools(q8_engine):
     """Decode steps with an int8 pool run in the fused step too (its
-    results: tests/test_fused_decode.py::test_int8_kv_pool_matches_op_by_op)."""
+    results: tests/engine/test_fused_decode.py::test_int8_kv_pool_matches_op_by_op)."""
     from tartlet.engine.core.batch import AttentionGroup, BatchInputs
 
     one = torch.zeros(1, dtype=torch.long)

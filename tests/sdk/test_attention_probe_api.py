@@ -3,7 +3,7 @@
 and in a WASM component: the result in its place among the outputs, its
 shapes, the checks of bad probes, and the same numbers in both runtimes.
 The values themselves are checked against a float64 reference in
-tests/test_attention_probe.py.
+tests/engine/test_attention_probe.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from harness import run_ok
 from tartlet.runtime.program import load_program
 
 SOURCE = textwrap.dedent('''
-    """Attention probe inferlet for tests/test_attention_probe_api.py."""
+    """Attention probe inferlet for tests/sdk/test_attention_probe_api.py."""
     from tartlet import Model, Sampler, forward
     from tartlet.attention_probe import AttentionScores
 

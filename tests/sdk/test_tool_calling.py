@@ -3,7 +3,7 @@
 Unit: the tool-call parsers read what real chat templates write for a tool
 call (Qwen2.5 -> Hermes ``<tool_call>``, Llama 3.1 -> JSON with
 ``parameters``, Mistral Nemo -> ``[TOOL_CALLS]``; files in
-``tests/chat_templates``), whole and streamed in pieces; the format is
+``tests/sdk/chat_templates``), whole and streamed in pieces; the format is
 detected from each template; rendering with tools through Qwen2.5's own
 template and through SmolLM2's (which ignores tools: the Hermes fallback);
 the ``<think>`` splitter on Qwen3's rendering, streamed character by
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from harness import inline_program, run

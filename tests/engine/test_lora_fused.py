@@ -9,12 +9,12 @@ the logits well past the tolerance. Every test runs for each storage the
 step reads adapters in (``FusedDecoder.lora_dtype``: float32, float16,
 int8), with adapters whose values that storage holds exactly
 (``lora_stored_values``), so both paths compute the same function. The
-trained adapters against transformers + PEFT are ``tests/test_lora.py``'s.
+trained adapters against transformers + PEFT are ``tests/engine/test_lora.py``'s.
 
 Measured: fused vs op by op differ by ~0.002-0.01 on logits of ~20-40
 that the adapters move by ~5; at most 0.025 (a prefill step); one decode
 row at 0.014 shows 0.010 with no adapter in the step at all (the SiLU
-difference amplified, as in tests/test_fused_decode.py).
+difference amplified, as in tests/engine/test_fused_decode.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from tartlet.engine.core.batch import BatchItem, build_batch
 from tartlet.engine.kernels.fused_decode import LORA_STORAGE, FusedDecoder, lora_stored_values
 
-#: tests/test_fused_decode.py's 0.02 is tight here: these adapters move
+#: tests/engine/test_fused_decode.py's 0.02 is tight here: these adapters move
 #: the logits by ~5, and the paths' float32 differences (SiLU, the adapter
 #: products summed in another order than addmm's) are amplified more
 #: (measured up to 0.025 in a prefill step, ~0.01 typically)

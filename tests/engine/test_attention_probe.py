@@ -348,7 +348,7 @@ def test_the_pytorch_path(engine, monkeypatch):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_sliding_window_models(tokenizer, tmp_path_factory, monkeypatch, family):
-    """Random-weight models with sliding-window layers (tests/test_sliding_window_kv.py's: window 8,
+    """Random-weight models with sliding-window layers (tests/engine/test_sliding_window_kv.py's: window 8,
     pages of 4): Mistral (every layer slides: pages before the window are
     released) and Gemma 3 (sliding and global layers). A sliding layer's
     scores cover its window only, the columns it reads cut to the window

@@ -145,7 +145,7 @@ async def victim_is_served(setup) -> None:
 
 
 def no_server_path(setup, message: str) -> None:
-    for path in (str(setup["data"]), "/tmp", str(Path(__file__).resolve().parents[1])):
+    for path in (str(setup["data"]), "/tmp", str(Path(__file__).resolve().parents[2])):
         assert path not in message, message
 
 

@@ -147,7 +147,7 @@ def setup(tmp_path_factory):
         [http]
         allow_hosts = ["127.0.0.1:*"]
         [programs]
-        uploaded_runtime = "native"  # uploads sandboxed by default: tests/test_server_sandbox.py
+        uploaded_runtime = "native"  # uploads sandboxed by default: tests/server/test_server_sandbox.py
         """,
     )
     keys = add_users(cfg, "alice", "bob")

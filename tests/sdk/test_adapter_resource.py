@@ -3,7 +3,7 @@ fork, read and set matrices, seeded perturbation, save (PEFT's format,
 loadable by ``peft``, served after a restart), drop, per-user namespaces and
 quota, and the version a pass in flight runs with.
 
-The adapters are the ones tests/test_lora.py trains (``tests/lora_reference.py``);
+The adapters are the ones tests/engine/test_lora.py trains (``tests/lora_reference.py``);
 the engine is the session's float32 one, each test on a host state of its own.
 """
 

@@ -18,7 +18,7 @@ import torch
 
 from tartlet.sdk.errors import AdapterError
 
-#: float32 tolerance on logits (as tests/test_logits.py): W x + s B (A x)
+#: float32 tolerance on logits (as tests/engine/test_logits.py): W x + s B (A x)
 #: against (W + s B A) x differ in summation order only.
 ATOL = 1e-3
 

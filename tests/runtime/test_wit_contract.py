@@ -25,7 +25,7 @@ from pathlib import Path
 from tartlet.host.api import HostApi
 from tartlet.sdk.errors import ERROR_CODES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WIT = ROOT / "wit" / "tartlet.wit"
 
 #: HostApi methods that are not inferlet calls: lifecycle and limit hooks

@@ -126,7 +126,7 @@ async def connect(setup, user: str) -> Client:
 
 def server_paths(setup) -> list[str]:
     """Folders of the server's machine no error text may name."""
-    return [str(setup["dir"]), str(setup["data"]), tempfile.gettempdir(), str(Path(__file__).resolve().parents[1]), sys.prefix]
+    return [str(setup["dir"]), str(setup["data"]), tempfile.gettempdir(), str(Path(__file__).resolve().parents[2]), sys.prefix]
 
 
 def assert_no_server_path(setup, texts: list[str]) -> None:

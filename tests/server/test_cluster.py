@@ -28,7 +28,7 @@ from server_harness import ServerProcess, add_users
 
 pytestmark = pytest.mark.slow
 
-PROBE = Path(__file__).with_name("cluster_probe.py")
+PROBE = Path(__file__).parents[1] / "cluster_probe.py"
 
 
 class ClusterProcess(ServerProcess):

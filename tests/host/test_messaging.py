@@ -15,7 +15,7 @@ from tartlet.runtime.instance import Status
 @pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.slow)])
 def any_bus(request):
     """The in-process bus, and the PostgreSQL one (tartlet.host.pg_messaging,
-    more in tests/test_pg_messaging.py) on a fresh database."""
+    more in tests/host/test_pg_messaging.py) on a fresh database."""
     if request.param == "memory":
         yield MessageBus()
         return

@@ -1,5 +1,5 @@
 """What a CUDA graph of a decode step replays, checked on the CPU (CI has no
-GPU; tests/test_cuda.py runs the graphs themselves on one): a decode step
+GPU; tests/engine/test_cuda.py runs the graphs themselves on one): a decode step
 copied into larger static inputs (:func:`tartlet.engine.cuda.graphs.fill_static`:
 rows past the batch write to a scratch page and see nothing, columns past
 each request's slots are masked, stale values left in both) gives the

@@ -9,7 +9,7 @@ import typer
 
 from tartlet.cli.main import app
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _commands(group: typer.core.TyperGroup, prefix: str = "tartlet") -> list[str]:

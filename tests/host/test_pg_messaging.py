@@ -193,7 +193,7 @@ def test_limits_hold_across_replicas(make_bus):
 
 
 def test_the_in_process_limit_scenario_on_one_pg_bus(make_bus):
-    """tests/test_server_hardening.py's bus scenario, unchanged, on one PgMessageBus."""
+    """tests/server/test_server_hardening.py's bus scenario, unchanged, on one PgMessageBus."""
     bus = make_bus(max_user_bytes=10, max_user_topics=3)
     bus.push("alice", "q", "12345")
     s1, s2 = bus.subscribe("alice", "t"), bus.subscribe("alice", "t")
