@@ -106,7 +106,7 @@ def main() -> None:
     engine = load_engine(kv_cache_mb=256, threads=a.threads)
     n_adapters = 2 if a.quick else 16
     ads = [random_adapter(engine, f"a{i}", a.rank, i + 1) for i in range(n_adapters)]
-    fused = engine.model.fused
+    fused = engine.runner.fused
     if fused is not None:
         fused.lora_dtype = a.lora_dtype
     results = []

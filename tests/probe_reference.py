@@ -42,7 +42,7 @@ class QueryRecorder:
                 return q
 
             monkeypatch.setattr(kern, "rope_qkv_store", rope_store)
-        rope, nh = model._rope, model.nh
+        rope, nh = model.attention.rope, model.nh
 
         def torch_rope(x, cos, sin):
             out = rope(x, cos, sin)
@@ -50,7 +50,7 @@ class QueryRecorder:
                 self.calls.append(out[:, :nh].detach().clone())
             return out
 
-        monkeypatch.setattr(model, "_rope", torch_rope)
+        monkeypatch.setattr(model.attention, "rope", torch_rope)
 
     def take(self, n_layers: int) -> list[torch.Tensor]:
         """The last pass's queries, per layer."""

@@ -109,7 +109,7 @@ def test_float16_and_int8_pools_op_by_op(request, pool, monkeypatch):
     """The C kernels over float32, float16 and int8 pages (the reference
     reads the keys as stored: widened, or dequantized in float64)."""
     eng = request.getfixturevalue(pool)
-    monkeypatch.setattr(eng.model.fused, "enabled", False)
+    monkeypatch.setattr(eng.runner.fused, "enabled", False)
     rec = QueryRecorder(eng.model, monkeypatch)
     seq = eng.new_sequence()
     try:
@@ -130,7 +130,7 @@ def fused_layer_by_layer(engine, seq, tok: int, layers: list[int]) -> list[float
     against the float64 reference of the same queries (the step's RMSNorm,
     QKV projection and RoPE are the op-by-op kernels'). Worst errors."""
     m = engine.model
-    f = m.fused
+    f = engine.runner.fused
     qs: list[torch.Tensor] = []
     xs: list[torch.Tensor] = []
     ln1 = {id(layer["ln1"]): i for i, layer in enumerate(m.layers)}
@@ -146,7 +146,7 @@ def fused_layer_by_layer(engine, seq, tok: int, layers: list[int]) -> list[float
         kern.rope_qkv_store = lambda *a: (lambda q: (qs.append(q.clone()), q)[1])(rope(*a))
         f.enabled = False
         try:
-            m.forward(batch, engine.pool.k, engine.pool.v)
+            engine.runner.forward(batch)
         finally:
             f.enabled = True
             del kern.rms_norm, kern.rope_qkv_store
@@ -190,7 +190,7 @@ def test_fused_decode_step(request, pool, monkeypatch):
         sp = spec(eng)
         fused = run(eng, a, [13], sp)  # fused (the engine's choice for a decode row)
         assert not rec.calls, "the decode step did not run fused"
-        monkeypatch.setattr(eng.model.fused, "enabled", False)
+        monkeypatch.setattr(eng.runner.fused, "enabled", False)
         ref = run(eng, b, [13], sp)
         assert len(ref[1]) == len(fused[1])
         qs = rec.take(eng.config.num_hidden_layers)  # the op-by-op queries, over the fused pass's keys
@@ -210,7 +210,7 @@ def test_batched_with_other_contexts(quant_engine, monkeypatch, fused):
     are the probed context's own (the C kernels only copy weights out); its
     scores equal the reference (op by op) and cover only its positions."""
     eng = quant_engine
-    monkeypatch.setattr(eng.model.fused, "enabled", fused)
+    monkeypatch.setattr(eng.runner.fused, "enabled", fused)
     rec = QueryRecorder(eng.model, monkeypatch)
     texts = [PROMPT, "Once upon a time", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14"]
     base = [eng.new_sequence() for _ in texts]
@@ -334,6 +334,7 @@ def test_the_pytorch_path(engine, monkeypatch):
     """Without the C kernels (bfloat16 pools, CUDA) every group takes the
     explicit path, decode rows included (on CUDA instead of the Triton kernel)."""
     monkeypatch.setattr(engine.model, "kernels", None)
+    monkeypatch.setattr(engine.model.attention, "kernels", None)
     rec = QueryRecorder(engine.model, monkeypatch)
     seq = engine.new_sequence()
     try:
@@ -352,7 +353,7 @@ def test_sliding_window_models(tokenizer, tmp_path_factory, monkeypatch, family)
     pages of 4): Mistral (every layer slides: pages before the window are
     released) and Gemma 3 (sliding and global layers). A sliding layer's
     scores cover its window only, the columns it reads cut to the window
-    (``LlamaModel._window_group``) mapped back to positions."""
+    (``Attention.window_group``) mapped back to positions."""
     sw = pytest.importorskip("test_sliding_window_kv")
     path = tmp_path_factory.mktemp(f"{family}-probe")
     if family == "mistral":
@@ -398,7 +399,7 @@ def test_fused_prefill_rows(quant_engine, monkeypatch):
         sp = spec(eng, [0, 29])
         fused = run(eng, a, toks, sp)
         assert not rec.calls, "the prompt did not run fused"
-        monkeypatch.setattr(eng.model.fused, "enabled", False)
+        monkeypatch.setattr(eng.runner.fused, "enabled", False)
         run(eng, b, toks, sp)
         q0 = rec.take(eng.config.num_hidden_layers)[0]
         want = expected([weights(eng, a, 0, q0, list(range(len(toks))), len(toks))], spec(eng, [0]), eng.model.nkv, 16)

@@ -231,7 +231,7 @@ def test_engine_on_cuda_matches_transformers(family, dtype, tmp_path):
     eng = engine(path, dtype)
     try:
         got = logits_run(eng, prompt, steps)
-        assert eng.model.graphs is not None and eng.model.graphs.replays >= len(steps)
+        assert eng.runner.graphs is not None and eng.runner.graphs.replays >= len(steps)
         assert eng.pool.stats().used == 0
     finally:
         eng.close()
@@ -259,7 +259,7 @@ def test_graphs_match_op_by_op(tmp_path):
         try:
             got[graphs] = (greedy(eng, prompts[:1], 12), greedy(eng, prompts, 12))
             if graphs:
-                assert eng.model.graphs is not None and eng.model.graphs.captures >= 2
+                assert eng.runner.graphs is not None and eng.runner.graphs.captures >= 2
         finally:
             eng.close()
     assert got[True] == got[False]

@@ -31,7 +31,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fused(quant_engine):
-    f = quant_engine.model.fused
+    f = quant_engine.runner.fused
     assert isinstance(f, FusedDecoder), "the default model's shape is the fused path's"
     assert f.has_head, "the default model's quantized LM head runs inside the step"
     yield f
@@ -59,7 +59,7 @@ def decode_both(engine, fused: FusedDecoder, seqs, tokens, threads=(None,), want
             slots = seq.reserve([tok], [start], custom_attention=False)
             items.append(BatchItem(seq, [tok], start, slots, [0] if wanted is None or i in wanted else [], None))
         batch = build_batch(items)
-        pool, model = engine.pool, engine.model
+        pool, runner = engine.pool, engine.runner
         out, before = [], torch.get_num_threads()
         try:
             for n in threads:
@@ -67,10 +67,10 @@ def decode_both(engine, fused: FusedDecoder, seqs, tokens, threads=(None,), want
                 if n:
                     torch.set_num_threads(n)
                 assert fused.accepts(batch, pool.k)
-                out.append(model.forward(batch, pool.k, pool.v))
+                out.append(runner.forward(batch))
                 torch.set_num_threads(before)
             fused.enabled = False
-            out.append(model.forward(batch, pool.k, pool.v))
+            out.append(runner.forward(batch))
         finally:
             fused.enabled = True
             torch.set_num_threads(before)
@@ -193,7 +193,7 @@ def test_bfloat16_panel_large_batch_matches_op_by_op(bf16_engine):
     equal (no such crossing); bound 1.0, the same as the bfloat16 panel
     against the float32 path (test_quantized_model.py)."""
     model = bf16_engine.model
-    f = model.fused
+    f = bf16_engine.runner.fused
     assert isinstance(f, FusedDecoder) and model.matmul_dtype == "bfloat16"
     assert model.lm_head.bf16 and all(layer[k].bf16 for layer in model.layers for k in ("qkv", "o", "gate_up", "down"))
     diff = large_batch_on_thread_counts(bf16_engine, f, 1.0)
@@ -236,12 +236,12 @@ def test_prefill_batch_matches_op_by_op(quant_engine, fused):
         slots = cont.reserve(more, list(range(start, start + len(more))), custom_attention=False)
         items.append(BatchItem(cont, more, start, slots, list(range(len(more))), None))
         batch = build_batch(items)
-        pool, model = quant_engine.pool, quant_engine.model
+        pool, runner = quant_engine.pool, quant_engine.runner
         try:
             assert fused.accepts(batch, pool.k)
-            out = [model.forward(batch, pool.k, pool.v)]
+            out = [runner.forward(batch)]
             fused.enabled = False
-            out.append(model.forward(batch, pool.k, pool.v))
+            out.append(runner.forward(batch))
         finally:
             fused.enabled = True
         return out
@@ -259,7 +259,7 @@ def test_prefill_batch_matches_op_by_op(quant_engine, fused):
 def test_other_shapes_take_the_op_by_op_path(quant_engine):
     """A chunk too large for the attention kernel (129 x 129 scores, past
     ``llama.ROW_ATTENTION_MAX_SCORES``: SDPA's) is not fused."""
-    f = quant_engine.model.fused
+    f = quant_engine.runner.fused
     seq = quant_engine.new_sequence()
     ids = [100 + i for i in range(129)]
 
@@ -296,7 +296,7 @@ def test_int8_kv_pool_matches_op_by_op(q8_engine):
         diff = (f - ref).abs()
         assert float(diff.max()) < 0.6 and float(diff.mean()) < 0.08
 
-    greedy_steps_agree(q8_engine, q8_engine.model.fused, [s for s, _ in pairs], [t for _, t in pairs], close)
+    greedy_steps_agree(q8_engine, q8_engine.runner.fused, [s for s, _ in pairs], [t for _, t in pairs], close)
 
 
 def test_float16_kv_pool_matches_op_by_op(f16_engine):
@@ -307,7 +307,7 @@ def test_float16_kv_pool_matches_op_by_op(f16_engine):
     greedy tokens exactly, and the greedy answer still says Paris."""
     assert f16_engine.pool.k.dtype == torch.float16
     pairs = [prefill(f16_engine, f"{p} ({i})") for i in range(4) for p in PROMPTS]
-    greedy_steps_agree(f16_engine, f16_engine.model.fused, [s for s, _ in pairs], [t for _, t in pairs], within_atol)
+    greedy_steps_agree(f16_engine, f16_engine.runner.fused, [s for s, _ in pairs], [t for _, t in pairs], within_atol)
     seq, tok = prefill(f16_engine, PROMPTS[0])
     out = [tok]
     try:

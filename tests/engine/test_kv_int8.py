@@ -229,7 +229,7 @@ def test_fused_decode_takes_int8_pools(q8_engine):
 
     one = torch.zeros(1, dtype=torch.long)
     batch = BatchInputs(one, one, one, [AttentionGroup(None, 0, 1, torch.zeros(1, 1, dtype=torch.long), None)], one)
-    fused = q8_engine.model.fused
+    fused = q8_engine.runner.fused
     assert fused is not None and fused.accepts(batch, q8_engine.pool.k)
 
 

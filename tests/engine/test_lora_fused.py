@@ -67,7 +67,7 @@ def lora_dtype(request) -> str:
 
 @pytest.fixture(scope="module")
 def fused(quant_engine, lora_dtype):
-    f = quant_engine.model.fused
+    f = quant_engine.runner.fused
     assert isinstance(f, FusedDecoder)
     before = f.lora_dtype
     f.lora_dtype = lora_dtype
@@ -119,20 +119,20 @@ def forward_paths(engine, fused: FusedDecoder, items, threads=(None,)) -> list[t
     adapters' rows run as base rows) and op by op; the logits of each run
     in that order. Each run rewrites the same KV rows before attending."""
     batch = build_batch(items)
-    pool, model = engine.pool, engine.model
+    pool, runner = engine.pool, engine.runner
     out, before = [], torch.get_num_threads()
     try:
         assert fused.accepts(batch, pool.k), "a batch with adapter rows runs fused"
         for n in threads:
             if n:
                 torch.set_num_threads(n)
-            out.append(model.forward(batch, pool.k, pool.v))
+            out.append(runner.forward(batch))
             torch.set_num_threads(before)
         lora, batch.lora = batch.lora, None
-        out.append(model.forward(batch, pool.k, pool.v))  # the base model on every row
+        out.append(runner.forward(batch))  # the base model on every row
         batch.lora = lora
         fused.enabled = False
-        out.append(model.forward(batch, pool.k, pool.v))
+        out.append(runner.forward(batch))
     finally:
         fused.enabled = True
         torch.set_num_threads(before)

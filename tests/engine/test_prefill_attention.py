@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from tartlet.engine.attention import paged_attention
+from tartlet.engine.attention import plan as attention_plan
 from tartlet.engine.core.requests import ForwardRequest
 from tartlet.engine.core.sampler import OutputSlot, ProbeSpec
-from tartlet.engine.models import attention_plan, llama
 from test_kv_int8 import q8_float_engine  # noqa: F401 (fixture)
 
 #: Largest logit difference allowed between the two paths on a float32
@@ -92,8 +93,8 @@ def test_long_prompts_take_sdpa(engine, monkeypatch):
     a 100-token chunk after it (100 x 229)."""
     assert attention_plan.ROW_ATTENTION_MAX_SCORES == 128 * 128
     calls, rows = [], []
-    orig = llama.LlamaModel._attend
-    monkeypatch.setattr(llama.LlamaModel, "_attend", lambda self, q, out, g, *a: calls.append(g.kv_slots.shape) or orig(self, q, out, g, *a))
+    orig = paged_attention.Attention.sdpa
+    monkeypatch.setattr(paged_attention.Attention, "sdpa", lambda self, q, out, g, *a: calls.append(g.kv_slots.shape) or orig(self, q, out, g, *a))
     kern = type(engine.model.kernels)
     orig_k = kern.paged_decode_attention
     monkeypatch.setattr(kern, "paged_decode_attention", lambda self, q, kp, vp, slots, *a: rows.append(slots.shape) or orig_k(self, q, kp, vp, slots, *a))

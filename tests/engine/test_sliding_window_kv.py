@@ -324,14 +324,14 @@ def test_mixed_layers_release_nothing_and_sliding_layers_read_the_window(gemma):
         assert r.pool.window is None
         model = r.eng.model
         widths: list[tuple[int, int, bool]] = []
-        inner = model._window_group
+        inner = model.attention.window_group
 
         def spy(g, window):
             out = inner(g, window)
             widths.append((g.num_queries, out.kv_slots.shape[1], out.mask is None))
             return out
 
-        model._window_group = spy
+        model.attention.window_group = spy
         seq = r.eng.new_sequence()
         got = [r.forward(seq, ids[:12])]
         assert widths == [(12, 12, False)]

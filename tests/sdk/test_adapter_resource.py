@@ -322,7 +322,7 @@ def test_edited_versions_in_the_fused_decode_step(quant_engine, adapter_dirs, pr
     from tartlet.engine.models.lora_edit import perturbed
     from test_lora import greedy
 
-    fused = quant_engine.model.fused
+    fused = quant_engine.runner.fused
     pie = quant_engine.load_adapter(adapter_dirs["paris-is-pie"], "paris-is-pie")
     v1 = quant_engine.build_adapter("v1", pie.source, perturbed(pie.parts, 5, 0.1))
     v2 = quant_engine.build_adapter("v2", pie.source, perturbed(v1.parts, 6, 0.1))

@@ -203,7 +203,7 @@ async def test_fused_decode_step_matches_op_by_op(quant_runtime, quant_engine, p
     op; both paths give the same states within their rounding, and the
     reference's within the quantized kernels' accuracy (16-bit activations,
     a float16 KV pool)."""
-    fused = quant_engine.model.fused
+    fused = quant_engine.runner.fused
     assert fused is not None, "the default model's quantized engine has a fused decode step"
     calls = []
     real = fused.run

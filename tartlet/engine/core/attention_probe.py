@@ -14,7 +14,7 @@ into the buffers of an :class:`AttentionCapture`, inside the same pass:
   head after its softmax; nothing when the buffer pointer is NULL);
 - the other groups (long prefills, bfloat16 pools, no C kernels, CUDA) take an
   explicit ``softmax(q k^T / sqrt(d) + mask)`` path in PyTorch instead of SDPA
-  (:meth:`~tartlet.engine.models.llama.LlamaModel._attend`), which reduces
+  (:meth:`~tartlet.engine.attention.paged_attention.Attention.sdpa`), which reduces
   the weights over the group's queries as it goes.
 
 After the model call :meth:`AttentionCapture.collect` reduces each request's
@@ -186,7 +186,7 @@ class AttentionCapture:
                  device: torch.device) -> dict[tuple[int | None, int], ProbeBuffer]:
         """The buffers of one model call, keyed by ``(window, id(group))``:
         one per probed group of each distinct sliding window (``plans``:
-        the model's :class:`~tartlet.engine.models.attention_plan.GroupPlan`
+        the model's :class:`~tartlet.engine.attention.plan.GroupPlan`
         lists per window, in ``BatchInputs.groups`` order; ``windows``: each
         layer's window), over the probed layers of that window. A plan the
         C kernel runs (``by_kernel``) writes one row per query; the

@@ -30,6 +30,7 @@ from ..models.lora import LoraAdapter, ModuleLora, build_adapter
 from ..models.quant_linear import QuantLinear
 from ..text.tokenizer import Tokenizer
 from .kv_cache import PagePool
+from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -214,9 +215,10 @@ class Engine:
         per_page = PagePool.bytes_per_page(cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
         num_pages = max(1, int(cfg.kv_cache_mb * 2**20) // per_page)
         self.pool = PagePool(num_pages, cfg.page_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype, device)
+        graphs = None  # CUDA graphs of decode steps, for the model runner
         if cfg.cuda_graphs and unsupported(self.model) is None and self.pool.num_pages > 1:
             scratch = self.pool.reserve_scratch()
-            self.model.graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, scratch * cfg.page_size)
+            graphs = DecodeGraphs(self.model, self.pool.k, self.pool.v, scratch * cfg.page_size)
         log.info("%s", self.kv_summary())
         #: LoRA adapters by name (:meth:`load_adapter`)
         self.adapters: dict[str, LoraAdapter] = {}
@@ -224,7 +226,7 @@ class Engine:
         for adapter_name, adapter_path in cfg.adapters.items():
             self.load_adapter(adapter_path, adapter_name)
         self.scheduler = Scheduler(
-            self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000
+            self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000, graphs=graphs
         )
         self.scheduler.start()
 
@@ -344,6 +346,12 @@ class Engine:
             served = ", ".join(sorted(self.adapters)) or "none"
             raise AdapterError(f"model {self.name!r} serves no adapter named {name!r} (adapters: {served})")
         return a
+
+    @property
+    def runner(self) -> ModelRunner:
+        """What runs each batch (:mod:`.model_runner`): its ``fused`` C step
+        and CUDA ``graphs`` (None when off), and ``forward(batch)``."""
+        return self.scheduler.runner
 
     def new_sequence(self) -> Sequence:
         """An empty sequence on this engine's pool."""

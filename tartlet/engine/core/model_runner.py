@@ -1,9 +1,18 @@
 """The model runner (nano-vllm's term): runs one batch the scheduler built.
 
 It turns the chunks into the batch tensors (:func:`.batch.build_batch`),
-makes the model call over the page pool (the model picks its CUDA graph,
-fused C or op-by-op path per batch) and runs the output slots' samplers and
-probes on the logits, counting the call in :class:`.stats.SchedulerStats`.
+picks how the model runs over the page pool, and runs the output slots'
+samplers and probes on the logits, counting the call in
+:class:`.stats.SchedulerStats`. Per batch, the first that takes it:
+
+1. a **CUDA graph** of the decode step (:mod:`tartlet.engine.cuda.graphs`:
+   decode rows only, captured per bucket of batch size and slot-list length);
+2. the **fused C step** (:mod:`tartlet.engine.kernels.fused_decode`: the
+   whole layer stack in one C call, on quantized Llama-shaped models, when
+   every group's attention is the C kernel's and no hidden state before the
+   last layer is wanted);
+3. the model **op by op** (:meth:`~tartlet.engine.models.llama.LlamaModel.forward_eager`).
+
 The scheduler keeps queueing, fairness and KV waits; failures propagate to
 it, which fails the batch's requests and rolls their sequences back.
 """
@@ -13,8 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
+from ..cuda.graphs import DecodeGraphs
+from ..kernels.fused_decode import FusedDecoder
 from ..models.llama import LlamaModel
-from .batch import build_batch
+from .batch import BatchInputs, build_batch
 from .hidden_states import HiddenSpec
 from .kv_cache import PagePool
 from .requests import Chunk
@@ -30,12 +43,17 @@ class ModelRunner:
         model: the model.
         pool: its page pool (keys and values of every layer).
         stats: the scheduler's counters; :meth:`run` adds each model call.
+        graphs: CUDA graphs of decode steps over ``pool``, or None.
     """
 
-    def __init__(self, model: LlamaModel, pool: PagePool, stats: SchedulerStats) -> None:
+    def __init__(self, model: LlamaModel, pool: PagePool, stats: SchedulerStats, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.stats = stats
+        #: CUDA graphs of decode steps (set by the engine when it enables them), or None
+        self.graphs = graphs
+        #: the layer stack of a batch in one C call, when the model's shape allows it (float32 C kernels), or None
+        self.fused = FusedDecoder.build(model) if model.kernels is not None else None
         kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
         self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
                                    kern.argmax_masked if kern is not None else None)
@@ -58,7 +76,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         batch = build_batch(items, self._indexes).to(self.model.device)
-        logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        logits = self.forward(batch)
         if batch.probe is not None:  # the attention probe's weights into each request's scores
             batch.probe.collect([it.req.probe_acc for it in items])
         slots = [s for it in items for _, s in it.out_slots]
@@ -84,6 +102,30 @@ class ModelRunner:
             1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
         )
         return results
+
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """The model over ``batch`` and the pool, by a CUDA graph, the fused
+        C step or op by op (the first that takes the batch; see the module
+        docstring). Arguments and result as
+        :meth:`~tartlet.engine.models.llama.LlamaModel.forward_eager`'s,
+        which the three paths match (the tests compare them)."""
+        m, k, v = self.model, self.pool.k, self.pool.v
+        if self.graphs is not None and self.graphs.accepts(batch, k):
+            return self.graphs.run(batch)
+        hid = batch.hidden  # the fused step returns the last layer's output only: earlier layers' states run op by op
+        last = len(m.layers) - 1
+        fused = self.fused is not None and (hid is None or hid.layers() <= {last}) and self.fused.accepts(batch, k)
+        x = m.embed_rows(batch)
+        att = m.attention.prepare(batch, k)
+        if not fused or att.kern is None:
+            return m.head(m.run_layers(x, batch, att, k, v), batch)
+        assert self.fused is not None  # fused
+        logits = self.fused.run(x, batch, *att.ropes[m.rotary], k, v, att.plans[None], att.probes)  # x: the last layer's output
+        if hid is not None:
+            m.keep_hidden(hid, last, x)
+        return logits if logits is not None else m.head(x, batch)  # None: the head did not run in the step
 
 
 def _history(items: list[Chunk]) -> Callable[[OutputSlot], list[int]]:

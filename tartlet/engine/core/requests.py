@@ -93,6 +93,23 @@ class ForwardRequest:
         self.started, self.continued, self.done, self.start_len, self.results, self.waiting_since = False, True, 0, -1, [], 0.0
         self.enqueued_at = time.perf_counter()
 
+    def continue_into(self, again: list["ForwardRequest"]) -> bool:
+        """Run the continuation (:attr:`then`) of this request, whose pass is
+        done and succeeded: re-arm it with the next pass it returns and add
+        it to ``again`` (the scheduler queues them), or fail the future with
+        what it raised. False when it returns ``None`` (the scheduler
+        resolves the future with the results)."""
+        assert self.then is not None  # called for requests with a continuation
+        try:
+            nxt = self.then(self.results)
+            if nxt is None:
+                return False
+            self.rearm(*nxt)
+            again.append(self)
+        except BaseException as e:  # reported to the submitter
+            self.future.set_exception(e)
+        return True
+
 
 def check_pass(tokens: list[int], outputs: list[OutputSlot]) -> None:
     """Raises ValueError: no input token, or an output index outside them."""

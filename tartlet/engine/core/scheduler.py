@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
+from ..cuda.graphs import DecodeGraphs
 from ..models.llama import LlamaModel
 from .admission import admission_error
 from .attention_probe import ProbeAccumulator
@@ -72,10 +73,12 @@ class Scheduler:
         max_seq_len: longest sequence allowed, in tokens.
         kv_wait_s: how long a request may wait for pages when the pool is
             full before it fails with ``KvCacheFullError`` (seconds).
+        graphs: CUDA graphs of decode steps over ``pool`` for the model
+            runner, or None.
     """
 
     def __init__(self, model: LlamaModel, pool: PagePool, max_batch_tokens: int = 512, batch_wait_s: float = 0.003,
-                 max_seq_len: int | None = None, kv_wait_s: float = 10.0) -> None:
+                 max_seq_len: int | None = None, kv_wait_s: float = 10.0, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.max_batch_tokens = max(1, max_batch_tokens)
@@ -85,7 +88,8 @@ class Scheduler:
         # every layer slides: sequences release the pages before the window (sequence.py)
         pool.window = model.config.uniform_window()
         self.stats = SchedulerStats()
-        self.runner = ModelRunner(model, pool, self.stats)
+        #: runs each batch (graph / fused C / op by op: model_runner.py)
+        self.runner = ModelRunner(model, pool, self.stats, graphs)
         self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._expected: set[int] = set()
@@ -285,22 +289,6 @@ class Scheduler:
                 left.append(req)
                 waiting.add(id(seq))
 
-    def _continue(self, req: ForwardRequest, again: list[ForwardRequest]) -> bool:
-        """Run the continuation of ``req`` (its pass is done and succeeded):
-        re-arm ``req`` with the next pass it returns and add it to ``again``
-        (the caller queues them), or fail its future with what it raised.
-        False when it returns ``None`` (the caller resolves the future)."""
-        assert req.then is not None  # called for requests with a continuation
-        try:
-            nxt = req.then(req.results)
-            if nxt is None:
-                return False
-            req.rearm(*nxt)
-            again.append(req)
-        except BaseException as e:  # reported to the submitter
-            req.future.set_exception(e)
-        return True
-
     def _rollback(self, req: ForwardRequest) -> None:
         if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:
             req.seq.truncate(req.start_len)
@@ -344,7 +332,7 @@ class Scheduler:
             if err is not None:
                 self._rollback(req)
                 req.future.set_exception(err)
-            elif req.then is None or not self._continue(req, again):
+            elif req.then is None or not req.continue_into(again):
                 req.future.set_result(req.results)
         if again:  # queued together: one lock round for the whole batch
             with self._cond:

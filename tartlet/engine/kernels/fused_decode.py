@@ -17,7 +17,7 @@ layer, pre-norm RMSNorm, SiLU-gated MLP, one RoPE for all layers, no QK-norm,
 no sliding windows, no soft-capping (Llama, SmolLM, Mistral without a window,
 Qwen2). A batch runs fused when the attention kernel takes every group:
 single-token rows (decode), and prefill groups query by query within
-:data:`~tartlet.engine.models.attention_plan.ROW_ATTENTION_MAX_SCORES` (the tail of the QKV
+:data:`~tartlet.engine.attention.plan.ROW_ATTENTION_MAX_SCORES` (the tail of the QKV
 phase writes every row's key and value before the attention phase opens,
 so a prompt's queries see its earlier tokens); on AVX-512 any number of
 rows (from
@@ -52,15 +52,15 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ..models.attention_plan import row_attention
+from ..attention.plan import row_attention
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
 from .abi import KV_KINDS
 from .quant_kernels import LORA_PROJECTIONS, AttnGroupArgs, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
 
 if TYPE_CHECKING:
+    from ..attention.plan import GroupPlan
     from ..core.attention_probe import ProbeBuffer
     from ..core.batch import BatchInputs
-    from ..models.attention_plan import GroupPlan
     from ..models.llama import LlamaModel
     from ..models.lora import LoraAdapter, LoraBatch
 
@@ -158,7 +158,7 @@ class FusedDecoder:
     def accepts(self, batch: "BatchInputs", k_cache: torch.Tensor) -> bool:
         """Whether ``batch`` can run fused: every group's attention by the
         C kernel (decode rows, and prefill groups query by query:
-        :func:`~tartlet.engine.models.attention_plan.row_attention`), every row in a group,
+        :func:`~tartlet.engine.attention.plan.row_attention`), every row in a group,
         below AVX-512 fewer than ``DEQUANT_ROWS`` rows, a float32, float16
         or int8 pool; LoRA rows when :attr:`lora` is on and every adapter's
         matrices are float32 CPU ones of this model (the first call with
@@ -240,7 +240,7 @@ class FusedDecoder:
             cos, sin: float32 ``[T, head_dim / 2]`` RoPE angles.
             k_cache, v_cache: the pool, ``[layers, slots, nkv, head_dim]`` float32
                 or float16, or ``[layers, slots, nkv, head_dim + 4]`` int8 rows.
-            groups: the model's per-group plans (:class:`~tartlet.engine.models.attention_plan.GroupPlan`),
+            groups: the model's per-group plans (:class:`~tartlet.engine.attention.plan.GroupPlan`),
                 each run by the attention kernel.
             probes: the attention probe's buffers of probed groups, keyed
                 ``(None, id(group))``

@@ -17,7 +17,7 @@ tied embeddings. Family options, each as in its HF modeling file:
   gives each attention group the token indexes of its queries and KV columns
   (``AttentionGroup.q_index``/``kv_index``) when the model has a window;
   each pass cuts every group once per distinct window to the columns the
-  window leaves (:meth:`LlamaModel._window_group`), so the attention
+  window leaves (:meth:`~tartlet.engine.attention.paged_attention.Attention.window_group`), so the attention
   kernels of a sliding layer read ``O(W)`` keys per query however long the
   sequence. When every layer slides, the engine also releases the pages
   before the window (:mod:`tartlet.engine.core.sequence`); with global layers
@@ -52,20 +52,14 @@ from typing import Required, TypedDict, cast
 import torch
 import torch.nn.functional as F
 
-from ..core.batch import AttentionGroup, BatchInputs
+from ..attention.paged_attention import Attention, AttentionPass
+from ..core.batch import BatchInputs
 from ..core.hidden_states import FINAL, HiddenCapture
-from ..core.kv_quant import from_pool, to_pool
 from ..cuda import attention as cuda_attention
 from ..cuda import rms_norm as cuda_rms_norm
-from ..cuda import rope as cuda_rope
-from ..cuda.graphs import DecodeGraphs
-from ..kernels.cpu_kernels import POOL_DTYPES
-from ..kernels.fused_decode import FusedDecoder
 from ..loading import os_memory
 from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
-from .attention_plan import GroupPlan, row_attention
 from .config import ModelConfig
-from .explicit_attention import explicit_attention
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
@@ -271,12 +265,11 @@ class LlamaModel:
             self.kernels = ck.load()
         self.scale = 1.0 / math.sqrt(self.hd) if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
-        #: the layer stack of decode batches in one C call, when this model's shape allows it
-        self.fused = FusedDecoder.build(self) if self.kernels is not None else None
-        #: on CUDA with Triton: decode groups read the page pool in a Triton kernel (cuda_attention.py)
+        #: on CUDA with Triton: RoPE + KV writes and decode groups by the Triton kernels (engine/cuda/)
         self.cuda_decode = self.device.type == "cuda" and c.attn_logit_softcapping is None and cuda_attention.available()
-        #: CUDA graphs of decode steps (cuda_graphs.py), set by the engine when it enables them
-        self.graphs: DecodeGraphs | None = None
+        #: every layer's RoPE, KV writes and attention, by the C, Triton or PyTorch path (engine/attention/)
+        self.attention = Attention(self.nh, self.nkv, self.hd, self.scale, dtype, self.device, self.windows, self.layer_rope,
+                                   c.attn_logit_softcapping, self.kernels, self.cuda_decode)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor of weight memory the model holds: embedding, norms,
@@ -368,91 +361,19 @@ class LlamaModel:
             return cuda_rms_norm.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
 
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
-        """Bool ``[B, Q, L]`` (True = may attend) as a float ``[B, 1, Q, L]``
-        additive mask: SDPA would otherwise convert it in every layer."""
-        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in the
-        ``rotate_half`` layout: ``x * cos + rotate_half(x) * sin``, with
-        ``rotate_half(x) = cat(-x2, x1)`` written as a roll of the halves
-        times ``sin`` with its first half negated (``sin`` arrives so)."""
-        return torch.addcmul(x * cos, x.roll(self.hd // 2, -1), sin)
-
-    def _window_group(self, g: AttentionGroup, window: int) -> AttentionGroup:
-        """Group ``g`` as a sliding layer of ``window`` tokens sees it: its
-        mask narrowed to ``kv_index > q_index - window`` (HF
-        ``sliding_window_overlay``), and its KV columns cut to those some
-        query of their row still sees, so attention costs ``O(window)``
-        per query instead of ``O(L)`` (kept columns in their order, rows
-        padded to the longest with masked columns): ``kv_slots`` and
-        ``kv_index`` become ``[B, L']``, ``mask`` ``[B, Q, L']`` with ``L'
-        <= L``, or ``None`` when ``Q == 1`` and every column is visible.
-        Returns ``g`` itself when no key of the group is that far back.
-
-        Raises:
-            ValueError: ``g`` lacks ``q_index``/``kv_index``.
-        """
-        if g.q_index is None or g.kv_index is None:
-            raise ValueError("a sliding-window model needs the token indexes of each attention group")
-        if int((g.q_index.amax(1) - g.kv_index.amin(1)).max()) < window:
-            return g
-        qi, ki = g.q_index[:, :, None], g.kv_index[:, None, :]
-        base = (ki <= qi) if g.mask is None else g.mask
-        mask = base & (ki > qi - window)
-        keep = mask.any(1)  # [B, L]: columns some query of the row sees
-        B, L = g.kv_slots.shape
-        width = int(keep.sum(1).max())
-        kv_slots, kv_index = g.kv_slots, g.kv_index
-        if width < L:
-            cols = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]  # kept columns first
-            kv_slots, kv_index = kv_slots.gather(1, cols), kv_index.gather(1, cols)
-            mask = mask.gather(2, cols[:, None, :].expand(B, g.num_queries, width))
-        visible = None if g.num_queries == 1 and bool(mask.all()) else mask
-        return AttentionGroup(g.rows, g.row_start, g.num_queries, kv_slots.contiguous(), visible, g.q_index, kv_index, g.probe)
-
-    def _attend(
-        self, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup, bias: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
-        probe: torch.Tensor | None = None,
-    ) -> None:
-        """Attention of one group's queries over its KV slots, written into
-        its rows of ``out`` ``[T, heads * head_dim]``; ``bias`` is the group's
-        mask as an additive ``[B, 1, Q, L]`` float mask (0 or -inf). With
-        ``probe`` (float32 ``[B, heads, L]``, the attention probe) the
-        weights are computed explicitly (:func:`explicit_attention`, not
-        SDPA) and written there, reduced over each request's queries
-        (``g.probe``)."""
-        B, L = g.kv_slots.shape
-        Q = g.num_queries
-        if g.rows is None:
-            qg = q[g.row_start : g.row_start + B * Q].view(B, Q, self.nh, self.hd)
+    def embed_rows(self, batch: BatchInputs) -> torch.Tensor:
+        """The input embeddings of ``batch``'s tokens: ``[T, hidden_size]``
+        in the compute dtype (Gemma's scaled by ``sqrt(hidden_size)``)."""
+        if isinstance(self.embed, QuantWeight):
+            assert self.quant is not None  # loaded with the quantized weights
+            x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
-            qg = q.index_select(0, g.rows).view(B, Q, self.nh, self.hd)
-        flat = g.kv_slots.view(-1)
-        # [B, nkv, L, hd]; int8 rows are dequantized here (kv_quant.py)
-        k = from_pool(kc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
-        v = from_pool(vc.index_select(0, flat), self.dtype).view(B, L, self.nkv, self.hd).transpose(1, 2)
-        cap = self.config.attn_logit_softcapping
-        if cap is None and probe is None:
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2),
-                k,
-                v,
-                attn_mask=bias,
-                is_causal=bias is None and Q > 1,
-                scale=self.scale,
-                enable_gqa=self.nkv != self.nh,
-            )
-        else:  # Gemma 2: scores soft-capped before the mask (HF eager_attention_forward of modeling_gemma2.py); the probe
-            o = explicit_attention(qg.transpose(1, 2), k, v, bias, self.scale, cap, probe, g.probe or "sum")
-        o = o.transpose(1, 2).reshape(B * Q, self.nh * self.hd)
-        if g.rows is None:
-            out[g.row_start : g.row_start + B * Q] = o
-        else:
-            out.index_copy_(0, g.rows, o)
+            x = self.embed.index_select(0, batch.input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return x
 
-    def _keep_hidden(self, cap: HiddenCapture, i: int, x: torch.Tensor) -> None:
+    def keep_hidden(self, cap: HiddenCapture, i: int, x: torch.Tensor) -> None:
         """Keep what ``cap`` wants of ``x`` ``[T, H]``, the residual stream
         after layer ``i``: its rows for that layer, and after the last layer
         the final hidden states (the final norm of their rows, as the LM head
@@ -463,17 +384,10 @@ class LlamaModel:
             cap.keep(FINAL, self._rms_norm(x.index_select(0, cap.rows[FINAL]), self.norm))
 
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Run one ragged batch: a decode step a CUDA graph covers is
-        replayed (:mod:`tartlet.engine.cuda.graphs`), anything else runs
-        op by op (:meth:`forward_eager`). Arguments and result as there."""
-        if self.graphs is not None and self.graphs.accepts(batch, k_cache):
-            return self.graphs.run(batch)
-        return self.forward_eager(batch, k_cache, v_cache)
-
-    @torch.inference_mode()
     def forward_eager(self, batch: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Run one ragged batch.
+        """Run one ragged batch op by op (the model runner,
+        :mod:`tartlet.engine.core.model_runner`, picks this, a CUDA graph or
+        the fused C step per batch).
 
         Args:
             batch: flat inputs, ``T`` rows.
@@ -486,74 +400,22 @@ class LlamaModel:
             float32 logits ``[S, vocab_size]`` for ``batch.output_rows``
             (``S`` may be 0: no LM head runs). The hidden states
             ``batch.hidden`` asks for are stored in it as the layers pass
-            (:class:`~tartlet.engine.core.hidden_states.HiddenCapture`); a
-            pass reading a layer before the last runs op by op, not in the
-            fused decode step.
+            (:class:`~tartlet.engine.core.hidden_states.HiddenCapture`).
         """
+        x = self.embed_rows(batch)
+        x = self.run_layers(x, batch, self.attention.prepare(batch, k_cache), k_cache, v_cache)
+        return self.head(x, batch)
+
+    def run_layers(self, x: torch.Tensor, batch: BatchInputs, att: AttentionPass, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+        """Every layer over ``x`` ``[T, H]`` (the embeddings), op by op, with
+        ``att`` (:meth:`Attention.prepare` of this batch and pool) for RoPE,
+        the KV writes and attention; returns the last layer's output ``[T,
+        H]``, keeping the hidden states ``batch.hidden`` asks for."""
         c = self.config
         nh, nkv, hd = self.nh, self.nkv, self.hd
-        # the C kernels read and write float32, float16 and int8 pages (kv_quant.py); a bfloat16 pool takes the PyTorch path
-        kern = self.kernels if k_cache.dtype in POOL_DTYPES else None
-        if isinstance(self.embed, QuantWeight):
-            assert self.quant is not None  # loaded with the quantized weights
-            x = embedding_rows(self.quant, self.embed, batch.input_ids)
-        else:
-            x = self.embed.index_select(0, batch.input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        # on CUDA the Triton kernels (RoPE + KV write, decode attention) run when the pool holds the compute dtype
-        triton_kv = self.cuda_decode and k_cache.dtype == self.dtype
-        ropes = {}  # per distinct Rotary: cos, sin
-        for rot in dict.fromkeys(self.layer_rope):
-            cos, sin = rot.cos_sin(batch.positions)
-            if kern is None and not triton_kv:  # [T, 1, hd], sin's first half negated (see _rope)
-                cos, sin = cos.repeat(1, 2).to(self.dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
-            ropes[rot] = (cos, sin)  # else [T, hd / 2] for the kernels
         T = x.shape[0]
-        # once per pass, not per layer: additive masks (as [B, L] rows for
-        # the decode kernel) and per-layer cache views; sliding layers get their own
-        soft = c.attn_logit_softcapping is not None  # the decode kernel does not soft-cap
-
-        def prepared(g: AttentionGroup, mask: torch.Tensor | None) -> GroupPlan:
-            bias = None if mask is None else self._additive(mask)
-            B, L = g.kv_slots.shape
-            Q = g.num_queries
-            by_kernel = kern is not None and not soft and row_attention(g)
-            if not by_kernel or Q == 1:
-                rows_bias = None if bias is None or not by_kernel else bias.view(B, L)
-                return GroupPlan(g, bias, by_kernel, g.kv_slots, rows_bias)
-            # a prefill group query by query: row b * Q + i is query i of request b
-            if bias is None:  # plain causal over exactly L == Q fresh tokens
-                rows_bias = torch.full((Q, L), float("-inf"), dtype=self.dtype).triu_(1).repeat(B, 1)
-            else:
-                rows_bias = bias.reshape(B * Q, L).contiguous()
-            return GroupPlan(g, bias, True, g.kv_slots.repeat_interleave(Q, 0), rows_bias)
-
-        plans: dict[int | None, list[GroupPlan]] = {}
-        if None in self.windows:
-            plans[None] = [prepared(g, g.mask) for g in batch.groups]
-        for win in {w for w in self.windows if w is not None}:  # groups cut to the window's columns
-            plans[win] = [prepared(wg, wg.mask) for wg in (self._window_group(g, win) for g in batch.groups)]
-        # CUDA decode groups: rows, lengths and [B, L] mask for the Triton kernel, per group object
-        cuda = {}
-        if triton_kv:
-            cuda = {id(p.group): cuda_attention.decode_plan(p.group) for ps in plans.values() for p in ps
-                    if p.group.num_queries == 1 and p.group.probe is None}  # a probed group: explicit weights (_attend)
-        # the attention probe's buffers, per (window, group object) (attention_probe.py)
-        probes = {} if batch.probe is None else batch.probe.allocate(plans, self.windows, nh, self.device)
         hid = batch.hidden  # hidden states to keep (hidden_states.py), or None
-        last = len(self.layers) - 1
-        # the fused step returns the last layer's output only (x, in place): a pass reading an earlier layer runs op by op
-        fused_ok = hid is None or hid.layers() <= {last}
-        if kern is not None and self.fused is not None and fused_ok and self.fused.accepts(batch, k_cache):  # LoRA rows too
-            logits = self.fused.run(x, batch, *ropes[self.rotary], k_cache, v_cache, plans[None], probes)
-            if hid is not None:
-                self._keep_hidden(hid, last, x)
-            if logits is not None:  # the head ran in the step too
-                return logits
-            layers = []  # done
-        else:
-            layers = self.layers
         attn_out = torch.empty(T, nh * hd, dtype=self.dtype, device=self.device)
         lora = batch.lora
 
@@ -564,7 +426,7 @@ class LlamaModel:
                 lora.add(y, inp, i, key)
             return y
 
-        for i, (layer, kc, vc) in enumerate(zip(layers, k_cache.unbind(0), v_cache.unbind(0))):
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, k_cache.unbind(0), v_cache.unbind(0))):
             qkv = proj(i, "qkv", self._rms_norm(x, layer["ln1"]))
             if c.qk_norm:  # per-head RMSNorm of queries and keys, in place, before RoPE
                 eps = c.rms_norm_eps
@@ -572,28 +434,8 @@ class LlamaModel:
                 kh = qkv[:, nh * hd : (nh + nkv) * hd].view(T, nkv, hd)
                 qh.copy_(F.rms_norm(qh, (hd,), layer["q_norm"], eps))
                 kh.copy_(F.rms_norm(kh, (hd,), layer["k_norm"], eps))
-            cos, sin = ropes[self.layer_rope[i]]
-            if triton_kv:
-                q = cuda_rope.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
-            elif kern is None:
-                # RoPE once over the query and key heads together
-                qk = self._rope(qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd), cos, sin)
-                q = qk[:, :nh]
-                kc.index_copy_(0, batch.write_slots, to_pool(qk[:, nh:], kc.dtype))
-                vc.index_copy_(0, batch.write_slots, to_pool(qkv[:, (nh + nkv) * hd :].view(T, nkv, hd), vc.dtype))
-            else:
-                q = kern.rope_qkv_store(qkv, cos, sin, kc, vc, batch.write_slots, nh, nkv, hd)
-            for plan in plans[self.windows[i]]:
-                g = plan.group
-                pb = probes.get((self.windows[i], id(g))) if probes else None
-                pr = None if pb is None else pb.at(i)  # this layer's probe buffer of the group
-                if plan.by_kernel and kern is not None:  # by_kernel: kern is not None
-                    kern.paged_decode_attention(q, kc, vc, plan.slots, plan.rows_bias, g.rows, g.row_start, attn_out, self.scale, pr)
-                elif id(g) in cuda:
-                    rows, lens, mask2d = cuda[id(g)]
-                    cuda_attention.paged_decode_attention(q, kc, vc, g.kv_slots, lens, mask2d, rows, attn_out, self.scale)
-                else:
-                    self._attend(q, attn_out, g, plan.bias, kc, vc, pr)
+            q = att.rope_store(i, qkv, kc, vc)
+            att.attend(i, q, kc, vc, attn_out)
             if c.gemma_norms:  # norms after attention and MLP too, before each residual add
                 x = x + self._rms_norm(proj(i, "o", attn_out), layer["post_attn"])
                 gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
@@ -606,12 +448,19 @@ class LlamaModel:
                 gate, up = proj(i, "gate_up", self._rms_norm(x, layer["ln2"])).chunk(2, dim=-1)
                 x = proj(i, "down", self.act(gate).mul_(up), residual=x)
             if hid is not None:
-                self._keep_hidden(hid, i, x)
-        if batch.output_rows.shape[0] == 0:  # hidden states only: no LM head
+                self.keep_hidden(hid, i, x)
+        return x
+
+    def head(self, x: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        """Float32 logits ``[S, vocab_size]`` of ``batch.output_rows`` of the
+        last layer's output ``x`` ``[T, H]``: final norm, LM head, Gemma 2's
+        final soft-capping ``c * tanh(logits / c)``. ``S`` may be 0 (hidden
+        states only): no LM head runs."""
+        if batch.output_rows.shape[0] == 0:
             return torch.empty(0, self.lm_head.out_features, dtype=torch.float32, device=self.device)
         h = self._rms_norm(x.index_select(0, batch.output_rows), self.norm)
         logits = self.lm_head(h).float()
-        if c.final_logit_softcapping is not None:  # Gemma 2: c * tanh(logits / c)
-            cap = c.final_logit_softcapping
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
