@@ -67,6 +67,7 @@ naming the field.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -124,6 +125,22 @@ def json_depth(text: str) -> int:
     codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
     steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int64)
     return int(max(0, np.cumsum(steps).max()))
+
+
+def decode_b64(value: object, what: str) -> bytes:
+    """The bytes of ``value``, a base64 string (RFC 4648, standard alphabet,
+    no characters outside it) in the field ``what`` names.
+
+    Raises:
+        ProtocolError: ``bad_request`` naming ``what``: not a string, or not
+            valid base64 (characters outside ASCII included).
+    """
+    if not isinstance(value, str):
+        raise ProtocolError("bad_request", f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:  # binascii.Error, or characters outside ASCII
+        raise ProtocolError("bad_request", f"{what} is not valid base64") from None
 
 
 def parse_json(data: str | bytes, max_depth: int) -> Any:

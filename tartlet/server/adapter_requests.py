@@ -18,11 +18,9 @@ at fault), and nothing is kept.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from typing import Any
 
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, decode_b64
 from ..sdk.errors import AdapterError
 from .service import Event, Service
 
@@ -108,9 +106,4 @@ async def adapter_request(svc: Service, user: str, req: dict[str, Any], staging:
 
 
 def _b64(fname: str, b64: object) -> bytes:
-    if not isinstance(b64, str):
-        raise ProtocolError("bad_request", f"file {fname!r:.80}: its bytes are a base64 string")
-    try:
-        return base64.b64decode(b64, validate=True)
-    except binascii.Error:
-        raise ProtocolError("bad_request", f"file {fname!r:.80} is not valid base64") from None
+    return decode_b64(b64, f"file {fname!r:.80}: its bytes")

@@ -4,8 +4,6 @@ speaking :mod:`tartlet.protocol`."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 from typing import Any, Mapping
@@ -13,7 +11,7 @@ from typing import Any, Mapping
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..host.session import message_bytes
-from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, parse_json
+from ..protocol import CLOSE_UNAUTHORIZED, ProtocolError, decode_b64, parse_json
 from ..sdk.errors import LimitError
 from .adapter_requests import ADAPTER_REQUESTS, Staging, adapter_request
 from .auth import AuthError
@@ -199,11 +197,7 @@ class Connection:
             inst = svc.get(user, _instance_id(req))
             svc.take_rate(user, "message")  # [limits] max_messages_per_s
             if req.get("data_b64") is not None:
-                b64 = _field(req, "data_b64", str, "a base64 string")
-                try:
-                    data: str | bytes = base64.b64decode(b64, validate=True)
-                except binascii.Error:
-                    raise ProtocolError("bad_request", "`data_b64` is not valid base64") from None
+                data: str | bytes = decode_b64(req.get("data_b64"), "`data_b64`")
             else:
                 data = _field(req, "data", str, "a string")
                 if data is None:
