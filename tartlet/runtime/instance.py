@@ -90,8 +90,11 @@ class Instance:
         self.stdio = InstanceStdio(self.id, self.owner)
 
     def abort(self, reason: str = "aborted") -> None:
-        """Cancel the inferlet; its pages are freed when it unwinds."""
-        if self.status is Status.RUNNING and self.task is not None:
+        """Cancel the inferlet; its pages are freed when it unwinds. Once:
+        a later abort while it unwinds from the first changes nothing (a
+        second cancel would interrupt its cleanup: its ``finally`` blocks
+        and context managers), and the first reason stays."""
+        if self.status is Status.RUNNING and self.task is not None and not self.task.cancelling():
             self.error = reason
             self.task.cancel()
 

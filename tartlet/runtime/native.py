@@ -89,8 +89,9 @@ class NativeRuntime(BaseRuntime):
             stdio.install()  # print() of this task (and the tasks it starts) goes to inst.stdio
             stdio.bind(inst.stdio)
         try:
-            coro = main(inst.args)
-            inst.result = await (asyncio.wait_for(coro, limit) if limit else coro)
+            # in this task, not one of wait_for's: a cancel unwinds the inferlet before the finally below frees its resources
+            async with asyncio.timeout(limit or None):
+                inst.result = await main(inst.args)
             inst.status = Status.FINISHED
         except asyncio.CancelledError:
             inst.status = Status.ABORTED

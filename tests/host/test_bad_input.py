@@ -289,6 +289,51 @@ async def test_aborted_inferlet_frees_its_pages(runtime, tmp_path):
     assert_no_leaks(runtime.state)
 
 
+async def test_an_abort_while_unwinding_lets_the_cleanup_finish(runtime, tmp_path):
+    """A second abort (or the time limit) while the inferlet unwinds from the
+    first must not free its contexts under it: its `with` block closes its
+    context itself, nothing is left unretrieved on the loop (before: the
+    second cancel cut the runtime's wait short, the contexts were freed,
+    and the close raised InvalidHandleError into an orphaned task)."""
+    prog = inline_program(tmp_path, """
+    import asyncio
+    from tartlet import Model
+
+    async def main(args):
+        model = Model.load()
+        with model.new_context() as ctx:
+            ctx.fill("Hello")
+            await ctx.flush()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await asyncio.shield(asyncio.sleep(0.3))  # unwinding takes a while
+    """, "unwinds")
+    from tartlet.host.session import Session
+
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        for time_limit in (None, 1.0):
+            inst = runtime.launch(prog, {}, Session(), time_limit_s=time_limit)
+            await asyncio.sleep(0.6 if time_limit is None else 0.9)
+            inst.abort("first")
+            await asyncio.sleep(0.05 if time_limit is None else 0.2)
+            inst.abort("second")
+            await inst.wait()
+            assert inst.status in (Status.ABORTED, Status.FAILED) and inst.error in ("first", "time limit of 1 s exceeded")
+            import gc
+
+            gc.collect()
+            await asyncio.sleep(0)
+            assert unretrieved == [], unretrieved
+            assert_no_leaks(runtime.state)
+    finally:
+        loop.set_exception_handler(old)
+
+
 # -- malformed calls ------------------------------------------------------------------------------
 
 
