@@ -51,6 +51,18 @@ the machine's CPUs with the server.
     .venv/bin/python benchmarks/bench_soak.py                                   # all mixes, 2 rounds x 20 s
     .venv/bin/python benchmarks/bench_soak.py --mixes fork,save --rounds 2 --seconds 25 --json soak.json
     .venv/bin/python benchmarks/bench_soak.py --quick                           # smoke run
+    .venv/bin/python benchmarks/bench_soak.py --soak 600 --clients 8 --json soak.json  # 10-minute hostile soak
+    .venv/bin/python benchmarks/bench_soak.py --cache /tmp/soak-cache ...      # reuse the warm-up's builds next time
+
+``--soak S``: one quiet phase, then the mixes in turn (``--seconds`` each,
+no quiet phases between them) for ``S`` seconds; each mix is compared with
+that quiet phase, and the RSS report (after warm-up, peak, after the drain;
+a sample every 30 s in the JSON) is the issue's "RSS after a 10-minute
+hostile soak within 15% of its value after warm-up".
+
+``evil launches/s`` counts the launches the server admitted (answered
+``launched``) while the phase ran, over the phase's length: the launch
+mix's figure against ``max_launches_per_s``.
 
 Prints tables and one ``JSON:`` line; asserts nothing about time.
 """
@@ -184,7 +196,7 @@ class Server:
     """``tartlet serve --port 0`` on a fresh data dir and build cache, auth
     on, with users ``good`` and ``evil``."""
 
-    def __init__(self, workdir: Path, kv_cache_mb: int) -> None:
+    def __init__(self, workdir: Path, kv_cache_mb: int, cache: Path | None = None) -> None:
         cfg, self.data = workdir / "config.toml", workdir / "data"
         cfg.write_text(
             f'data_dir = "{self.data}"\n'
@@ -194,9 +206,9 @@ class Server:
         )
         # a private build cache (the build loop's builds are thrown away with
         # it); models and compiled C kernels from the usual one
-        cache = workdir / "cache"
-        cache.mkdir()
-        if paths.kernels_dir().is_dir():
+        cache = cache or workdir / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        if paths.kernels_dir().is_dir() and not (cache / "kernels").exists():
             (cache / "kernels").symlink_to(paths.kernels_dir())
         env = {**os.environ, "TARTLET_CACHE_DIR": str(cache), "TARTLET_MODELS_DIR": str(paths.models_dir())}
         self.keys = {}
@@ -262,6 +274,7 @@ class Phase:
     errors: list[str] = field(default_factory=list)
     evil_storms: int = 0
     evil_launches: int = 0
+    evil_admitted: int = 0  # launches answered `launched` while this phase ran
     evil_quota_errors: int = 0
     evil_other_errors: list[str] = field(default_factory=list)
     rss_start_mb: float = 0.0
@@ -356,10 +369,14 @@ def record(phase: Phase | None, t0: float, err: str | None) -> None:
 
 
 # -- the hostile user -------------------------------------------------------------------
-async def run_one(c: Client, program: str | Path, args: dict[str, Any]) -> str | None:
-    """Launch, wait; the storm's error (None: it ended without one)."""
+async def run_one(c: Client, program: str | Path, args: dict[str, Any], admitted: Any = None) -> str | None:
+    """Launch, wait; the storm's error (None: it ended without one).
+    ``admitted()`` is called when the server accepted the launch."""
     try:
-        ex = await (await c.launch(program, args)).wait()
+        inst = await c.launch(program, args)
+        if admitted is not None:
+            admitted()
+        ex = await inst.wait()
     except TartletError as e:
         return f"{e.code}: {e}"
     except Exception as e:  # noqa: BLE001
@@ -369,11 +386,11 @@ async def run_one(c: Client, program: str | Path, args: dict[str, Any]) -> str |
     return ex.result.get("error") if isinstance(ex.result, dict) else None
 
 
-async def run_many(cs: list[Client], launches: list[tuple[str | Path, dict[str, Any]]]) -> str | None:
+async def run_many(cs: list[Client], launches: list[tuple[str | Path, dict[str, Any]]], admitted: Any = None) -> str | None:
     """Launch all at once, spread over the connections ``cs`` (one connection
     answers its requests in order); the first quota error, else the first
     other error, else None."""
-    errors = [e for e in await asyncio.gather(*(run_one(cs[j % len(cs)], p, a) for j, (p, a) in enumerate(launches))) if e]
+    errors = [e for e in await asyncio.gather(*(run_one(cs[j % len(cs)], p, a, admitted) for j, (p, a) in enumerate(launches))) if e]
     quota = [e for e in errors if QUOTA_ERROR.match(e)]
     return (quota or errors or [None])[0]
 
@@ -421,7 +438,12 @@ async def evil_worker(mix: str, k: int, progs: dict[str, Path], a: argparse.Name
             phase = rec.current
             launches = storm(mix, k, it, progs, a, workdir)
             t0 = time.perf_counter()
-            error = await run_many(cs, launches)
+
+            def admitted(phase: Phase | None = phase) -> None:
+                if phase is not None and rec.current is phase:
+                    phase.evil_admitted += 1
+
+            error = await run_many(cs, launches, admitted)
             if mix == "launch" and error is None and len(launches) / (time.perf_counter() - t0) <= 1.1 * LAUNCHES_PER_S:
                 # no launch refused, but all held to the rate: the limit at work
                 error = f"limit: paced, {len(launches)} launches in {time.perf_counter() - t0:.1f} s"
@@ -482,22 +504,37 @@ async def soak(srv: Server, progs: dict[str, Path], mixes: list[str], a: argpars
     rec = Recorder()
     good = [asyncio.create_task((openai_client if i % 2 == 0 else ws_client)(i, srv, rec)) for i in range(a.clients)]
     sampler = asyncio.create_task(sample_rss(srv, rec))
-    for r in range(1, a.rounds + 1):
-        for mix in mixes:
-            for kind in ("quiet", mix):
-                phase = rec.begin(f"Q{r}-{mix}" if kind == "quiet" else f"{mix}{r}", kind)
-                phase.rss_start_mb = phase.peak_rss_mb = srv.rss_mb()
-                stop, evil = asyncio.Event(), []
-                if kind != "quiet":
-                    evil = [asyncio.create_task(evil_worker(mix, k, progs, a, workdir, srv, rec, stop)) for k in range(workers(mix, a))]
-                await asyncio.sleep(a.seconds)
-                rec.current = None  # evil finishing its last storms counts nowhere
-                stop.set()
-                await asyncio.gather(*evil)
-                phase.rss_end_mb = srv.rss_mb()
-                print(f"  {phase.name}: {len(phase.latencies_ms)} requests, {len(phase.errors)} errors, "
-                      f"{phase.evil_storms} storms, RSS {phase.rss_start_mb:.0f}/{phase.peak_rss_mb:.0f}/{phase.rss_end_mb:.0f} MiB",
-                      flush=True)  # fmt: skip
+    t_start, rss_samples = time.perf_counter(), [(0.0, rss_before)]
+
+    async def run_phase(name: str, kind: str) -> None:
+        phase = rec.begin(name, kind)
+        phase.rss_start_mb = phase.peak_rss_mb = srv.rss_mb()
+        stop, evil = asyncio.Event(), []
+        if kind != "quiet":
+            evil = [asyncio.create_task(evil_worker(kind, k, progs, a, workdir, srv, rec, stop)) for k in range(workers(kind, a))]
+        await asyncio.sleep(a.seconds)
+        rec.current = None  # evil finishing its last storms counts nowhere
+        stop.set()
+        await asyncio.gather(*evil)
+        phase.rss_end_mb = srv.rss_mb()
+        if time.perf_counter() - t_start >= 30 * len(rss_samples):
+            rss_samples.append((time.perf_counter() - t_start, phase.rss_end_mb))
+        print(f"  {phase.name}: {len(phase.latencies_ms)} requests, {len(phase.errors)} errors, "
+              f"{phase.evil_storms} storms, RSS {phase.rss_start_mb:.0f}/{phase.peak_rss_mb:.0f}/{phase.rss_end_mb:.0f} MiB",
+              flush=True)  # fmt: skip
+
+    if a.soak:  # one quiet phase, then the mixes in turn for a.soak seconds
+        await run_phase("Q0", "quiet")
+        n = 0
+        while time.perf_counter() - t_start < a.seconds + a.soak:
+            mix = mixes[n % len(mixes)]
+            await run_phase(f"{mix}{n // len(mixes) + 1}", mix)
+            n += 1
+    else:
+        for r in range(1, a.rounds + 1):
+            for mix in mixes:
+                await run_phase(f"Q{r}-{mix}", "quiet")
+                await run_phase(f"{mix}{r}", mix)
     rec.stopping = True
     await asyncio.gather(*good, sampler)
     after = await wait_pages(srv, before["used"], 60)
@@ -505,7 +542,7 @@ async def soak(srv: Server, progs: dict[str, Path], mixes: list[str], a: argpars
     return {
         "phases": rec.phases,
         "pages_before": before, "pages_after": after,
-        "rss_before_mb": rss_before, "rss_after_mb": srv.rss_mb(),
+        "rss_before_mb": rss_before, "rss_after_mb": srv.rss_mb(), "rss_samples": rss_samples,
         "snapshot_files_before": files_before, "snapshot_files_after": srv.snapshot_files(),
         "evil_store_keys_after": await evil_store_keys(srv),
         "server_up": srv.proc.poll() is None, "server_tracebacks": srv.tracebacks(),
@@ -535,8 +572,9 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
     for mix in mixes:
         # each mix phase against the quiet phase just before it, pooled over the rounds
         idx = [i for i, p in enumerate(phases) if p.mix == mix]
-        hot = [p for i in idx for p in [phases[i]]]
-        quiet = [phases[i - 1] for i in idx]
+        hot = [phases[i] for i in idx]
+        # the nearest quiet phase before each (--soak: the one at the start), each once
+        quiet = list({id(q): q for q in ([p for p in phases[:i] if p.mix == "quiet"][-1] for i in idx)}.values())
         lq = [x for p in quiet for x in p.latencies_ms]
         lh = [x for p in hot for x in p.latencies_ms]
         r50, r95 = pct(lh, 0.5) / pct(lq, 0.5), pct(lh, 0.95) / pct(lq, 0.95)
@@ -545,7 +583,7 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
              "p50_ms": pct(lh, 0.5), "p95_ms": pct(lh, 0.95), "p50_ratio": r50, "p95_ratio": r95,
              "good_errors": errs, "good_internal_errors": internal, "quiet_errors": sum(len(p.errors) for p in quiet),
              "evil_storms": sum(p.evil_storms for p in hot),
-             "evil_launches_per_s": sum(p.evil_launches for p in hot) / (a.seconds * len(hot)), "evil_quota_errors": sum(p.evil_quota_errors for p in hot),
+             "evil_launches_per_s": sum(p.evil_admitted for p in hot) / (a.seconds * len(hot)), "evil_quota_errors": sum(p.evil_quota_errors for p in hot),
              "evil_other_errors": sum(len(p.evil_other_errors) for p in hot),
              "rss_start_mb": hot[0].rss_start_mb, "peak_rss_mb": max(p.peak_rss_mb for p in hot), "rss_end_mb": hot[-1].rss_end_mb,
              "meets": {"p50": r50 <= 1.3, "p95": r95 <= 2.0, "errors": errs == 0}}  # fmt: skip
@@ -556,6 +594,7 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
                      f"{m['evil_storms']} / {m['evil_quota_errors']} / {m['evil_other_errors']}", f"{m['evil_launches_per_s']:.1f}",
                      f"{m['rss_start_mb']:.0f} / {m['peak_rss_mb']:.0f} / {m['rss_end_mb']:.0f}", ok])  # fmt: skip
     rss_growth = res["rss_after_mb"] / res["rss_before_mb"] - 1
+    peak_rss = max([res["rss_before_mb"]] + [p.peak_rss_mb for p in phases])
     good_errors = sum(len(p.errors) for p in phases)
     good_internal = sum(p.internal_errors for p in phases)
     payload = {
@@ -563,6 +602,7 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
             "mixes": mixes,
             "clients": a.clients,
             "rounds": a.rounds,
+            "soak_s": a.soak,
             "seconds": a.seconds,
             "forkers": a.forkers,
             "savers": a.savers,
@@ -585,6 +625,8 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
         "pages_after": res["pages_after"],
         "rss_before_mb": res["rss_before_mb"],
         "rss_after_mb": res["rss_after_mb"],
+        "peak_rss_mb": peak_rss,
+        "rss_samples": res["rss_samples"],
         "rss_growth": rss_growth,
         "snapshot_files_before": res["snapshot_files_before"],
         "snapshot_files_after": res["snapshot_files_after"],
@@ -601,7 +643,8 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
     }
     report(
         f"Soak: {a.clients} good clients (half OpenAI, half WebSocket) against quiet phases, "
-        f"{a.rounds} round(s) of {a.seconds:g} s phases (targets: p50 <= 1.3x, p95 <= 2x, 0 errors)",
+        + (f"a {a.soak:g} s hostile soak after one quiet phase" if a.soak else f"{a.rounds} round(s)")
+        + f" of {a.seconds:g} s phases (targets: p50 <= 1.3x, p95 <= 2x, 0 errors)",
         ["mix", "requests Q / mix", "p50 ms Q / mix", "p50 ratio", "p95 ms Q / mix", "p95 ratio", "good errors (internal)",
          "evil storms / quota errs / other", "evil launches/s", "RSS MiB start / peak / end", "targets met"],
         rows, None,
@@ -611,7 +654,7 @@ def summarize(res: dict[str, Any], mixes: list[str], a: argparse.Namespace) -> d
         "Server state (before: after warm-up; after: every client stopped, everything drained)",
         ["metric", "before first phase", "after last phase"],
         [["KV pages used", pb["used"], pa["used"]], ["KV pages cached", pb["cached"], pa["cached"]],
-         ["server RSS MiB", round(res["rss_before_mb"]), f"{res['rss_after_mb']:.0f} ({rss_growth:+.1%}; target within 15%)"],
+         ["server RSS MiB", round(res["rss_before_mb"]), f"{res['rss_after_mb']:.0f} ({rss_growth:+.1%}; target within 15%); peak {peak_rss:.0f}"],
          ["snapshot files on disk", res["snapshot_files_before"], res["snapshot_files_after"]],
          ["evil's store keys", "", res["evil_store_keys_after"]],
          ["server up / tracebacks in its log", "", f"{res['server_up']} / {res['server_tracebacks']}"]],
@@ -645,6 +688,10 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, default=SANDBOX_MB_PER_USER // SANDBOX_MB + 2, help="memory hogs launched at once")
     ap.add_argument("--builders", type=int, default=2, help="new uploads launched at once (one connection each) per build storm")
     ap.add_argument("--kv-cache-mb", type=int, default=256, help="page pool (256 MiB: 364 pages of 16 tokens)")
+    ap.add_argument("--soak", type=float, default=0, metavar="S",
+                    help="a long hostile soak instead of rounds: one quiet phase, then the mixes in turn for S seconds (600: the 10-minute soak)")
+    ap.add_argument("--cache", type=Path, help="build cache to keep and reuse across runs (default: a fresh one): the warm-up's "
+                    "uploads are built once; the build loop's uploads are new every time, so they still build")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 6 s phases, 4 clients")
     a = ap.parse_args()
@@ -660,7 +707,7 @@ def main() -> None:
                           ("count", "from tartlet import store\n\nasync def main(args):\n    return {'keys': len(store.keys())}\n")):  # fmt: skip
             progs[name] = d / f"{name}_storm.py" if name != "count" else d / "store_count.py"
             progs[name].write_text(textwrap.dedent(src))
-        srv = Server(d, a.kv_cache_mb)
+        srv = Server(d, a.kv_cache_mb, a.cache)
         try:
             res = asyncio.run(soak(srv, progs, mixes, a, d))
         finally:

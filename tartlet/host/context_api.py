@@ -13,6 +13,7 @@ from ..engine.core.engine import Engine
 from ..engine.core.kv_accounting import PageAccount
 from ..engine.core.sequence import Sequence
 from ..sdk.errors import InvalidHandleError, KvCacheFullError, LimitError
+from .fair_gate import FairGate
 from .state import HostState, ModelSlot
 
 T = TypeVar("T")
@@ -105,10 +106,10 @@ class ContextHostMixin:
         seq = self._new_seq(parent.slot)
         fresh = 1 if len(parent.tokens) % parent.engine.pool.page_size else 0  # the copied tail page
         child = HostContext(parent.slot, seq, list(parent.tokens))
-        _pending(seq.account, fresh, lambda: self._fork_later(parent.engine, parent.seq, child.seq))
+        _pending(seq.account, fresh, lambda: self._fork_later(parent.slot.gate, parent.seq, child.seq))
         return self._add(child)
 
-    def _fork_later(self, engine: Engine, src: Sequence, dst: Sequence) -> Future[None]:
+    def _fork_later(self, gate: FairGate, src: Sequence, dst: Sequence) -> Future[None]:
         def run() -> None:
             if src.freed:
                 dst.free(src.error or "forked from a destroyed context")
@@ -119,7 +120,7 @@ class ContextHostMixin:
                 dst.free(f"fork failed: {e}")
                 raise
 
-        return engine.scheduler.command(run, src, dst)
+        return gate.command(run, src, dst)
 
     def context_free(self, handle: int) -> None:
         """Destroy a context and release its pages (after its queued passes)."""
@@ -131,7 +132,7 @@ class ContextHostMixin:
     def _free_later(self, ctx: HostContext) -> None:
         seq = ctx.seq
         try:
-            ctx.engine.scheduler.command(seq.free, seq)
+            ctx.slot.gate.command(seq.free, seq)
         except RuntimeError:  # scheduler stopped: nothing runs any more
             seq.free()
 
@@ -153,7 +154,7 @@ class ContextHostMixin:
             if not isinstance(n, int) or not 0 <= n <= len(ctx.tokens):
                 raise ValueError(f"truncate to {n!r} outside [0, {len(ctx.tokens)}]")
             del ctx.tokens[n:]
-        ctx.engine.scheduler.command(lambda: ctx.seq.truncate(min(n, len(ctx.seq))), ctx.seq)
+        ctx.slot.gate.command(lambda: ctx.seq.truncate(min(n, len(ctx.seq))), ctx.seq)
 
     def context_mask(self, handle: int, start: int, end: int, masked: bool) -> None:
         """Hide (``masked=True``) or show tokens ``[start, end)`` from all
@@ -166,13 +167,13 @@ class ContextHostMixin:
         n = len(ctx.tokens)
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
             raise ValueError(f"mask range [{start!r}, {end!r}) outside the context's [0, {n})")
-        ctx.engine.scheduler.command(lambda: ctx.seq.mask_range(start, end, bool(masked)), ctx.seq)
+        ctx.slot.gate.command(lambda: ctx.seq.mask_range(start, end, bool(masked)), ctx.seq)
 
     def context_drop_masked_pages(self, handle: int) -> Future[int]:
         """Release full pages whose tokens are all masked; future of the
         number of pages dropped."""
         ctx = self._ctx(handle)
-        return ctx.engine.scheduler.command(ctx.seq.drop_masked_pages, ctx.seq)
+        return ctx.slot.gate.command(ctx.seq.drop_masked_pages, ctx.seq)
 
     def context_stats(self, handle: int) -> Future[dict[str, int]]:
         """Future of ``{"tokens", "pages", "live_pages", "shared_pages"}``
@@ -190,7 +191,7 @@ class ContextHostMixin:
                 "shared_pages": sum(1 for p in live if seq.pool.refcount(p) > 1),
             }
 
-        return ctx.engine.scheduler.command(stats, seq)
+        return ctx.slot.gate.command(stats, seq)
 
 
 def _pending(acc: PageAccount | None, fresh: int, queue: Callable[[], Future[T]]) -> Future[T]:

@@ -165,7 +165,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
 
             req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner, then=cont, adapter=lora,
                                  probe=spec)
-            fut = _pending(ctx.seq.account, fresh, lambda: e.scheduler.submit(req))
+            fut = _pending(ctx.seq.account, fresh, lambda: ctx.slot.gate.submit(req))  # per-user queue (fair_gate.py)
             ctx.tokens.extend(tokens)
 
         def on_done(f: Future[list[object]]) -> None:

@@ -13,7 +13,9 @@ message     ``max_messages_per_s``    messaging push, broadcast, subscribe; a
 ==========  ========================  ==============================================
 
 A bucket holds ``rate * burst_s`` tokens (at least one) and refills at
-``rate`` per second. A host call or request that finds no token raises
+``rate`` per second, so in any ``T`` seconds a user gets at most
+``max(1, rate * burst_s) + rate * T`` tokens, those taken ahead by
+:meth:`RateLimits.wait_for` included (their waits space them at the rate). A host call or request that finds no token raises
 :class:`~tartlet.sdk.errors.LimitError` naming the key (:meth:`RateLimits.take`);
 a client's launch may instead wait for its token (:meth:`RateLimits.wait_for`),
 so a user who floods launches only slows down their own launches: each

@@ -42,7 +42,7 @@ class SnapshotHostMixin(ContextHostMixin):
         seq = self._new_seq(slot)
         fresh = 1 if len(snap.tokens) % slot.engine.pool.page_size else 0
         child = HostContext(slot, seq, list(snap.tokens))
-        _pending(seq.account, fresh, lambda: self._fork_later(slot.engine, src, child.seq))
+        _pending(seq.account, fresh, lambda: self._fork_later(slot.gate, src, child.seq))
         return self._add(child)
 
     def snapshot_take(self, model: str | None, name: str) -> int:

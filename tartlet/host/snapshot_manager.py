@@ -55,8 +55,10 @@ from pathlib import Path
 import torch
 
 from ..engine.core.engine import Engine
+from ..engine.core.scheduler import Scheduler
 from ..engine.core.sequence import Sequence
 from ..sdk.errors import SnapshotError
+from .fair_gate import FairGate
 from .kv_quotas import KvAccounts
 from .snapshot_store import FileStamp, SnapshotFile, SnapshotStore, file_stamp
 from .snapshots import Snapshot, SnapshotRegistry, check_name
@@ -74,8 +76,10 @@ _SHARED_TMP_AGE_S = 3600.0
 class SnapshotManager:
     """Snapshots of ``engine``, charged to ``accounts``."""
 
-    def __init__(self, engine: Engine, accounts: KvAccounts) -> None:
+    def __init__(self, engine: Engine, accounts: KvAccounts, gate: FairGate | None = None) -> None:
         self.engine = engine
+        #: what queues the KV commands: the model slot's per-user gate, else the scheduler
+        self.commands: FairGate | Scheduler = gate if gate is not None else engine.scheduler
         self.accounts = accounts
         self.registry = SnapshotRegistry(accounts.limits.max_snapshots_per_user)
         self.store: SnapshotStore | None = None
@@ -205,7 +209,7 @@ class SnapshotManager:
 
         acc.pend(tail)
         try:
-            fut = self.engine.scheduler.command(run, src, dst)
+            fut = self.commands.command(run, src, dst)
         except BaseException:
             acc.pend(-tail)
             self.registry.discard(snap)
@@ -298,7 +302,7 @@ class SnapshotManager:
                 raise
             self._forget_file(snap)
 
-        self.engine.scheduler.command(run, seq, dst)
+        self.commands.command(run, seq, dst)
         return snap.tokens
 
     def delete(self, owner: str, name: str) -> None:
@@ -449,7 +453,7 @@ class SnapshotManager:
         seq = snap.seq
         if seq is not None:
             try:
-                self.engine.scheduler.command(seq.free, seq)
+                self.commands.command(seq.free, seq)
             except RuntimeError:  # scheduler stopped
                 seq.free()
 
@@ -487,7 +491,7 @@ class SnapshotManager:
                         snap.seq = None  # stays on disk; a later open tries again
                 raise
 
-        self.engine.scheduler.command(install, seq)
+        self.commands.command(install, seq)
         return seq
 
     def _gather(self, snap: Snapshot, seq: Sequence) -> SnapshotFile:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.core.engine import Engine
 from .adapter_manager import AdapterManager
 from .code_sandbox import CodeSandbox
+from .fair_gate import FairGate
 from .kv_quotas import KvAccounts, KvLimits
 from .messaging import Bus, MessageBus
 from .rate_limits import RateLimits
@@ -29,7 +30,10 @@ class ModelSlot:
         #: speculative``: method, max_draft, max_ngram, min_ngram, max_batch), or None
         self.speculative = speculative
         self.accounts = KvAccounts(limits, engine.pool.num_pages)
-        self.snapshots = SnapshotManager(engine, self.accounts)
+        #: per-user queues in front of the scheduler: every forward pass and
+        #: context command of the host goes through it (:mod:`.fair_gate`)
+        self.gate = FairGate(engine.scheduler)
+        self.snapshots = SnapshotManager(engine, self.accounts, self.gate)
         #: the served and the users' LoRA adapters (:mod:`tartlet.host.adapter_manager`)
         self.adapters = AdapterManager(engine)
 

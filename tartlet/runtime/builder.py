@@ -50,6 +50,9 @@ SDK_DIR = Path(__file__).resolve().parents[1]
 APP_MODULE = "tartlet_inferlet_app"
 #: Longest a componentize-py build may run, seconds.
 BUILD_TIMEOUT_S = 300.0
+#: Niceness added to a build process (seconds of CPU, for one user's upload):
+#: the model thread and the event loop, which serve every user, go first.
+BUILD_NICE = 10
 _BUILD_LOCKS: dict[str, threading.Lock] = {}
 _BUILD_LOCKS_GUARD = threading.Lock()
 
@@ -236,7 +239,7 @@ def _componentize(program: Program, dest: Path) -> None:
         out = Path(tmp) / "out.wasm"
         cmd = [
             sys.executable, "-c",
-            "import sys, componentize_py; sys.argv[0] = 'componentize-py'; componentize_py.script()",
+            f"import os, sys; os.nice({BUILD_NICE}); import componentize_py; sys.argv[0] = 'componentize-py'; componentize_py.script()",
             "-d", str(WIT_DIR), "-w", WORLD, "componentize", APP_MODULE,
             "-p", str(stage), "-p", str(deps), "-o", str(out),
         ]  # fmt: skip

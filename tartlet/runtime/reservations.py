@@ -1,9 +1,11 @@
 """Per-user reservations of a resource held while instances run (the linear
-memory sandboxed instances may grow to, for one)."""
+memory sandboxed instances may grow to, for one), and per-user CPU shares of
+sandboxed instance threads."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from ..sdk.errors import LimitError
 
@@ -52,3 +54,37 @@ class UserReservations:
         """What ``owner`` holds now."""
         with self._lock:
             return self._held.get(owner, 0)
+
+
+class CpuShares:
+    """A CPU-time budget per user for sandboxed instance threads: a user's
+    threads together may use ``cores`` CPU-seconds per second of wall time
+    (a token bucket of CPU-seconds holding ``burst_s`` seconds' worth); a
+    thread whose user is over budget is told to sleep until it refills.
+
+    Args:
+        cores: CPU-seconds per second one user's threads may use together
+            (None: unbounded).
+        burst_s: wall seconds' worth of CPU a user may use at once, ahead of
+            the rate.
+    """
+
+    def __init__(self, cores: float | None, burst_s: float = 0.2) -> None:
+        self.cores, self.burst_s = cores, burst_s
+        self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (CPU-seconds left, at)
+        self._lock = threading.Lock()
+
+    def charge(self, owner: str, cpu_s: float) -> float:
+        """Count ``cpu_s`` CPU-seconds used by one of ``owner``'s threads;
+        returns the seconds that thread should sleep (0: within budget)."""
+        if self.cores is None:
+            return 0.0
+        now = time.monotonic()
+        cap = self.cores * self.burst_s
+        with self._lock:
+            left, at = self._buckets.get(owner, (cap, now))
+            left = min(cap, left + (now - at) * self.cores) - cpu_s
+            self._buckets[owner] = (left, now)
+            if len(self._buckets) > 10_000:  # forget full buckets of gone users
+                self._buckets = {o: (x, t) for o, (x, t) in self._buckets.items() if x + (now - t) * self.cores < cap}
+        return -left / self.cores if left < 0 else 0.0

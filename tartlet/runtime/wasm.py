@@ -16,6 +16,11 @@ Limits per instance:
   deadline callback, which traps the guest when the limit is passed or the
   instance was aborted. Blocking in the host (waiting for the model) costs
   no CPU time.
+- CPU share per user: at the same ticks the thread's CPU time since the
+  last tick is charged to its owner's budget (``max_cpu_per_user`` cores
+  for all of the user's instances together, :class:`~.reservations.CpuShares`);
+  a thread over it sleeps until the budget refills, so one user's
+  compute-bound guests cannot take the CPU the model and other users need.
 - wall time: as in the native runtime (``time_limit_s``).
 
 The thread's end is surfaced to asyncio, so a WASM instance is an ordinary
@@ -50,7 +55,7 @@ from . import builder
 from .base import BaseRuntime
 from .instance import Instance, Status
 from .program import Program, find_program
-from .reservations import UserReservations
+from .reservations import CpuShares, UserReservations
 from .stdio import InstanceStdio
 from .wasm_engine import TICK_S, WasmEngine, WasmLoadError, shared_engine
 from .wasm_host import PACKAGE, VERSION, InstanceHost, add_host_imports
@@ -102,6 +107,9 @@ class WasmRuntime(BaseRuntime):
             instances may reserve together: each reserves its memory cap
             (``limits.memory_mb``) at launch, until it ends; a launch past it
             raises ``LimitError`` (None: unbounded).
+        max_cpu_per_user: CPU-seconds per second one user's running
+            instances may use together (None: unbounded); past it their
+            threads sleep at the next epoch tick until the budget refills.
         **kw: ``max_pages``, ``max_instances_per_user``, ``program_dirs``,
             ``instances``, as for :class:`~.base.BaseRuntime`.
     """
@@ -115,11 +123,13 @@ class WasmRuntime(BaseRuntime):
         limits: WasmLimits | None = None,
         engine: WasmEngine | None = None,
         max_memory_mb_per_user: int | None = None,
+        max_cpu_per_user: float | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(state, time_limit_s, **kw)
         self.limits = limits or WasmLimits()
         self.memory = UserReservations(max_memory_mb_per_user, "[limits] max_sandbox_memory_mb_per_user", "MiB")
+        self.cpu = CpuShares(max_cpu_per_user)
         self.wasm = engine or shared_engine()
         self.linker = Linker(self.wasm.engine)
         self.linker.add_wasip2()
@@ -221,7 +231,7 @@ class WasmRuntime(BaseRuntime):
             _drop_scratch(scratch)
             raise
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
-        ctx = _Run(inst, host, store, run, args_json, lim, output, scratch)
+        ctx = _Run(inst, host, store, run, args_json, lim, output, scratch, self.cpu)
         ctx.release_memory = _once(lambda: self.memory.release(owner, lim.memory_mb))
         self.loop = asyncio.get_running_loop()
         inst.task = self.loop.create_task(self._run(ctx, limit), name=f"inferlet-wasm-{inst.id}")
@@ -323,8 +333,9 @@ class _Run:
 
     def __init__(
         self, inst: Instance, host: InstanceHost, store: Store, run: Any, args_json: str,
-        limits: WasmLimits, output: bytearray, scratch: Path | None,
+        limits: WasmLimits, output: bytearray, scratch: Path | None, cpu: CpuShares | None = None,
     ) -> None:  # fmt: skip
+        self.cpu = cpu
         self.inst, self.host, self.store, self.run = inst, host, store, run
         self.args_json, self.limits, self.output, self.scratch = args_json, limits, output, scratch
         self._keep: tuple[object, ...] = ()  # the epoch callbacks, alive as long as the store
@@ -342,16 +353,26 @@ class _Run:
             outcome = ("trap", e)
         finally:
             host.unbind()
+            # drop the store here, not on the event loop: unmapping a linear
+            # memory of hundreds of MiB takes the kernel milliseconds
+            self.release()
         report(outcome)
 
     def _arm_epoch(self) -> None:
         """Check CPU time and abort at every epoch tick, on this thread."""
-        host, cpu_limit = self.host, self.limits.cpu_time_s
+        host, cpu_limit, shares, owner = self.host, self.limits.cpu_time_s, self.cpu, self.inst.owner
         start = time.thread_time()
+        last = [start]
 
         def on_deadline(_ctx: Any, _data: Any, delta: Any, kind: Any) -> int:
-            if host.stop_reason is None and cpu_limit is not None and time.thread_time() - start > cpu_limit:
+            used = time.thread_time()
+            if host.stop_reason is None and cpu_limit is not None and used - start > cpu_limit:
                 host.stop(f"CPU time limit of {cpu_limit:g} s exceeded")
+            if shares is not None and host.stop_reason is None:
+                nap = shares.charge(owner, used - last[0])
+                if nap > 0:  # the owner's instances are over their CPU share: wait for it (an abort waits <= 50 ms)
+                    time.sleep(min(nap, 0.05))
+                last[0] = time.thread_time()
             if host.stop_reason is not None:
                 err = ffi.wasmtime_error_new(ctypes.create_string_buffer(f"tartlet: {host.stop_reason}".encode()))
                 return ctypes.cast(err, ctypes.c_void_p).value or 0

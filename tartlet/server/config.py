@@ -24,7 +24,7 @@ reads it with :func:`load_config`. Layout::
                max_session_message_bytes, max_backlog_bytes,
                max_messaging_bytes_per_user, max_topics_per_user,
                max_builds_per_user, max_store_bytes_per_user,
-               max_store_keys_per_user, max_sandbox_memory_mb_per_user,
+               max_store_keys_per_user, max_sandbox_memory_mb_per_user, max_sandbox_cpu_per_user,
                max_launches_per_s, max_builds_per_min, max_allocs_per_s,
                max_messages_per_s, rate_burst_s, max_rate_wait_s
                (docs/server.md, "Limits": one table of them all)

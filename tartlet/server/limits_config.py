@@ -92,6 +92,11 @@ class LimitsConfig(Table):
             reserves ``[programs] sandbox_memory_mb`` at launch until it
             ends. A launch past it is refused: error ``limit`` to a client,
             ``LimitError`` to a parent launching a child.
+        max_sandbox_cpu_per_user: CPU cores one user's running sandboxed
+            (WASM) instances may use together (CPU-seconds per second);
+            past it their threads sleep until the share comes back, so
+            compute-bound guests of one user leave the CPU to the model and
+            other users. None: unbounded.
         max_launches_per_s: launches per second one user may start, children
             included (a token bucket, see ``rate_burst_s``). Past it a client
             launch waits for its turn (at most ``max_rate_wait_s``), a child
@@ -105,8 +110,10 @@ class LimitsConfig(Table):
             client ``send`` requests per second per user (a token bucket);
             past it the call raises ``LimitError`` (a client gets ``limit``).
         rate_burst_s: every rate above is a token bucket holding this many
-            seconds' worth of tokens (at least one): a user may go that far
-            ahead of the rate in a burst, then waits for tokens to come back.
+            seconds' worth of tokens (at least one): a user may start
+            ``max(1, rate * rate_burst_s)`` at once, and at most ``rate * T``
+            plus that burst in any ``T`` seconds (20 launches a second and
+            0.5 s: 10 at once, 110 in 5 s).
         max_rate_wait_s: longest a client's launch waits for a token before
             it is refused with ``limit``, seconds. Requests of one
             connection are answered in order, so a user flooding launches
@@ -134,11 +141,12 @@ class LimitsConfig(Table):
     max_store_bytes_per_user: PositiveInt | None = 64 * 2**20
     max_store_keys_per_user: PositiveInt | None = 100_000
     max_sandbox_memory_mb_per_user: PositiveInt | None = 4096
+    max_sandbox_cpu_per_user: PositiveFloat | None = 0.5
     max_launches_per_s: PositiveFloat | None = 20.0
     max_builds_per_min: PositiveFloat | None = 6.0
-    max_allocs_per_s: PositiveFloat | None = 1000.0
+    max_allocs_per_s: PositiveFloat | None = 200.0
     max_messages_per_s: PositiveFloat | None = 2000.0
-    rate_burst_s: PositiveFloat = 2.0
+    rate_burst_s: PositiveFloat = 0.5
     max_rate_wait_s: Annotated[float, Field(ge=0)] = 5.0
 
     def rate_limits(self) -> RateLimits:

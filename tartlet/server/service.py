@@ -267,7 +267,7 @@ class Service:
             self._sandbox = WasmRuntime(
                 self.state, limits=WasmLimits(memory_mb=p.sandbox_memory_mb, cpu_time_s=p.sandbox_cpu_time_s),
                 instances=self.runtime.instances, max_memory_mb_per_user=self.cfg.limits.max_sandbox_memory_mb_per_user,
-                **self._common,
+                max_cpu_per_user=self.cfg.limits.max_sandbox_cpu_per_user, **self._common,
             )  # fmt: skip
         return self._sandbox
 

@@ -4,6 +4,7 @@ them, and the sandbox memory a user's instances reserve."""
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import pytest
@@ -122,3 +123,65 @@ def test_reservations_are_per_user_and_given_back():
     r.release("mallory", 512)
     r.reserve("mallory", 512)
     assert r.held("mallory") == 1024 and r.held("nobody") == 0
+
+
+def launch_flood(rates: RateLimits, clock: list[float], connections: int, seconds: float) -> list[float]:
+    """When the launches of a flood start: ``connections`` clients each
+    asking again as soon as its last launch was admitted (a connection's
+    requests are answered in order), under a fake clock; each admitted
+    launch starts after its wait, as :meth:`Service.admit_launch` does."""
+    starts: list[float] = []
+    t0 = clock[0]
+    ready = [t0] * connections  # when each connection asks next
+    while min(ready) < t0 + seconds:
+        k = ready.index(min(ready))
+        clock[0] = ready[k]
+        wait = rates.wait_for("mallory", "launch", max_wait_s=5.0)
+        starts.append(clock[0] + wait - t0)
+        ready[k] = clock[0] + wait
+    return starts
+
+
+def test_a_launch_flood_is_held_to_the_documented_rate(monkeypatch):
+    """The default bucket (``max_launches_per_s`` 20, ``rate_burst_s``) lets
+    a flood start at most ``burst + rate * T`` launches in any ``T`` seconds,
+    and a 5 s storm at most 10% over the rate (issue 40: with a 2 s burst,
+    bench_soak's storms started 40 at once, 28/s over their first 5 s)."""
+    from tartlet.host import rate_limits
+    from tartlet.server.limits_config import LimitsConfig
+
+    clock = [1000.0]
+    monkeypatch.setattr(rate_limits.time, "monotonic", lambda: clock[0])
+    lim = LimitsConfig()
+    rate, burst = lim.max_launches_per_s, max(1.0, lim.max_launches_per_s * lim.rate_burst_s)
+    starts = launch_flood(lim.rate_limits(), clock, connections=4, seconds=20.0)
+    for span in (0.5, 1.0, 2.0, 5.0, 20.0):
+        for i, t0 in enumerate(starts):  # starts are in order
+            n = bisect.bisect_left(starts, t0 + span) - i
+            assert n <= burst + rate * span + 1e-6, (span, t0, n)
+    assert sum(1 for t in starts if t < 5.0) <= 1.1 * rate * 5.0
+    assert len([t for t in starts if t < 20.0]) / 20.0 <= 1.1 * rate
+
+
+def test_cpu_shares_hold_a_user_to_its_cores(monkeypatch):
+    from tartlet.runtime import reservations
+    from tartlet.runtime.reservations import CpuShares
+
+    clock = [50.0]
+    monkeypatch.setattr(reservations.time, "monotonic", lambda: clock[0])
+    shares = CpuShares(0.5, burst_s=0.2)  # 0.1 CPU-s at once, 0.5 per second
+    assert shares.charge("hog", 0.05) == 0  # within the burst
+    assert shares.charge("hog", 0.1) == pytest.approx(0.1)  # 0.05 CPU-s over: 0.1 s at 0.5 cores
+    assert shares.charge("alice", 0.05) == 0  # users are apart
+    clock[0] += 0.1  # asleep: 0.05 CPU-s came back
+    assert shares.charge("hog", 0.0) == 0
+    # a thread that keeps spinning at one core is held to 0.5 over a long run
+    used, slept = 0.0, 0.0
+    for _ in range(1000):
+        used += 0.01
+        clock[0] += 0.01
+        nap = shares.charge("hog", 0.01)
+        clock[0] += nap
+        slept += nap
+    assert used / (1000 * 0.01 + slept) == pytest.approx(0.5, rel=0.05)
+    assert CpuShares(None).charge("x", 100.0) == 0

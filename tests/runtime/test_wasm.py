@@ -193,6 +193,33 @@ async def test_abort_and_wall_time_limit_end_a_spinning_component(wasm_runtime, 
     assert inst.status is Status.FAILED and "time limit of 0.3 s exceeded" in inst.error
 
 
+async def test_a_users_spinning_components_are_held_to_its_cpu_share(wasm_runtime, probe_wasm, monkeypatch):
+    """Issue 40: compute-bound guests of one user took the CPU the model
+    thread needs for everyone; their threads' CPU is charged to the owner's
+    share at each epoch tick, and a thread over it sleeps."""
+    from tartlet.runtime.reservations import CpuShares
+
+    charged: dict[str, float] = {}
+    naps: list[float] = []
+
+    class Recording(CpuShares):
+        def charge(self, owner: str, cpu_s: float) -> float:
+            charged[owner] = charged.get(owner, 0.0) + cpu_s
+            nap = super().charge(owner, cpu_s)
+            naps.append(nap)
+            return nap
+
+    monkeypatch.setattr(wasm_runtime, "cpu", Recording(0.05))
+    insts = [wasm_runtime.launch(probe_wasm, {"case": "loop"}, owner="hog", limits=WasmLimits(cpu_time_s=None), time_limit_s=0.8)
+             for _ in range(2)]  # fmt: skip
+    for inst in insts:
+        await asyncio.wait_for(inst.wait(), 20)
+        assert inst.status is Status.FAILED and "time limit" in inst.error
+    assert set(charged) == {"hog"} and any(n > 0 for n in naps)
+    # two spinning threads for 0.8 s, held to 0.05 cores (+ the bucket and one tick per thread)
+    assert charged["hog"] < 0.05 * 0.8 + 0.05 * 0.2 + 2 * 0.05 + 0.1
+
+
 async def test_abort_and_wall_time_limit_wake_a_component_blocked_in_the_host(wasm_runtime, probe_wasm):
     # the guest idles in wait-any (one blocking wait, no poll slices): stop() wakes it
     inst = wasm_runtime.launch(probe_wasm, {"case": "sleep", "s": 60})
