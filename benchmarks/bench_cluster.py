@@ -5,16 +5,27 @@ OpenAI client load and WebSocket launches, in one run.
     thread and 2 replicas x 1 thread (each a fresh ``tartlet serve
     --replicas N``), and against the single-process server with 1 thread
     (what Ray's gateway, proxy and calls cost); alternating rounds.
-(b) routing: a multi-turn chat workload (``--conversations`` x ``--turns``,
-    one long system prompt shared by all, each turn sending the whole
-    history) with prefix-aware routing, with the power-of-two baseline
+(b) routing, capacity-bound: ``--prefixes`` distinct long shared prefixes
+    (reference documents of about ``--prefix-tokens`` tokens, each the
+    system prompt of a chat completion, followed by a short question of its
+    own) and a page pool per replica (``--routing-kv-cache-mb``) that holds
+    only about half of them, so a replica that gets every prefix evicts and
+    prefills them again; ``--requests`` requests drawn over the prefixes
+    (uniform, or Zipf with ``--zipf`` s > 0; seeded: the same draw for every
+    router) from ``--clients`` concurrent clients, after a warm-up of one
+    request per prefix that is not counted. Routers, alternating, each with
+    a fresh set of prefixes: prefix-aware (``tartlet``), power-of-two
     (``x-tartlet-routing: power-of-two``: load only, as Ray Serve's default
-    router) and with an explicit session per conversation (``x-tartlet-session``:
-    perfect affinity, the ceiling any prefix routing can reach), alternating, each round with a fresh system prompt so no round
-    reuses another's cache; the same workload on one replica for the hit
-    rate a single replica reaches. Prefix-cache hit rate = prompt tokens
-    served from the prefix cache (``tartlet_prefix_tokens_reused_total``,
-    summed over replicas) / prompt tokens sent (``usage.prompt_tokens``).
+    router) and an explicit session per prefix (``x-tartlet-session``: the
+    partition a router that knew the prefixes would make); and the same
+    workload on one replica with the same per-replica pool. Prefix-cache hit
+    rate = prompt tokens served from the prefix cache
+    (``tartlet_prefix_tokens_reused_total``, summed over replicas) / prompt
+    tokens sent (``usage.prompt_tokens``); TTFT p50/p95; each replica's
+    share of the requests; the share of requests that ran on the replica
+    that served the most requests of their prefix (100%: a partition). With SmolLM2-135M's float16 pool (22.5 KiB per
+    token) the default 112 MiB hold ~5,100 tokens: 8 of the 16 x ~600-token
+    prefixes, with room for the requests in flight.
 (c) snapshot affinity: ``--snapshots`` named snapshots saved by launches,
     then each opened ``--opens`` times by launches on fresh connections,
     with snapshot affinity (``args.snapshot``) and without (power-of-two);
@@ -30,7 +41,7 @@ OpenAI client load and WebSocket launches, in one run.
 Prints tables and one ``JSON:`` line. (a)-(c) need no PostgreSQL: on one
 machine the replicas share the data dir's SQLite store and snapshot folder.
 
-    .venv/bin/python benchmarks/bench_cluster.py [--rounds 2] [--quick]
+    .venv/bin/python benchmarks/bench_cluster.py [--rounds 2] [--quick] [--parts abc]
     .venv/bin/python benchmarks/bench_cluster.py --faults 5   # (d) only
 """
 
@@ -40,6 +51,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -136,64 +148,102 @@ async def scaling(url: str, n: int, max_tokens: int, seed: int) -> dict[str, Any
     return {"tok_s": sum(r["tokens"] for r in rs) / wall, "wall_s": wall, "ttft_p50": statistics.median(r["ttft"] for r in rs)}
 
 
-# -- (b) multi-turn chat ------------------------------------------------------------------
-SYSTEM = ("You are a patient assistant for a hardware shop. " * 24).strip()
+# -- (b) routing over capacity-bound shared prefixes --------------------------------------
+ITEMS = ("hex bolts", "wall plugs", "shelf brackets", "wood screws", "hinges", "washers", "cable ties", "drill bits",
+         "door handles", "rawl plugs", "corner braces", "pipe clamps", "spring nuts", "threaded rods", "eye hooks")  # fmt: skip
+PLACES = ("aisle", "bay", "shelf", "bin", "rack", "drawer")
 
 
-async def conversation(c: httpx.AsyncClient, url: str, i: int, turns: int, max_tokens: int, system: str,
-                       headers: dict[str, str]) -> list[dict[str, Any]]:  # fmt: skip
-    msgs = [{"role": "system", "content": system}]
-    out = []
-    for t in range(turns):
-        msgs.append({"role": "user", "content": f"Customer {i}, question {t}: I bought shelf model {i * 7 + t} last week and the "
-                     "brackets that came with it do not line up with the holes in my wall. Which screws, plugs and "
-                     "brackets fit it, and how far apart should the holes be?"})  # fmt: skip
-        body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        t0 = time.perf_counter()
-        first = None
-        text, usage = [], None
-        async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            replica = r.headers.get("x-tartlet-replica", "-")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                ev = json.loads(line[5:])
-                if ev.get("usage"):
-                    usage = ev["usage"]
-                for ch in ev.get("choices") or []:
-                    delta = ch.get("delta", {}).get("content")
-                    if delta:
-                        first = first or time.perf_counter()
-                        text.append(delta)
-        end = time.perf_counter()
-        msgs.append({"role": "assistant", "content": "".join(text)})
-        out.append({"ttft": (first or end) - t0, "replica": replica, "prompt_tokens": usage["prompt_tokens"] if usage else 0})
-    return out
+def documents(n: int, tokens: int, salt: str) -> list[str]:
+    """``n`` distinct reference documents of about ``tokens`` tokens each
+    (SmolLM2's tokenizer: ~35 tokens a record), the same for the same
+    ``salt``; they differ from their first words, so they share no page."""
+    rng = random.Random(salt)
+    docs = []
+    for k in range(n):
+        lines = [f"Stock list {k} of the hardware shop ({salt}). Answer from these records only."]
+        for j in range(max(1, tokens // 35)):
+            lines.append(f"Record {k}.{j}: {rng.randint(2, 500)} {rng.choice(ITEMS)}, {rng.randint(3, 90)} mm, "
+                         f"{rng.choice(PLACES)} {rng.randint(1, 60)}, {rng.randint(1, 99)}.{rng.randint(0, 99):02d} EUR each.")  # fmt: skip
+        docs.append("\n".join(lines))
+    return docs
 
 
-async def chat_workload(server: Server, n: int, turns: int, max_tokens: int, system: str, policy: str) -> dict[str, Any]:
-    """``policy``: ``tartlet`` (prefix-aware), ``power-of-two``, or ``session``
-    (prefix-aware routing plus an ``x-tartlet-session`` header per conversation)."""
-    def headers(i: int) -> dict[str, str]:
+def draws(n: int, prefixes: int, zipf: float, seed: int) -> list[int]:
+    """``n`` prefix indices, uniform (``zipf`` 0) or Zipf-distributed
+    (P(k) ~ 1 / (k + 1) ** zipf), seeded."""
+    rng = random.Random(seed)
+    return rng.choices(range(prefixes), [1 / (k + 1) ** zipf for k in range(prefixes)], k=n)
+
+
+async def ask(c: httpx.AsyncClient, url: str, doc: str, question: str, max_tokens: int, headers: dict[str, str]) -> dict[str, Any]:
+    """One streamed chat completion: ``doc`` as the system prompt, then ``question``."""
+    body = {"model": MODEL, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    first, usage = None, None
+    async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        replica = r.headers.get("x-tartlet-replica", "-")
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(str(ev["error"]))
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if first is None and any(ch.get("delta", {}).get("content") for ch in ev.get("choices") or []):
+                first = time.perf_counter()  # the first token (a role-only delta comes before the prefill)
+    end = time.perf_counter()
+    return {"ttft": (first or end) - t0, "replica": replica, "prompt_tokens": usage["prompt_tokens"] if usage else 0}
+
+
+async def prefix_workload(server: Server, docs: list[str], order: list[int], clients: int, max_tokens: int,
+                          policy: str) -> dict[str, Any]:  # fmt: skip
+    """``order``'s requests (indices into ``docs``) from ``clients``
+    concurrent clients, after an uncounted warm-up of one request per
+    document. ``policy``: ``tartlet`` (prefix-aware), ``power-of-two``, or
+    ``session`` (prefix-aware plus an ``x-tartlet-session`` header naming
+    the document)."""
+
+    def headers(k: int) -> dict[str, str]:
         if policy == "session":
-            return {"x-tartlet-routing": "tartlet", "x-tartlet-session": f"{system[:24]}/conversation-{i}"}
+            return {"x-tartlet-routing": "tartlet", "x-tartlet-session": f"{docs[k][:60]}/{k}"}
         return {"x-tartlet-routing": policy}
 
-    reused0 = server.counter("tartlet_prefix_tokens_reused_total")
-    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 8)) as c:
+    async def run(c: httpx.AsyncClient, ks: list[int]) -> list[dict[str, Any]]:
+        todo = iter(enumerate(ks))
+        out: list[dict[str, Any]] = []
+
+        async def client() -> None:
+            for i, k in todo:  # one iterator: each client takes the next request when its last one ends
+                q = f"Question {i}: which record of this list has the most items, and where are they kept?"
+                out.append({**await ask(c, server.url, docs[k], q, max_tokens, headers(k)), "prefix": k})
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return out
+
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=clients + 8)) as c:
+        await run(c, list(range(len(docs))))
+        reused0 = server.counter("tartlet_prefix_tokens_reused_total")
         t0 = time.perf_counter()
-        convs = await asyncio.gather(*(conversation(c, server.url, i, turns, max_tokens, system, headers(i)) for i in range(n)))
+        rs = await run(c, order)
         wall = time.perf_counter() - t0
     reused = server.counter("tartlet_prefix_tokens_reused_total") - reused0
-    turns_all = [t for conv in convs for t in conv]
-    prompt = sum(t["prompt_tokens"] for t in turns_all)
+    prompt = sum(r["prompt_tokens"] for r in rs)
     spread: dict[str, int] = {}
-    for t in turns_all:
-        spread[t["replica"]] = spread.get(t["replica"], 0) + 1
-    ttfts = [t["ttft"] for t in turns_all]
+    per_prefix: dict[int, dict[str, int]] = {}  # prefix -> replica -> requests
+    for r in rs:
+        spread[r["replica"]] = spread.get(r["replica"], 0) + 1
+        on = per_prefix.setdefault(r["prefix"], {})
+        on[r["replica"]] = on.get(r["replica"], 0) + 1
+    ttfts = [r["ttft"] for r in rs]
     return {"hit_rate": reused / prompt if prompt else 0.0, "ttft_p50": statistics.median(ttfts), "ttft_p95": pct(ttfts, 0.95),
-            "max_share": max(spread.values()) / len(turns_all), "spread": spread, "wall_s": wall}  # fmt: skip
+            "max_share": max(spread.values()) / len(rs), "shares": sorted((n / len(rs) for n in spread.values()), reverse=True),
+            "on_home": sum(max(on.values()) for on in per_prefix.values()) / len(rs),
+            "prompt_tokens_mean": prompt / len(rs), "wall_s": wall}  # fmt: skip
 
 
 # -- (c) snapshot affinity ------------------------------------------------------------------
@@ -341,14 +391,20 @@ async def faults(srv: "Server", kills: int, workers: int, period_s: float) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parts", default="abc", help="which of (a) scaling, (b) routing, (c) snapshot affinity to run, e.g. b")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--conversations", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--chat-tokens", type=int, default=48)
+    ap.add_argument("--prefixes", type=int, default=16, help="(b): distinct shared prefixes")
+    ap.add_argument("--prefix-tokens", type=int, default=600, help="(b): about this many tokens each")
+    ap.add_argument("--requests", type=int, default=128, help="(b): requests per router, after one warm-up request per prefix")
+    ap.add_argument("--clients", type=int, default=8, help="(b): concurrent clients")
+    ap.add_argument("--zipf", type=float, default=0.0, help="(b): prefix popularity ~ 1 / rank ** zipf (0: uniform)")
+    ap.add_argument("--answer-tokens", type=int, default=8, help="(b): max_tokens of each answer")
+    ap.add_argument("--routing-kv-cache-mb", type=int, default=112,
+                    help="(b): each replica's page pool, MiB (112: ~5,100 tokens, about half of 16 x 600-token prefixes)")  # fmt: skip
     ap.add_argument("--snapshots", type=int, default=8)
     ap.add_argument("--opens", type=int, default=3)
-    ap.add_argument("--kv-cache-mb", type=int, default=256)
+    ap.add_argument("--kv-cache-mb", type=int, default=256, help="(a), (c), (d): each replica's page pool, MiB")
     ap.add_argument("--skip-single", action="store_true", help="leave out the single-process server of (a)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round of small workloads, no single-process server")
     ap.add_argument("--faults", type=int, default=0, help="(d) only: this many replica kills under a mixed load (store on PostgreSQL)")
@@ -356,7 +412,8 @@ def main() -> None:
     ap.add_argument("--fault-period", type=float, default=20.0, help="seconds between kills")
     a = ap.parse_args()
     if a.quick:
-        a.rounds, a.concurrency, a.max_tokens, a.conversations, a.turns, a.snapshots, a.opens = 1, 8, 16, 4, 2, 2, 1
+        a.rounds, a.concurrency, a.max_tokens, a.requests, a.clients, a.snapshots, a.opens = 1, 8, 16, 16, 4, 2, 1
+        a.prefixes, a.prefix_tokens, a.routing_kv_cache_mb = 4, 300, 16
         a.skip_single, a.fault_workers, a.fault_period = True, 4, 10.0
     if a.faults:
         fault_run(a)
@@ -366,12 +423,14 @@ def main() -> None:
 
     def add(key: str, r: dict[str, Any]) -> None:
         res.setdefault(key, []).append(r)
-        print(f"  {key}: {json.dumps({k: v for k, v in r.items() if k != 'spread'})}", flush=True)
+        print(f"  {key}: {json.dumps(r)}", flush=True)
 
+    order = draws(a.requests, a.prefixes, a.zipf, seed=33)
+    policies = ["tartlet", "power-of-two", "session"]
     with tempfile.TemporaryDirectory(prefix="tartlet-bench-cluster-") as tmp:
         work = Path(tmp)
         for rnd in range(a.rounds):
-            kinds = [0, 1, 2] if not a.skip_single else [1, 2]
+            kinds = ([0, 1, 2] if not a.skip_single else [1, 2]) if "a" in a.parts else [2] if "c" in a.parts else []
             if rnd % 2:
                 kinds.reverse()
             for kind in kinds:
@@ -379,21 +438,25 @@ def main() -> None:
                 print(f"round {rnd + 1}: starting {label}", flush=True)
                 srv = Server(work / f"r{rnd}-{label}", kind, a.kv_cache_mb)
                 try:
-                    asyncio.run(scaling(srv.url, a.concurrency, 16, seed=-1))  # warm-up: the same shape, shorter
-                    add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
+                    if "a" in a.parts:
+                        asyncio.run(scaling(srv.url, a.concurrency, 16, seed=-1))  # warm-up: the same shape, shorter
+                        add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
                     if kind == 0:  # each of 2 replicas holds half the streams: its best case is this
                         add("scaling/single-half", asyncio.run(scaling(srv.url, a.concurrency // 2, a.max_tokens, seed=rnd)))
-                    if kind == 1:
-                        system = f"[round {rnd} single] " + SYSTEM
-                        add("chat/1 replica", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, "tartlet")))
-                    if kind == 2:
-                        order = ["tartlet", "power-of-two"] if rnd % 2 == 0 else ["power-of-two", "tartlet"]
-                        for policy in [*order, "session"][:: 1 if rnd % 2 == 0 else -1]:
-                            system = f"[round {rnd} {policy}] " + SYSTEM
-                            add(f"chat/{policy}", asyncio.run(chat_workload(srv, a.conversations, a.turns, a.chat_tokens, system, policy)))
-                        for policy in order:
+                    if kind == 2 and "c" in a.parts:
+                        for policy in policies[:2][:: 1 if rnd % 2 == 0 else -1]:
                             names = [f"bench-{rnd}-{policy}-{i}" for i in range(a.snapshots)]
                             add(f"snapshots/{policy}", asyncio.run(snapshot_workload(srv.url, names, a.opens, policy)))
+                finally:
+                    srv.stop()
+            for replicas in ([1, 2] if rnd % 2 == 0 else [2, 1]) if "b" in a.parts else []:
+                print(f"round {rnd + 1}: starting {replicas} replica(s) with {a.routing_kv_cache_mb} MiB pools for (b)", flush=True)
+                srv = Server(work / f"r{rnd}-routing-{replicas}", replicas, a.routing_kv_cache_mb)
+                try:
+                    for policy in (policies if rnd % 2 == 0 else policies[::-1]) if replicas == 2 else ["tartlet"]:
+                        docs = documents(a.prefixes, a.prefix_tokens, f"round {rnd}, {replicas} replicas, {policy}")
+                        key = f"routing/{policy}" if replicas == 2 else "routing/1 replica"
+                        add(key, asyncio.run(prefix_workload(srv, docs, order, a.clients, a.answer_tokens, policy)))
                 finally:
                     srv.stop()
 
@@ -404,37 +467,49 @@ def main() -> None:
         """Median over rounds of ``key``'s tok/s over the same round's 1 replica."""
         return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(res[key], res["scaling/1x1"]))
 
-    rows = []
-    one, two = med("scaling/1x1", "tok_s"), med("scaling/2x1", "tok_s")
-    rows.append(["1 replica x 1 thread", f"{one:.1f}", "1.00x"])
-    rows.append(["2 replicas x 1 thread", f"{two:.1f}", f"{paired('scaling/2x1'):.2f}x"])
-    if "scaling/single" in res:
-        single, half = med("scaling/single", "tok_s"), med("scaling/single-half", "tok_s")
-        rows.append(["single process, 1 thread (no Ray)", f"{single:.1f}", f"{paired('scaling/single'):.2f}x"])
-        rows.append([f"ideal 2 replicas: 2 x single process at {a.concurrency // 2} streams", f"{2 * half:.1f}",
-                     f"{statistics.median(2 * h['tok_s'] / y['tok_s'] for h, y in zip(res['scaling/single-half'], res['scaling/1x1'])):.2f}x"])  # fmt: skip
-    report(f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
-           ["server", "tok/s", "vs 1 replica"], rows, None)  # fmt: skip
-    rows = []
-    for key in ("chat/1 replica", "chat/tartlet", "chat/session", "chat/power-of-two"):
-        label = {"session": "session header (affinity ceiling)", "tartlet": "tartlet (prefix-aware)"}.get(key.split("/")[1], key.split("/")[1])
-        rows.append([label, f"{med(key, 'hit_rate'):.1%}", f"{med(key, 'ttft_p50') * 1000:.0f}",
-                     f"{med(key, 'ttft_p95') * 1000:.0f}", f"{med(key, 'max_share'):.0%}"])  # fmt: skip
-    ttft_gain = statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res["chat/tartlet"], res["chat/power-of-two"]))
-    report(f"(b) routing: {a.conversations} conversations x {a.turns} turns, shared system prompt (TTFT p50 gain {ttft_gain:.2f}x)",
-           ["routing", "prefix hit rate", "TTFT p50 ms", "TTFT p95 ms", "busiest replica"], rows, None)  # fmt: skip
-    rows = [[k.split("/")[1], f"{med(k, 'open_p50') * 1000:.0f}", f"{med(k, 'open_p95') * 1000:.0f}", f"{med(k, 'on_holder'):.0%}"]
-            for k in ("snapshots/tartlet", "snapshots/power-of-two")]  # fmt: skip
-    summary = {
-        "scaling_2x_over_1x": paired("scaling/2x1"), "ttft_p50_gain": ttft_gain,
-        "hit_rate": {k: med(k, "hit_rate") for k in ("chat/1 replica", "chat/tartlet", "chat/session", "chat/power-of-two")},
-        "ttft_p50_gain_session": statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res["chat/session"], res["chat/power-of-two"])),
-        "runs": res, "args": vars(a),
-    }  # fmt: skip
-    if "scaling/single" in res:
-        summary["single_over_1x"] = paired("scaling/single")
-    report(f"(c) snapshot affinity: {a.snapshots} snapshots x {a.opens} opens, launch to exit",
-           ["routing", "p50 ms", "p95 ms", "opens on the saving replica"], rows, summary)  # fmt: skip
+    def gain(key: str) -> float:
+        """Median over rounds of power-of-two's TTFT p50 over ``key``'s, same round."""
+        return statistics.median(p["ttft_p50"] / t["ttft_p50"] for t, p in zip(res[key], res["routing/power-of-two"]))
+
+    summary: dict[str, Any] = {"runs": res, "args": vars(a)}
+    tables: list[tuple[str, list[str], list[list[Any]]]] = []
+    if "a" in a.parts:
+        rows = []
+        one, two = med("scaling/1x1", "tok_s"), med("scaling/2x1", "tok_s")
+        rows.append(["1 replica x 1 thread", f"{one:.1f}", "1.00x"])
+        rows.append(["2 replicas x 1 thread", f"{two:.1f}", f"{paired('scaling/2x1'):.2f}x"])
+        summary["scaling_2x_over_1x"] = paired("scaling/2x1")
+        if "scaling/single" in res:
+            single, half = med("scaling/single", "tok_s"), med("scaling/single-half", "tok_s")
+            rows.append(["single process, 1 thread (no Ray)", f"{single:.1f}", f"{paired('scaling/single'):.2f}x"])
+            rows.append([f"ideal 2 replicas: 2 x single process at {a.concurrency // 2} streams", f"{2 * half:.1f}",
+                         f"{statistics.median(2 * h['tok_s'] / y['tok_s'] for h, y in zip(res['scaling/single-half'], res['scaling/1x1'])):.2f}x"])  # fmt: skip
+            summary["single_over_1x"] = paired("scaling/single")
+        tables.append((f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
+                       ["server", "tok/s", "vs 1 replica"], rows))  # fmt: skip
+    if "b" in a.parts:
+        rows = []
+        for key in ("routing/tartlet", "routing/session", "routing/power-of-two", "routing/1 replica"):
+            label = {"session": "session header per prefix (partition ceiling)", "tartlet": "tartlet (prefix-aware)",
+                     "power-of-two": "power-of-two (default)"}.get(key.split("/")[1], key.split("/")[1])  # fmt: skip
+            shares = "/".join(f"{x:.0%}" for x in res[key][-1]["shares"])
+            rows.append([label, f"{med(key, 'hit_rate'):.1%}", f"{med(key, 'ttft_p50') * 1000:.0f}", f"{med(key, 'ttft_p95') * 1000:.0f}",
+                         f"{gain(key):.2f}x" if key != "routing/1 replica" else "-", shares, f"{med(key, 'on_home'):.0%}"])  # fmt: skip
+        summary["ttft_p50_gain"], summary["ttft_p50_gain_session"] = gain("routing/tartlet"), gain("routing/session")
+        summary["hit_rate"] = {k: med(k, "hit_rate") for k in res if k.startswith("routing/")}
+        summary["max_share"] = {k: max(r["max_share"] for r in res[k]) for k in res if k.startswith("routing/")}
+        tables.append((f"(b) routing: {a.prefixes} prefixes x ~{a.prefix_tokens} tokens ({'uniform' if not a.zipf else f'Zipf s={a.zipf}'}), "
+                       f"{a.requests} requests from {a.clients} clients, {a.routing_kv_cache_mb} MiB pool per replica, median of {a.rounds} rounds",
+                       ["routing", "prefix hit rate", "TTFT p50 ms", "TTFT p95 ms", "TTFT p50 gain", "requests per replica (last round)",
+                        "on each prefix's main replica"],
+                       rows))  # fmt: skip
+    if "c" in a.parts:
+        rows = [[k.split("/")[1], f"{med(k, 'open_p50') * 1000:.0f}", f"{med(k, 'open_p95') * 1000:.0f}", f"{med(k, 'on_holder'):.0%}"]
+                for k in ("snapshots/tartlet", "snapshots/power-of-two")]  # fmt: skip
+        tables.append((f"(c) snapshot affinity: {a.snapshots} snapshots x {a.opens} opens, launch to exit",
+                       ["routing", "p50 ms", "p95 ms", "opens on the saving replica"], rows))  # fmt: skip
+    for i, (title, columns, rows) in enumerate(tables):
+        report(title, columns, rows, summary if i == len(tables) - 1 else None)
 
 
 def fault_run(a: argparse.Namespace) -> None:

@@ -16,9 +16,13 @@ replica's by more than ``imbalance_threshold`` and by more than
 the policy prefers, in order, the replica of the session, the one that
 holds the snapshot, and the one whose remembered prefixes match the longest
 run of the request's leading blocks (each block hash remembers the replicas
-it was routed to, so a system prompt shared by every conversation matches
-every replica equally once each has seen it, and does not pull all of them
-onto one); ties and
+it was routed to, and when); among replicas that match alike, the one that
+got it most recently (a replica's page pool evicts the least recently used
+pages, so a prefix that load once sent to a second replica is soon gone
+there and keeps its home), unless each got it within the last
+:data:`FRESH_REQUESTS` requests (a system prompt shared by every
+conversation matches every replica alike, and does not pull all of them
+onto one). Ties and
 requests with no affinity go to the least loaded replica (a random one among
 equals). What a replica holds is learnt from the routing decisions
 themselves (as Ray Serve LLM's ``PrefixCacheAffinityRouter`` does), not
@@ -41,6 +45,9 @@ POWER_OF_TWO = "power-of-two"
 TEXT_BLOCK_CHARS = 256
 #: Block hashes remembered (least recently used forgotten first).
 MAX_PREFIX_ENTRIES = 200_000
+#: Requests (with a prompt prefix) within which replicas that got a prefix
+#: count as equally likely to hold it (see :meth:`RoutingPolicy._prefix_holder`).
+FRESH_REQUESTS = 4
 #: Session and snapshot keys remembered.
 MAX_KEYS = 100_000
 
@@ -150,17 +157,23 @@ class RoutingPolicy:
         imbalance_ratio: ... or by which factor (``[cluster]
             imbalance_ratio``); past both, the least loaded wins.
         rng: random source for ties (tests pass a seeded one).
+        fresh_requests: prefixed requests routed to a replica since it got a
+            prefix within which it counts as holding it as surely as any
+            other (:data:`FRESH_REQUESTS`).
     """
 
-    def __init__(self, imbalance_threshold: int = 4, rng: random.Random | None = None, imbalance_ratio: float = 1.5) -> None:
+    def __init__(self, imbalance_threshold: int = 4, rng: random.Random | None = None, imbalance_ratio: float = 1.5,
+                 fresh_requests: int = FRESH_REQUESTS) -> None:
         self.imbalance_threshold = imbalance_threshold
+        self.fresh_requests = fresh_requests
         self.imbalance_ratio = imbalance_ratio
         self.rng = rng or random.Random()
         self.in_flight: dict[str, int] = collections.defaultdict(int)
         # Ray Serve reports routing on its router thread, the gateway holds
         # requests on its own event loop's thread: counts change under a lock
         self._lock = threading.Lock()
-        self._prefix = _Lru(MAX_PREFIX_ENTRIES)  # block hash -> set of replica ids
+        self._prefix = _Lru(MAX_PREFIX_ENTRIES)  # block hash -> {replica id: its _count when it last got the block}
+        self._count: dict[str, int] = collections.defaultdict(int)  # requests with a prefix routed to each replica
         self._session = _Lru(MAX_KEYS)  # session key -> replica id
         self._snapshot = _Lru(MAX_KEYS)  # "user/name" -> replica id
 
@@ -192,22 +205,42 @@ class RoutingPolicy:
                     return [r, *self._by_load([c for c in candidates if c != r], load)]
         prefix = route.get("prefix") or []
         if prefix and len(eligible) > 1:
-            matched = {r: 0 for r in eligible}
-            live = set(eligible)
-            for h in prefix:
-                holders = self._prefix.get(h)
-                live &= holders if holders is not None else set()
-                if not live:
-                    break
-                for r in live:
-                    matched[r] += 1
-            best = max(matched.values())
-            if best > 0:
-                top = [r for r in eligible if matched[r] == best]
-                if len(top) < len(eligible):
-                    first = self._by_load(top, load)[0]
-                    return [first, *self._by_load([c for c in candidates if c != first], load)]
+            first = self._prefix_holder(prefix, eligible, load)
+            if first is not None:
+                return [first, *self._by_load([c for c in candidates if c != first], load)]
         return self._by_load(eligible, load) + self._by_load([c for c in candidates if c not in eligible], load)
+
+    def _prefix_holder(self, prefix: list[str], eligible: list[str], load: dict[str, int]) -> str | None:
+        """The replica among ``eligible`` likeliest to hold ``prefix``'s
+        pages, or None (no affinity: none of them matches, or all match
+        alike). First the longest run of leading blocks remembered on the
+        replica; among replicas tied there, the one that got the last
+        matched block the fewest requests ago (its page pool evicts least
+        recently used pages first, so a prefix it got once, when load sent
+        it there, and not since is likely gone); replicas that got it within
+        the last ``fresh_requests`` requests count as equally fresh, and
+        load picks among them (a system prompt in every request matches
+        every replica alike and does not pull new conversations onto one)."""
+        matched = {r: 0 for r in eligible}
+        live = set(eligible)
+        last: dict[str, int] = {}
+        for h in prefix:
+            holders = self._prefix.get(h)
+            live &= holders.keys() if holders is not None else set()
+            if not live:
+                break
+            for r in live:
+                matched[r] += 1
+                last[r] = holders[r]
+        best = max(matched.values())
+        if best == 0:
+            return None
+        age = {r: max(0, self._count[r] - last[r] - self.fresh_requests) for r in eligible if matched[r] == best}
+        youngest = min(age.values())
+        top = [r for r in age if age[r] == youngest]
+        if len(top) == len(eligible):
+            return None
+        return self._by_load(top, load)[0]
 
     def _overloaded(self, n: int, floor: int) -> bool:
         """Whether a replica with ``n`` requests in flight leads the least
@@ -248,12 +281,17 @@ class RoutingPolicy:
             self._session.put(route["session"], replica)
         if isinstance(route.get("snapshot"), str):
             self._snapshot.put(route["snapshot"], replica)
-        for h in route.get("prefix") or []:
+        prefix = route.get("prefix") or []
+        if not prefix:
+            return
+        self._count[replica] += 1
+        stamp = self._count[replica]
+        for h in prefix:
             holders = self._prefix.get(h)
             if holders is None:
-                self._prefix.put(h, {replica})
+                self._prefix.put(h, {replica: stamp})
             else:
-                holders.add(replica)
+                holders[replica] = stamp
 
     def completed(self, replica: str) -> None:
         """A request routed to ``replica`` ended."""
@@ -263,10 +301,11 @@ class RoutingPolicy:
         """``replica`` is gone: drop its load and every affinity to it."""
         with self._lock:
             self.in_flight.pop(replica, None)
+        self._count.pop(replica, None)
         for table in (self._session, self._snapshot):
             for k in [k for k, v in table.d.items() if v == replica]:
                 del table.d[k]
         for k, holders in list(self._prefix.d.items()):
-            holders.discard(replica)
+            holders.pop(replica, None)
             if not holders:
                 del self._prefix.d[k]

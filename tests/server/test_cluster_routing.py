@@ -51,6 +51,31 @@ def test_a_shared_system_prompt_does_not_pull_new_conversations_onto_one_replica
     assert counts == {"a": 20, "b": 20}  # least loaded first: exactly even
 
 
+def test_a_document_spilled_once_by_load_returns_to_its_home_replica():
+    """Capacity-bound prefixes (more documents than one replica's page pool
+    holds): load once sends document 7 to b; b then serves other documents
+    (its pool evicts 7 first), so 7 goes home to a again, even with b less
+    loaded, instead of counting as held by both for ever (which let every
+    document drift onto both replicas and each pool thrash)."""
+    p = RoutingPolicy(imbalance_threshold=2, rng=random.Random(6), fresh_requests=4)
+    doc = lambda i: {"prefix": chat_prefix(_chat("document 7: a long reference text", f"question {i}"))}  # noqa: E731
+    p.routed("a", doc(0))
+    p.completed("a")
+    p.add("a", 3)  # a busy: leads b by 3 > 2
+    assert p.choose(["a", "b"], doc(1))[0] == "b"
+    p.routed("b", doc(1))
+    p.completed("b")
+    p.add("a", -2)  # a: 1 in flight, b: 0
+    assert p.choose(["a", "b"], doc(2))[0] == "b"  # b got it within the last 4 requests: equally fresh, load decides
+    for i in range(5):  # b serves five other documents
+        other = {"prefix": chat_prefix(_chat(f"document {i}", "q"))}
+        p.routed("b", other)
+        p.completed("b")
+    assert p.choose(["a", "b"], doc(3))[0] == "a"  # a got 7 last: home, though b is less loaded
+    p.add("a", 2)  # a: 3 in flight, past the threshold: load comes first again
+    assert p.choose(["a", "b"], doc(4))[0] == "b"
+
+
 def test_load_comes_before_affinity():
     p = RoutingPolicy(imbalance_threshold=2, rng=random.Random(2))
     route = {"session": "s:user-1"}
