@@ -19,8 +19,12 @@ Args:
     budget (int, default 128): KV tokens kept visible (>= 1).
     max_tokens (int, default 128).
     ignore_eos (bool, default false): keep generating past end-of-sequence.
-    sink (int, default 4): window only: leading tokens kept.
+    sink (int, default 4 for window, 0 for the others): leading tokens never evicted.
     recent (int, default budget // 2): h2o only: latest tokens kept.
+    score (str, default "sum"): h2o only: rank by the cumulative attention
+        ("sum", the paper) or by it over the queries that saw the token ("mean").
+    heads (str, default "sum"): h2o, snapkv, tova: per-head scores summed
+        or their max ("max").
     window (int, default min(32, budget)): snapkv only: observation window.
     kernel_size (int, default 7): snapkv only: pooling kernel (odd).
     pooling (str, default "max"): snapkv only: max or avg.
@@ -33,7 +37,7 @@ Returns ``{"text", "tokens", "finish_reason", "method", "budget",
 
 from tartlet import Model, Sampler, kv_eviction, session
 
-OPTIONS = ("sink", "recent", "window", "kernel_size", "pooling", "layers")
+OPTIONS = ("sink", "recent", "score", "heads", "window", "kernel_size", "pooling", "layers")
 
 
 async def main(args: dict) -> dict:

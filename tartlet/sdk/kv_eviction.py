@@ -18,7 +18,9 @@ and frees every full page whose tokens are all hidden with
   scores of the prompt's queries, then of every decode step, added up).
   The paper splits the budget evenly (e.g. 10% heavy + 10% recent), the
   default here (``recent = budget // 2``). Each step over budget evicts the
-  non-recent token with the lowest cumulative score.
+  non-recent token with the lowest cumulative score (``score="mean"``: the
+  cumulative score over the queries that saw the token, which removes the
+  sum's bias to early tokens; Ren & Zhu, 2024, RoCo).
 - :class:`SnapKV` (``"snapkv"``): Li et al., 2024, "SnapKV: LLM Knows What
   You Are Looking for Before Generation": the prompt but its last
   ``window`` tokens is prefilled, then the window in a second pass with the
@@ -26,7 +28,8 @@ and frees every full page whose tokens are all hidden with
   the positions (1-D ``max`` or ``avg`` pooling, stride 1, ``kernel_size``
   odd, padding ``kernel_size // 2``: ``F.max_pool1d`` / ``F.avg_pool1d`` of
   the reference code ``snapkv_utils.py``) and the top ``budget - window``
-  positions are kept with the window. Defaults: window 32, kernel 7, max
+  positions are kept with the window (each head's votes pooled, then
+  combined, as the reference pools per head). Defaults: window 32, kernel 7, max
   pooling (the reference repository's LongBench configuration; its code's
   defaults are kernel 5, ``avgpool``). The paper compresses the prompt
   only; to hold the budget through decoding as well, each step over budget
@@ -41,9 +44,13 @@ and frees every full page whose tokens are all hidden with
   here is shared by every layer, so the score is averaged over the heads
   of ``layers`` (default: all layers; ``layers=[-1]``: the last only).
 
-H2O and TOVA select per token for all layers and heads at once (the
-papers select per layer or per head), again because a mask hides a token
-from every layer and head.
+H2O, SnapKV and TOVA select per token for all layers and heads at once
+(the papers select per layer or per head), again because a mask hides a
+token from every layer and head; ``heads="max"`` ranks a token by the head
+that needs it most instead of the sum over heads (Ada-KV's selection across
+heads, see :class:`_Scored`), and ``sink`` keeps the first tokens whatever
+their scores (StreamingLLM's attention sinks). Defaults are the papers'
+(``heads="sum"``, ``sink=0``, ``score="sum"``).
 
 Memory accounting: KV memory is held in pages of ``page_size`` tokens, so
 the bytes held are the pages held, not the tokens kept: a page is released
@@ -80,6 +87,10 @@ from .sampler import Sampler
 METHODS = ("window", "h2o", "snapkv", "tova")
 #: ``SnapKV.pooling`` values.
 POOLINGS = ("max", "avg")
+#: ``heads`` values of H2O, SnapKV and TOVA: how per-head scores combine into one per token.
+HEADS = ("sum", "max")
+#: ``H2O.score`` values.
+H2O_SCORES = ("sum", "mean")
 
 
 def _int_arg(name: str, value: Any, lo: int) -> int:
@@ -366,36 +377,122 @@ class SinkWindow(EvictionPolicy):
             await self._evict(ctx, old)
 
 
-class H2O(EvictionPolicy):
+class _Scored(EvictionPolicy):
+    """Base of the probe-driven policies (H2O, TOVA, SnapKV): the ``sink``
+    first positions they never evict and how the probe's rows combine into
+    one score per token (``heads``).
+
+    ``heads="sum"`` adds the scores of every probed layer and head (the
+    papers' per-head scores summed: the same ranking as their mean).
+    ``heads="max"`` takes, per token, the largest score any (layer, KV head)
+    row gives it: with one token set for all heads, top-``k`` by this max is
+    the deduplicated top-``k`` of all heads' scores flattened together, the
+    selection Ada-KV makes across the heads of a layer (Feng et al., 2024,
+    "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"),
+    so a token one head needs is not outvoted by heads that ignore it. A KV
+    head's row sums its query heads' scores (grouped-query attention: the
+    ranking of the group's mean). Every row carries
+    the same mass (each query's softmax sums to 1), so normalising rows or
+    layers before combining them would change nothing.
+    """
+
+    def __init__(self, budget: int, *, sink: int, heads: str, layers: list[int] | None) -> None:
+        super().__init__(budget)
+        self.sink = _int_arg("sink", sink, 0)
+        if self.sink >= self.budget:
+            raise ValueError(f"sink must be less than budget ({self.budget}), got {sink}")
+        if heads not in HEADS:
+            raise ValueError(f"heads must be one of {', '.join(HEADS)}, got {heads!r}")
+        self.heads = heads
+        self.layers = _layers_arg(layers)
+
+    def probe(self) -> AttentionProbe | None:
+        return fwd.attention_scores(self.layers, per_kv_head=self.heads == "max")
+
+    def _rows(self, scores: AttentionScores) -> list[list[float]]:
+        """The rows :meth:`_combine` combines: one (every layer and head
+        summed) for ``"sum"``, one per probed layer and KV head for ``"max"``."""
+        return [scores.total()] if self.heads == "sum" else [row for rows in scores.scores for row in rows]
+
+    def _combine(self, rows: Sequence[Sequence[float]]) -> list[float]:
+        if len(rows) == 1:
+            return list(rows[0])
+        if self.heads == "sum":
+            return [sum(col) for col in zip(*rows)]
+        return [max(col) for col in zip(*rows)]
+
+
+class H2O(_Scored):
     """H2O (Zhang et al., 2023): ``recent`` latest tokens plus the
-    ``budget - recent`` heavy hitters by cumulative attention (summed over
-    ``layers``, heads and every query since the prompt).
+    ``budget - recent`` heavy hitters by cumulative attention (over
+    ``layers`` and heads, combined as ``heads`` says, and every query since
+    the prompt), never evicting the first ``sink`` tokens.
+
+    ``score="sum"`` ranks by the cumulative attention itself (the paper).
+    It favours early tokens: token ``j`` collects mass from the ``n - j``
+    queries after it, so a token of the prompt's start outranks an equally
+    attended later one (Ren & Zhu, 2024, "On the Efficacy of Eviction Policy
+    for Key-Value Constrained Generative Language Model Inference",
+    arXiv:2402.06262, whose RoCo policy ranks by the mean instead; Gu et al.,
+    2025, "AhaKV", arXiv:2506.03762, prove the bias). ``score="mean"``
+    divides it by the number of queries that saw the token (:meth:`seen`).
+
+    Attributes:
+        cumulative: per position, the attention received so far (``heads``
+            combined; with ``"max"``, the max over rows of each row's sum).
 
     Raises:
         ValueError: ``budget`` < 1, ``recent`` not in ``[0, budget]``,
-            ``layers`` malformed.
+            ``sink + recent`` over ``budget``, ``score`` or ``heads``
+            unknown, ``layers`` malformed.
     """
 
     method = "h2o"
 
-    def __init__(self, budget: int, *, recent: int | None = None, layers: list[int] | None = None) -> None:
-        super().__init__(budget)
+    def __init__(self, budget: int, *, recent: int | None = None, sink: int = 0, score: str = "sum",
+                 heads: str = "sum", layers: list[int] | None = None) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers)
         self.recent = self.budget // 2 if recent is None else _int_arg("recent", recent, 0)
         if self.recent > self.budget:
             raise ValueError(f"recent must be at most budget ({self.budget}), got {recent}")
-        self.layers = _layers_arg(layers)
-        self.cumulative: list[float] = []  # per position: attention received so far
+        if self.sink + self.recent > self.budget:
+            raise ValueError(f"sink + recent must be at most budget ({self.budget}), got {self.sink} + {self.recent}")
+        if score not in H2O_SCORES:
+            raise ValueError(f"score must be one of {', '.join(H2O_SCORES)}, got {score!r}")
+        self.score = score
+        self._acc: list[list[float]] = []  # per row (see _rows), per position: attention received so far
+        self._first = -1                    # the first position whose every query was probed
 
-    def probe(self) -> AttentionProbe:
-        return fwd.attention_scores(self.layers)
+    @property
+    def cumulative(self) -> list[float]:
+        return self._combine(self._acc) if self._acc else []
+
+    def seen(self, j: int) -> int:
+        """Probed queries that attended position ``j`` (its own included):
+        every query from position ``max(j, first)`` on, ``first`` being the
+        KV length before this policy's prefill."""
+        return len(self._kept) - max(j, self._first)
+
+    def ranking(self) -> list[float]:
+        """Per position, the score evictions rank by (lowest first):
+        :attr:`cumulative`, divided by :meth:`seen` with ``score="mean"``."""
+        cum = self.cumulative
+        if self.score == "sum":
+            return cum
+        return [c / self.seen(j) for j, c in enumerate(cum)]
 
     def _add(self, scores: AttentionScores) -> None:
-        total = scores.total()
-        self.cumulative.extend([0.0] * (len(total) - len(self.cumulative)))
-        for j, s in enumerate(total):
-            self.cumulative[j] += s
+        rows = self._rows(scores)
+        if not self._acc:
+            self._acc = [[] for _ in rows]
+        for acc, row in zip(self._acc, rows):
+            acc.extend([0.0] * (len(row) - len(acc)))
+            for j, v in enumerate(row):
+                acc[j] += v
 
     async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
+        if self._first < 0:
+            self._first = len(self._kept)
         res, scores = await self._pass(ctx, outputs, self.probe())
         self._grow(ctx.kv_len)
         await self._decoded(ctx, scores)
@@ -406,27 +503,25 @@ class H2O(EvictionPolicy):
             self._add(scores)
         over = self.kept_tokens - self.budget
         if over > 0:
-            old = [j for j in range(len(self._kept) - self.recent) if self._kept[j]]
-            await self._evict(ctx, self._lowest(self.cumulative, old, over))
+            old = [j for j in range(self.sink, len(self._kept) - self.recent) if self._kept[j]]
+            await self._evict(ctx, self._lowest(self.ranking(), old, over))
 
 
-class TOVA(EvictionPolicy):
+class TOVA(_Scored):
     """TOVA (Oren et al., 2024): over budget, evict the tokens the current
-    query attends to least (heads of ``layers`` averaged; default every
-    layer); the prompt's scores are its last token's.
+    query attends to least (heads of ``layers`` combined as ``heads`` says;
+    default every layer, summed), never the first ``sink``; the prompt's
+    scores are its last token's.
 
     Raises:
-        ValueError: ``budget`` < 1, ``layers`` malformed.
+        ValueError: ``budget`` < 1, ``sink`` not in ``[0, budget)``,
+            ``heads`` unknown, ``layers`` malformed.
     """
 
     method = "tova"
 
-    def __init__(self, budget: int, *, layers: list[int] | None = None) -> None:
-        super().__init__(budget)
-        self.layers = _layers_arg(layers)
-
-    def probe(self) -> AttentionProbe:
-        return fwd.attention_scores(self.layers)
+    def __init__(self, budget: int, *, sink: int = 0, heads: str = "sum", layers: list[int] | None = None) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers)
 
     async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
         over = self.kept_tokens + len(ctx.pending) > self.budget
@@ -438,45 +533,58 @@ class TOVA(EvictionPolicy):
     async def _decoded(self, ctx: Context, scores: AttentionScores | None) -> None:
         over = self.kept_tokens - self.budget
         if over > 0 and scores is not None:
-            await self._evict(ctx, self._lowest(scores.total(), self.kept_positions(), over))
+            old = [j for j in self.kept_positions() if j >= self.sink]
+            await self._evict(ctx, self._lowest(self._combine(self._rows(scores)), old, over))
 
 
-class SnapKV(EvictionPolicy):
+class SnapKV(_Scored):
     """SnapKV (Li et al., 2024): the prompt's last ``window`` tokens vote
-    (probe ``sum`` over ``layers``, heads and the window's queries), the
-    votes are pooled (:func:`pool1d`) and the top ``budget - window``
-    earlier positions are kept with the window; decode steps over budget
-    evict the lowest-voted prompt tokens first, then the oldest.
+    (probe ``sum`` over the window's queries, per layer of ``layers`` and
+    KV head), each row's votes are pooled (:func:`pool1d`, as the reference
+    pools each head's) and the rows combined as ``heads`` says; the top
+    ``budget - window - sink`` earlier positions are kept with the window
+    and the first ``sink``. Decode steps over budget evict the lowest-voted
+    prompt tokens first, then the oldest.
 
     Raises:
         ValueError: ``budget`` < 1, ``window`` not in ``[1, budget]``,
-            ``kernel_size`` not odd, ``pooling`` unknown, ``layers``
-            malformed.
+            ``sink + window`` over ``budget``, ``kernel_size`` not odd,
+            ``pooling`` or ``heads`` unknown, ``layers`` malformed.
     """
 
     method = "snapkv"
 
     def __init__(self, budget: int, *, window: int | None = None, kernel_size: int = 7, pooling: str = "max",
-                 layers: list[int] | None = None) -> None:
-        super().__init__(budget)
-        self.window = min(32, self.budget) if window is None else _int_arg("window", window, 1)
+                 sink: int = 0, heads: str = "sum", layers: list[int] | None = None) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers)
+        self.window = min(32, self.budget - self.sink) if window is None else _int_arg("window", window, 1)
         if self.window > self.budget:
             raise ValueError(f"window must be at most budget ({self.budget}), got {window}")
+        if self.sink + self.window > self.budget:
+            raise ValueError(f"sink + window must be at most budget ({self.budget}), got {self.sink} + {self.window}")
         pool1d([], kernel_size, pooling)  # checks both
         self.kernel_size, self.pooling = kernel_size, pooling
-        self.layers = _layers_arg(layers)
         self.votes: list[float] = []   # pooled score per prompt position before the window
-        self._order: list[int] = []     # prompt positions still kept, the next to evict last
+        self._order: list[int] = []     # prompt positions still kept (sinks aside), the next to evict last
+
+    def probe(self) -> AttentionProbe | None:
+        return None  # decode passes carry none: the votes are the observation window's
 
     async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
         over = self.kept_tokens + len(ctx.pending) > self.budget
-        probe = fwd.attention_scores(self.layers) if over else None
-        res, scores = await self._pass(ctx, outputs, probe, split=self.window if over else 0)
+        window_probe = fwd.attention_scores(self.layers, per_kv_head=True)  # rows pooled apart, as the reference's heads
+        res, scores = await self._pass(ctx, outputs, window_probe if over else None,
+                                       split=self.window if over else 0)
         self._grow(ctx.kv_len)
         if scores is not None:
             prefix = max(0, len(self._kept) - self.window)
-            self.votes = pool1d(scores.total()[:prefix], self.kernel_size, self.pooling)
-            kept = [j for j in range(prefix) if self._kept[j]]
+            rows = [row for rows in scores.scores for row in rows]
+            if self.heads == "sum":
+                self.votes = [sum(col) for col in zip(*(pool1d(r[:prefix], self.kernel_size, self.pooling)
+                                                         for r in rows))]
+            else:
+                self.votes = self._combine([pool1d(r[:prefix], self.kernel_size, self.pooling) for r in rows])
+            kept = [j for j in range(self.sink, prefix) if self._kept[j]]
             self._order = sorted(kept, key=lambda j: (self.votes[j], j), reverse=True)
         await self._decoded(ctx, None)
         return res
@@ -488,15 +596,16 @@ class SnapKV(EvictionPolicy):
         gone = self._order[len(self._order) - min(over, len(self._order)):]
         del self._order[len(self._order) - len(gone):]
         rest, taken = over - len(gone), set(gone)
-        old = [j for j in range(len(self._kept)) if self._kept[j] and j not in taken][:rest] if rest > 0 else []
+        old = [j for j in range(self.sink, len(self._kept)) if self._kept[j] and j not in taken][:rest] \
+            if rest > 0 else []
         await self._evict(ctx, gone + old)
 
 
 def make_policy(method: str, budget: int, **options: Any) -> EvictionPolicy:
     """The policy named ``method`` (:data:`METHODS`) with a KV budget of
-    ``budget`` tokens and its keyword ``options`` (``sink``; ``recent``,
-    ``layers``; ``window``, ``kernel_size``, ``pooling``, ``layers``;
-    ``layers``).
+    ``budget`` tokens and its keyword ``options`` (window: ``sink``; h2o:
+    ``recent``, ``score``; snapkv: ``window``, ``kernel_size``, ``pooling``;
+    h2o, snapkv, tova: ``sink``, ``heads``, ``layers``).
 
     Raises:
         ValueError: an unknown method, an option the method does not take,

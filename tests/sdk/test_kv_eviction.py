@@ -2,8 +2,9 @@
 method keeps at most its budget of tokens visible, frees exactly the pages
 it says it frees (context and pool page counts), generates the full-cache
 greedy tokens when the budget holds everything, and still generates under a
-tight budget; SnapKV's pooling equals torch's; bad arguments raise errors
-naming them.
+tight budget, with the refinements too (sinks kept, heads combined by max,
+H2O's mean score); H2O evicts its lowest-ranked token; SnapKV's pooling
+equals torch's; bad arguments raise errors naming them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from tartlet.sdk.kv_eviction import pool1d
 
 PROMPT = "Write a short story about a lighthouse keeper named Ada who counts ships every night."
 N_NEW, BUDGET, STEPS = 24, 40, 40
-TIGHT = {"window": {"sink": 4}, "h2o": {"recent": 16}, "snapkv": {"window": 8, "kernel_size": 5}, "tova": {}}
+TIGHT = {"window": ("window", {"sink": 4}), "h2o": ("h2o", {"recent": 16}),
+         "snapkv": ("snapkv", {"window": 8, "kernel_size": 5}), "tova": ("tova", {}),
+         # the refinements: sinks kept, heads combined by max, H2O's score normalised by the queries that saw a token
+         "h2o+": ("h2o", {"recent": 16, "sink": 4, "score": "mean", "heads": "max"}),
+         "snapkv+": ("snapkv", {"window": 8, "kernel_size": 5, "sink": 4, "heads": "max"}),
+         "tova+": ("tova", {"sink": 4, "heads": "max"})}
 
 PROGRAM = """
 from tartlet import Model, Sampler, forward, kv_eviction
@@ -28,12 +34,12 @@ async def main(args):
     with model.new_context() as ref:
         ref.user(args["prompt"])
         out["ref"] = await ref.generate(max_tokens=args["n_new"], eos=False).collect_tokens()
-    for method, opts in args["tight"].items():
-        policy = kv_eviction.make_policy(method, 4096)
+    for label, (method, opts) in args["tight"].items():
+        policy = kv_eviction.make_policy(method, 4096, **{k: v for k, v in opts.items() if k in ("heads", "score")})
         with model.new_context() as c:
             c.user(args["prompt"])
             c.begin_assistant()
-            out["generous"][method] = [t async for t in policy.generate(c, max_tokens=args["n_new"], eos=False)]
+            out["generous"][label] = [t async for t in policy.generate(c, max_tokens=args["n_new"], eos=False)]
             out["prompt_len"] = c.kv_len - args["n_new"] + 1
         policy = kv_eviction.make_policy(method, args["budget"], **opts)
         with model.new_context() as c:
@@ -42,19 +48,21 @@ async def main(args):
             c.user(args["prompt"])
             c.begin_assistant()
             (tok,) = await policy.prefill(c, [forward.sample(0, Sampler.greedy())])
-            rows, toks = [], [tok]
+            rows, toks, before = [], [tok], []
             for i in range(args["steps"] + 1):
                 st = await c.stats()
                 rows.append({"kept": policy.kept_tokens, "held": policy.pages_held(), "dropped": policy.dropped_pages,
                              "evicted": policy.evicted, "kv_len": c.kv_len, **st})
                 if i < args["steps"]:
+                    before = policy.kept_positions()
                     (tok,) = await policy.step(c, tok, [forward.sample(0, Sampler.greedy())])
                     toks.append(tok)
             used1 = model.kv_stats()["used"]
-            out["tight"][method] = {"rows": rows, "toks": toks, "kept": policy.kept_positions(),
-                                    "pool_pages": used1 - used0, "peak": policy.peak_pages}
+            out["tight"][label] = {"rows": rows, "toks": toks, "kept": policy.kept_positions(), "before": before,
+                                   "pool_pages": used1 - used0, "peak": policy.peak_pages}
             if method == "h2o":
-                out["h2o_cumulative"] = policy.cumulative
+                out["tight"][label].update(ranking=policy.ranking(), cumulative=policy.cumulative,
+                                           seen=[policy.seen(j) for j in range(c.kv_len)])
     return out
 """
 
@@ -73,14 +81,15 @@ async def result(host_state, tmp_path_factory):
 
 
 def test_generous_budget_gives_the_full_cache_greedy_tokens(result):
-    for method in kv_eviction.METHODS:
-        assert result["generous"][method] == result["ref"], method
+    for label in TIGHT:
+        assert result["generous"][label] == result["ref"], label
 
 
-@pytest.mark.parametrize("method", kv_eviction.METHODS)
-def test_tight_budget_holds_and_frees_the_pages_it_says(result, engine, method):
+@pytest.mark.parametrize("label", list(TIGHT))
+def test_tight_budget_holds_and_frees_the_pages_it_says(result, engine, label):
     ps = engine.pool.page_size
-    r = result["tight"][method]
+    method, opts = TIGHT[label]
+    r = result["tight"][label]
     assert result["prompt_len"] > BUDGET  # the prompt alone is over budget: the prefill evicts
     for row in r["rows"]:
         assert row["kept"] == BUDGET  # between passes, exactly the budget is visible
@@ -99,6 +108,26 @@ def test_tight_budget_holds_and_frees_the_pages_it_says(result, engine, method):
         assert last["live_pages"] <= 1 + -(-(BUDGET - 4) // ps) + 1
     if method == "h2o":  # the recent window is kept; the last step evicted the lowest cumulative score outside it
         assert kept[-16:] == list(range(n - 16, n))
+    if opts.get("sink"):  # the attention sinks are never evicted
+        assert kept[:4] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("label", ["h2o", "h2o+"])
+def test_h2o_evicts_the_lowest_ranked(result, label):
+    r = result["tight"][label]
+    sink, recent = TIGHT[label][1].get("sink", 0), 16
+    n = len(r["seen"])
+    # every query so far saw the positions before it: the prompt's in the prefill, then one per step
+    assert r["seen"] == [n - j for j in range(n)]
+    rank, cum = r["ranking"], r["cumulative"]
+    if TIGHT[label][1].get("score") == "mean":
+        assert rank == pytest.approx([c / (n - j) for j, c in enumerate(cum)])
+    else:
+        assert rank == cum
+    (gone,) = sorted(set(r["before"]) - set(r["kept"]))  # the last step evicted one token, outside sinks and recent
+    assert sink <= gone < n - recent
+    rivals = [j for j in r["kept"] if sink <= j < n - recent]
+    assert rivals and all((rank[gone], gone) < (rank[j], j) for j in rivals)
 
 
 def test_pool1d_equals_torch():
@@ -125,7 +154,12 @@ def test_pool1d_equals_torch():
     ("snapkv", 8, {"window": 9}, "window must be at most budget (8), got 9"),
     ("snapkv", 8, {"kernel_size": 4}, "kernel_size must be odd"),
     ("snapkv", 8, {"pooling": "mean"}, "pooling must be one of max, avg, got 'mean'"),
-    ("tova", 8, {"sink": 2}, "method 'tova' takes no option among ['sink']"),
+    ("snapkv", 8, {"sink": 4, "window": 5}, "sink + window must be at most budget (8), got 4 + 5"),
+    ("h2o", 8, {"sink": 4, "recent": 5}, "sink + recent must be at most budget (8), got 4 + 5"),
+    ("h2o", 8, {"score": "max"}, "score must be one of sum, mean, got 'max'"),
+    ("tova", 8, {"heads": "mean"}, "heads must be one of sum, max, got 'mean'"),
+    ("tova", 8, {"sink": 8}, "sink must be less than budget (8), got 8"),
+    ("tova", 8, {"recent": 2}, "method 'tova' takes no option among ['recent']"),
 ])
 def test_bad_arguments_are_named(method, budget, opts, msg):
     with pytest.raises(ValueError) as e:
@@ -141,3 +175,16 @@ async def test_inferlet_generates_under_budget(runtime, engine):
     assert final["pages"] - final["live_pages"] == res["dropped_pages"] >= 1
     inst = await run(runtime, "kv-eviction", {"prompt": "x", "method": "h2o", "budget": 4, "recent": 5})
     assert inst.status is Status.FAILED and "recent must be at most budget (4), got 5" in inst.error
+
+
+def test_decode_probes():
+    """What each policy's decode passes carry: SnapKV and the window none
+    (SnapKV votes once, over the prompt's observation window), H2O and TOVA
+    the all-layer ``sum`` probe, per KV head when ``heads="max"``."""
+    assert kv_eviction.make_policy("window", 8).probe() is None
+    assert kv_eviction.make_policy("snapkv", 8, heads="max").probe() is None
+    for method in ("h2o", "tova"):
+        plain, per_head = kv_eviction.make_policy(method, 8).probe(), kv_eviction.make_policy(method, 8, heads="max").probe()
+        assert plain is not None and per_head is not None
+        assert (plain.layers, plain.reduce, plain.per, plain.per_kv_head) == (None, "sum", "token", False)
+        assert (per_head.layers, per_head.reduce, per_head.per, per_head.per_kv_head) == (None, "sum", "token", True)
