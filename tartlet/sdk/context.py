@@ -567,18 +567,22 @@ class Context:
         return await _binding.wait(_binding.host().context_stats(self._h))
 
     # -- snapshots --------------------------------------------------------------------
-    def save(self, name: str) -> None:
+    def save(self, name: str, *, pending: bool = False) -> list[int]:
         """Save the KV cache under ``name``, engine-wide; the snapshot
-        outlives this inferlet and is immutable.
+        outlives this inferlet and is immutable. ``pending=True``: save
+        without a pass, the pending tokens left out; returns them (``[]``
+        otherwise), for ``fill_tokens`` after :meth:`open` (no model call
+        now: the next pass computes them with what follows).
 
         Raises:
-            ValueError: pending tokens (flush first), or the name exists
-                (``tartlet.errors.SnapshotError``).
+            ValueError: pending tokens without ``pending=True`` (flush
+                first), or the name exists (``tartlet.errors.SnapshotError``).
         """
         self._check_open("save")
-        if self._pending:
+        if self._pending and not pending:
             raise ValueError(f"save({name!r}): {len(self._pending)} pending tokens; await ctx.flush() first")
         _binding.host().snapshot_save(self._h, name)
+        return list(self._pending)
 
     def snapshot(self) -> str:
         """Save under a generated unique name and return it."""

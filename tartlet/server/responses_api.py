@@ -9,8 +9,10 @@ other inferlet. Shapes and validation live in
 
 ``store`` (default true) keeps the response for ``GET`` and for a later
 request's ``previous_response_id``, with a KV snapshot of the whole
-conversation (the reply included, rendered by the chat template): the next
-turn opens that snapshot and prefills only its new items.
+conversation (the reply included, rendered by the chat template; saved
+without a model call, its last few tokens, the reply's closing markup, kept
+in the record as ``snapshot_pending``): the next turn opens that snapshot
+and prefills only those tokens and its new items.
 ``usage.input_tokens_details.cached_tokens`` says how many prompt tokens came
 from it (``input_tokens - cached_tokens`` were computed). A conversation
 whose start changed (new ``instructions`` or ``tools``) is filled from
@@ -218,6 +220,7 @@ class ResponsesRoutes:
         args["messages"] = head + req["messages"]
         if rec.get("snapshot") and head == hist and rec.get("render_tools") == render_tools:
             args["snapshot"], args["snapshot_messages"] = rec["snapshot"], len(hist)
+            args["snapshot_pending"] = rec.get("snapshot_pending") or []
         return args
 
 
@@ -318,6 +321,7 @@ class _Turn:
             render_tools = self.args.get("tools") if self.args.get("tool_choice", "auto") != "none" else None
             rec = {"id": self.rid, "created": self.created, "response": obj, "messages": self.args["messages"] + [r["assistant"]],
                    "render_tools": render_tools, "snapshot": snapshot_name(self.rid) if r.get("saved") else None,
+                   "snapshot_pending": r.get("pending") or [],
                    "input_items": self.req["input_items"]}
             await asyncio.to_thread(self.routes.store.put, self.user, rec)
         elif r.get("saved"):

@@ -11,6 +11,11 @@ snapshots survive a restart (snapshots are persisted by the host), expire
 ``ttl_s`` after creation, and at most ``max_per_user`` are kept per user
 (the oldest are deleted first). A user never sees another user's records:
 their ids answer as unknown.
+
+Pruning reads no record: the store keeps, per user, the ids it knows with
+their creation and expiry times (read from the user's files once, at the
+user's first store after a start), so a ``put`` costs one file write
+however many records the user has.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class ResponseStore:
         self.root, self.ttl_s, self.max_per_user, self.drop_snapshot = Path(root), ttl_s, max_per_user, drop_snapshot
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
+        self._known: dict[str, dict[str, tuple[float, float]]] = {}  # user -> {id: (created, expires)}
 
     def _dir(self, user: str) -> Path:
         return self.root / hashlib.sha256(user.encode()).hexdigest()[:32]
@@ -73,7 +79,23 @@ class ResponseStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        with self._lock:
+            self._index(user)[record["id"]] = (record["created"], record["expires"])
         self.prune(user)
+
+    def _index(self, user: str) -> dict[str, tuple[float, float]]:
+        """``user``'s ``{id: (created, expires)}``, read from the user's
+        files on first use (call with the lock held)."""
+        known = self._known.get(user)
+        if known is None:
+            known = self._known[user] = {}
+            for p in self._dir(user).glob("resp_*.json"):
+                try:
+                    rec = json.loads(p.read_text())
+                except (OSError, ValueError):
+                    continue
+                known[p.stem] = (rec.get("created", 0), rec.get("expires", 0))
+        return known
 
     def get(self, user: str, rid: str) -> dict[str, Any] | None:
         """``user``'s record ``rid``, or None (unknown, expired or another user's)."""
@@ -103,6 +125,7 @@ class ResponseStore:
         if p is None:
             return
         with self._lock:
+            self._known.get(user, {}).pop(rid, None)
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -114,18 +137,15 @@ class ResponseStore:
 
     def prune(self, user: str) -> None:
         """Drop ``user``'s expired records, then the oldest past ``max_per_user``."""
-        d = self._dir(user)
         now = time.time()
+        with self._lock:
+            known = list(self._index(user).items())
         live: list[tuple[float, str]] = []
-        for p in d.glob("resp_*.json"):
-            try:
-                rec = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("expires", 0) <= now:
-                self._remove(user, p.stem)
+        for rid, (created, expires) in known:
+            if expires <= now:
+                self._remove(user, rid)
             else:
-                live.append((rec.get("created", 0), p.stem))
+                live.append((created, rid))
         live.sort()
         for _, rid in live[: max(0, len(live) - self.max_per_user)]:
             self._remove(user, rid)

@@ -150,6 +150,57 @@ async def test_snapshot_of_a_forked_generation_resumes_exactly(runtime, tmp_path
     assert out["parts"] == out["whole"]
 
 
+async def test_a_snapshot_saved_with_pending_tokens_runs_no_pass_and_resumes_exactly(runtime, engine, tmp_path):
+    """``save(name, pending=True)`` saves the KV cache as it is, the pending
+    tokens (here the last sampled one) left out and returned, with no model
+    call; opened with those filled, the continuation equals the
+    uninterrupted greedy generation."""
+    code = """
+    from tartlet import Context, Model
+
+    async def main(args):
+        model = Model.load()
+        full = model.new_context()
+        full.user("List the planets of the solar system.")
+        whole = await full.generate(max_tokens=24).collect_tokens()
+        ctx = model.new_context()
+        ctx.user("List the planets of the solar system.")
+        first = await ctx.generate(max_tokens=10).collect_tokens()
+        held = ctx.tokens
+        name = "pending-" + args["tag"]
+        pending = ctx.save(name, pending=True)
+        kept = ctx.pending  # the saver keeps its pending tokens
+        ctx.close()
+        with Context.open(model, name) as resumed:
+            opened = resumed.tokens
+            resumed.fill_tokens(pending)
+            rest = await resumed.generate(max_tokens=14).collect_tokens()
+        Context.delete(model, name)
+        return {"whole": whole, "parts": first + rest, "held": held, "opened": opened, "pending": pending, "kept": kept,
+                "last": first[-1]}
+    """
+    prog = inline_program(tmp_path, code, "pendsave")
+    out = await run_ok(runtime, prog, {"tag": uuid.uuid4().hex[:8]})
+    assert out["pending"] == out["kept"] == [out["last"]]
+    assert out["opened"] + out["pending"] == out["held"]
+    assert out["parts"] == out["whole"]
+    # the save itself runs no pass: the same program without generating around it computes nothing
+    code = """
+    from tartlet import Context, Model
+
+    async def main(args):
+        model = Model.load()
+        ctx = model.new_context()
+        ctx.fill("Saved without a pass.")
+        pending = ctx.save("nopass-" + args["tag"], pending=True)
+        Context.delete(model, "nopass-" + args["tag"])
+        return pending
+    """
+    calls = engine.scheduler.stats.model_calls
+    assert await run_ok(runtime, inline_program(tmp_path, code, "nopass"), {"tag": uuid.uuid4().hex[:8]})
+    assert engine.scheduler.stats.model_calls == calls
+
+
 async def test_persisted_snapshots_restore_and_refuse_another_model(runtime, engine, tmp_path):
     """With a data dir, a saved snapshot is written to a safetensors file;
     a fresh manager on the same dir (a restart) lists it, loads its pages on

@@ -11,12 +11,16 @@ Args:
         {"name": str}): as for ``openai-completion``.
     snapshot (str, optional): a snapshot holding the rendering of the first
         ``snapshot_messages`` messages (with ``tools``), saved by an earlier
-        turn: opened and adopted (:meth:`Context.adopt_chat`), so only the
-        later messages are prefilled. If it is gone or does not match, the
-        conversation is filled from scratch.
+        turn, except its ``snapshot_pending`` token ids (list, optional):
+        opened, those filled, and adopted (:meth:`Context.adopt_chat`), so
+        only the later messages are prefilled. If it is gone or does not
+        match, the conversation is filled from scratch.
     save (str, optional): save the conversation, this turn's reply
-        included, under this snapshot name when done (a failed save, e.g.
-        over the snapshot quota, is reported as ``saved: false``).
+        included, under this snapshot name when done, without a model call
+        (:meth:`Context.save` with ``pending=True``: the reply's last token
+        and closing markup are returned as ``pending``, prefilled by the next
+        turn with its new items); a failed save, e.g. over the snapshot
+        quota, is reported as ``saved: false``.
     max_tokens (int), temperature (float, 0 = greedy), top_p (float),
     seed (int), response_format (chat shape, optional), ignore_eos (bool,
     default false; true: EOS does not end the turn, so the reply is exactly
@@ -31,8 +35,8 @@ argument pieces as they are generated; forced or found in ``auto`` mode by
 Returns ``{"text" (all content), "tool_calls": [{"id", "name", "arguments"}],
 "finish_reason", "prompt_tokens" (every token before the first generated
 one), "cached_tokens" (of those, held by the opened snapshot: not
-computed), "completion_tokens", "saved" (bool), "assistant" (the reply as a
-chat message)}``.
+computed), "completion_tokens", "saved" (bool), "pending" (token ids the
+snapshot leaves out), "assistant" (the reply as a chat message)}``.
 """
 
 import json
@@ -62,6 +66,7 @@ def open_conversation(model, args: dict, tools):
             ctx = None
         if ctx is not None:
             try:
+                ctx.fill_tokens(args.get("snapshot_pending") or [])
                 ctx.adopt_chat(args["messages"][:k], tools)
                 return ctx, ctx.kv_len, k
             except ValueError:
@@ -126,14 +131,14 @@ async def main(args: dict) -> dict:
             assistant["tool_calls"] = [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
             ]
-        saved = False
+        saved, pending = False, []
         if args.get("save"):
             ctx.end_turn(assistant)  # the context is then the rendering of messages + reply: reopens with adopt_chat
-            await ctx.flush()
             try:
-                ctx.save(args["save"])
+                pending = ctx.save(args["save"], pending=True)  # no pass now: the next turn prefills these with its items
                 saved = True
             except (SnapshotError, ValueError) as e:  # over the snapshot quota, ...
                 print(f"openai-responses: snapshot {args['save']!r} not saved: {e}")
         return {"text": text, "tool_calls": calls, "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                "cached_tokens": cached, "completion_tokens": generated, "saved": saved, "assistant": assistant}
+                "cached_tokens": cached, "completion_tokens": generated, "saved": saved, "pending": pending,
+                "assistant": assistant}
