@@ -79,8 +79,13 @@ class _Tunnel:
             except Exception as e:
                 await self.mux.lost(self, e)
                 return
-            if not ok:
-                await self.mux.lost(self, ConnectionError("the replica no longer holds this session"))
+            if not ok:  # the replica ended the session: its stream brings the close (e.g. unauthorized) first
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.reader), FANOUT_TIMEOUT_S)
+                except Exception:
+                    pass
+                if not self.mux.closed.is_set():
+                    await self.mux.lost(self, ConnectionError("the replica no longer holds this session"))
                 return
 
     def close(self) -> None:
