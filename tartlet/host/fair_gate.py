@@ -238,7 +238,9 @@ class FairGate:
             with self._lock:
                 self._inflight[user] -= 1
                 self._note(user)
-            self._drive()
+                held = any(self._fifo.values())
+            if held:  # (runs on the scheduler thread for most passes: nothing more when nothing waits)
+                self._drive()
 
         try:
             self.scheduler.submit(req)

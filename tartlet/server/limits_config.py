@@ -150,7 +150,9 @@ class LimitsConfig(Table):
     max_rate_wait_s: Annotated[float, Field(ge=0)] = 5.0
 
     def rate_limits(self) -> RateLimits:
-        """The per-user token buckets of the ``max_*_per_s``/``_per_min`` rates."""
+        """The per-user token buckets of the ``max_*_per_s``/``_per_min`` rates
+        (the server applies them with auth on only: without it every request
+        is one user's)."""
         return RateLimits(
             {"launch": self.max_launches_per_s, "build": self.max_builds_per_min, "alloc": self.max_allocs_per_s,
              "message": self.max_messages_per_s},

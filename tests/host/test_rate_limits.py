@@ -185,3 +185,16 @@ def test_cpu_shares_hold_a_user_to_its_cores(monkeypatch):
         slept += nap
     assert used / (1000 * 0.01 + slept) == pytest.approx(0.5, rel=0.05)
     assert CpuShares(None).charge("x", 100.0) == 0
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_rates_apply_with_auth_on_only(tmp_path, auth):
+    """Per-user rates keep users apart: without auth every request is one
+    user's and an OpenAI request is a launch, so a launch rate would cap the
+    server's request rate (64 concurrent completions lost 8% to it)."""
+    from tartlet.host.state import HostState
+    from tartlet.server.config import config_from_dict
+    from tartlet.server.service import Service
+
+    svc = Service(config_from_dict({"data_dir": str(tmp_path)}), HostState(), auth=auth)
+    assert (svc.state.rates is not None) is auth
