@@ -179,6 +179,7 @@ def load_state(cfg: ServerConfig, progress: Callable[[str], None] | None = None)
         state.store = Store(cfg.store_path, lim.max_store_bytes_per_user, lim.max_store_keys_per_user)
     configure_http(state, cfg)
     configure_code(state, cfg)
+    state.rates = lim.rate_limits()  # Service turns them off without auth
     return state
 
 

@@ -220,7 +220,8 @@ class Service:
         self.auth = auth and cfg.auth.enabled
         # per-user rates keep users apart; without auth there is one user, whose rate is the server's capacity
         # (an OpenAI request is a launch: 20/s would cap a --no-auth server's requests), as pool_fraction_per_user
-        state.rates = lim.rate_limits() if self.auth else None
+        if not self.auth:
+            state.rates = None
         self.keys = key_store(cfg)  # [store] url: PostgreSQL, shared by replicas; else the keys file
         self.programs = ProgramCache(cfg.upload_dir, lim.max_upload_bytes)
         #: bytes of session messages waiting, per user (output kept for clients + inboxes)

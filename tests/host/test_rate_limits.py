@@ -196,5 +196,8 @@ def test_rates_apply_with_auth_on_only(tmp_path, auth):
     from tartlet.server.config import config_from_dict
     from tartlet.server.service import Service
 
-    svc = Service(config_from_dict({"data_dir": str(tmp_path)}), HostState(), auth=auth)
+    cfg = config_from_dict({"data_dir": str(tmp_path)})
+    state = HostState()
+    state.rates = cfg.limits.rate_limits()  # as load_state sets them
+    svc = Service(cfg, state, auth=auth)
     assert (svc.state.rates is not None) is auth
