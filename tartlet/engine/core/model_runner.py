@@ -52,9 +52,9 @@ class ModelRunner:
         self.stats = stats
         #: CUDA graphs of decode steps (set by the engine when it enables them), or None
         self.graphs = graphs
+        kern = model.kernels  # the fused C kernels (float32 CPU), or None
         #: the layer stack of a batch in one C call, when the model's shape allows it (float32 C kernels), or None
-        self.fused = FusedDecoder.build(model) if model.kernels is not None else None
-        kern = getattr(model, "kernels", None)  # the fused C kernels (float32 CPU), or None
+        self.fused = FusedDecoder.build(model) if kern is not None else None
         self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
                                    kern.argmax_masked if kern is not None else None)
         # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
@@ -102,7 +102,6 @@ class ModelRunner:
             1 for s, r in zip(slots, results) if isinstance(s.spec, SamplerSpec) and not isinstance(r, Exception)
         )
         return results
-
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs) -> torch.Tensor:
