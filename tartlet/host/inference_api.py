@@ -30,6 +30,8 @@ from .state import ModelSlot
 from .token_stream import TokenStream
 
 T = TypeVar("T")
+#: A pass's continuation (``ForwardRequest.then``): the next pass, or None to stop.
+Continuation = Callable[[list[object]], "tuple[list[int], list[EngineSlot]] | None"]
 
 #: Largest number of input tokens in one forward call.
 MAX_FORWARD_TOKENS = 65536
@@ -110,12 +112,13 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
 
     def _forward(self, handle: int, tokens: list[int], positions: list[int] | None, attention: list[list[int]] | None,
                  outputs: list[OutputSlot] | None, adapter: str | None,
-                 then: Callable[[HostContext], Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]] | None = None,
+                 then: Callable[[HostContext], tuple[Continuation, EngineSlot | None]] | None = None,
                  matcher: Matcher | None = None, probe: AttentionProbe | None = None) -> Future[list[object]]:  # fmt: skip
         """:meth:`forward`, and ``then(ctx)`` as the request's continuation
-        (:class:`~tartlet.engine.core.requests.ForwardRequest`), if given;
-        ``matcher`` masks the slots that name a grammar instead of their
-        handle's (see :meth:`_slot`)."""
+        (:class:`~tartlet.engine.core.requests.ForwardRequest`), if given,
+        with the slot it feeds each sampled token back with, if it always
+        does (``feed_back``); ``matcher`` masks the slots that name a
+        grammar instead of their handle's (see :meth:`_slot`)."""
         ctx = self._ctx(handle)
         e = ctx.engine
         if adapter is not None and not isinstance(adapter, str):
@@ -152,8 +155,9 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
             spec = None if probe is None else _probe_spec(e, probe, end)
             span = [start, end]  # the tokens of the request's current pass in ctx.tokens
             cont = None
+            feed_back = None
             if then is not None:
-                inner = then(ctx)
+                inner, feed_back = then(ctx)
 
                 def cont(results: list[object]) -> tuple[list[int], list[EngineSlot]] | None:
                     nxt = inner(results)
@@ -164,7 +168,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                     return nxt
 
             req = ForwardRequest(ctx.seq, list(tokens), pos, attn, slots, user=self.owner, then=cont, adapter=lora,
-                                 probe=spec)
+                                 probe=spec, feed_back=feed_back)
             fut = _pending(ctx.seq.account, fresh, lambda: ctx.slot.gate.submit(req))  # per-user queue (fair_gate.py)
             ctx.tokens.extend(tokens)
 
@@ -346,7 +350,7 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
             step = None if seed is None else step_seed(seed, first_step + count[0])
             return replace(sampler, index=n_inputs - 1, seed=step, grammar=grammar_h)
 
-        def continuation(ctx: HostContext) -> Callable[[list[object]], tuple[list[int], list[EngineSlot]] | None]:
+        def continuation(ctx: HostContext) -> tuple[Continuation, EngineSlot | None]:
             # the engine slot of a one-token pass, built and validated once; a
             # grammar's slot is a new one each pass around the same spec and
             # logit mask (its mask is the matcher's state then)
@@ -368,7 +372,9 @@ class InferenceHostMixin(ContextHostMixin, GrammarHostMixin):
                     return [tok], [GrammarOutputSlot(0, spec, grammar, base.allowed)]
                 return [tok], [base if seed is None else replace(base, spec=spec)]
 
-            return then
+            # unseeded and unconstrained, each next pass is (token, base): the
+            # scheduler may queue it before the token reaches the host (lookahead.py)
+            return then, base if seed is None and grammar is None else None
 
         # each next pass is queued by the scheduler itself when the pass
         # before it is done, before it builds the next batch (ForwardRequest.then)

@@ -305,3 +305,34 @@ def test_sampling_and_masks_with_gpu_logits(tmp_path):
     on_cpu = s.run(logits.cpu(), slots)
     assert on_gpu == on_cpu
     assert on_gpu[1] in (5, 9, 11)
+
+
+@needs_cuda
+def test_overlap_scheduling_matches_the_synchronous_loop_on_cuda(tmp_path):
+    """Greedy token chains of different lengths, concurrently, on the GPU
+    (decode steps from CUDA graphs) with overlap scheduling and without:
+    the same tokens and sequence lengths, steps run ahead, no page left."""
+    from test_overlap import chain
+
+    path, _ = make_folder("llama", tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 40, 17, 130, 64, 9)]
+    lengths = [3, 20, 33, 8, 25, 40]
+    got = {}
+    for overlap in (True, False):
+        eng = engine(path, "float32")
+        eng.scheduler.overlap = eng.scheduler.runner.feeds = overlap
+        try:
+            subs = [chain(eng, p, lambda n, t, m=m: n < m) for p, m in zip(prompts, lengths)]
+            for f, _, _ in subs:
+                f.result(120)
+            got[overlap] = [(list(toks), len(seq)) for _, toks, seq in subs]
+            for _, _, seq in subs:
+                eng.scheduler.command(seq.free, seq).result(60)
+            assert eng.pool.stats().used == 0
+            st = eng.scheduler.stats
+            assert (st.lookaheads > sum(lengths) // 2) == overlap and st.lookaheads_dropped <= st.lookaheads
+            assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
+        finally:
+            eng.close()
+    assert got[True] == got[False]

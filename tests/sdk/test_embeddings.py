@@ -119,19 +119,19 @@ async def test_inputs_run_as_one_batch(runtime, engine, monkeypatch):
     runs them in one model call, not one after another: the first call is
     held until the other inputs are queued, and the second takes them all."""
     runner = engine.scheduler.runner
-    real = runner.run
+    real = runner.launch
     sizes: list[int] = []
     n = 16
 
-    def run_held(items):
+    def run_held(items, feeds=()):
         if not sizes:  # the first call: wait (scheduler thread, no lock held) for the rest to be queued
             deadline = time.monotonic() + 30
             while engine.scheduler.queued() < n - len(items) and time.monotonic() < deadline:
                 time.sleep(0.005)
         sizes.append(len(items))
-        return real(items)
+        return real(items, feeds)
 
-    monkeypatch.setattr(runner, "run", run_held)
+    monkeypatch.setattr(runner, "launch", run_held)
     res = await run_ok(runtime, "embedding", {"prompt": [f"Sentence number {i}." for i in range(n)]})
     assert len(res["embeddings"]) == n
     assert sum(sizes) == n and len(sizes) <= 2, sizes

@@ -131,7 +131,10 @@ class BatchInputs:
     probe: AttentionCapture | None = None
 
     def to(self, device: torch.device) -> "BatchInputs":
-        """The same batch with every tensor on ``device``."""
+        """The same batch with every tensor on ``device``. To a GPU the
+        copies are asynchronous, from pinned memory: a blocking copy would
+        first wait for every kernel queued (overlap scheduling builds the
+        next batch while the last one runs, :mod:`.lookahead`)."""
         if device.type == "cpu":
             return self
 
@@ -140,7 +143,7 @@ class BatchInputs:
         @overload
         def mv(t: None) -> None: ...
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
         groups = [AttentionGroup(mv(g.rows), g.row_start, g.num_queries, mv(g.kv_slots), mv(g.mask), mv(g.q_index), mv(g.kv_index),
                                  g.probe)

@@ -115,6 +115,10 @@ class EngineConfig:
             batch-size and length bucket, captured on first use; see
             :mod:`tartlet.engine.cuda.graphs`); ``False``: launch each op.
             Costs one page of the pool (the padded rows' scratch page).
+        overlap: overlap scheduling (:mod:`tartlet.engine.core.lookahead`):
+            greedy token chains' next decode step is built and queued while
+            the current one runs; ``None``: on with CUDA (on a CPU the host
+            computes the step itself, nothing overlaps).
         adapters: LoRA adapters to load at start, name -> path (a PEFT
             folder or a GGUF adapter file; :mod:`tartlet.engine.loading.adapter_loader`).
     """
@@ -135,6 +139,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     huge_pages: bool = True
     cuda_graphs: bool = True
+    overlap: bool | None = None
     adapters: dict[str, str] = field(default_factory=dict)
 
     def torch_dtype(self) -> torch.dtype:
@@ -226,7 +231,8 @@ class Engine:
         for adapter_name, adapter_path in cfg.adapters.items():
             self.load_adapter(adapter_path, adapter_name)
         self.scheduler = Scheduler(
-            self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000, graphs=graphs
+            self.model, self.pool, max_batch_tokens=cfg.max_batch_tokens, batch_wait_s=cfg.batch_wait_ms / 1000, graphs=graphs,
+            overlap=cfg.overlap if cfg.overlap is not None else device.type == "cuda",
         )
         self.scheduler.start()
 

@@ -19,8 +19,11 @@ it, which fails the batch's requests and rolls their sequences back.
 
 from __future__ import annotations
 
+import collections.abc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +37,42 @@ from .requests import Chunk
 from .sampler import OutputSlot, SamplerSpec, SlotSampler
 from .sequence import Sequence
 from .stats import SchedulerStats
+
+
+def plain_greedy(slot: OutputSlot) -> bool:
+    """Whether ``slot`` takes the argmax of its logits and nothing else
+    (greedy, no logit mask or check, no DRY penalty): its token can be
+    picked on the device, before the host sees the logits."""
+    spec = slot.spec
+    # ``allowed`` last: a grammar's slot computes its mask when it is read
+    return (isinstance(spec, SamplerSpec) and spec.temperature == 0 and spec.dry is None and slot.check is None
+            and slot.prefetch is None and type(slot) is OutputSlot and slot.allowed is None)
+
+
+@dataclass
+class Launch:
+    """A model call queued by :meth:`ModelRunner.launch`, not yet finished.
+
+    Attributes:
+        items, batch, logits, slots: its chunks, tensors, float32 logits
+            ``[S, vocab]`` and output slots.
+        t0: when it was launched (``time.perf_counter()``).
+        feed: int64 ``[S]`` tokens sampled on the device (every slot plain
+            greedy), which a later launch may take as inputs; or None.
+        tokens: the sampled tokens on the host, once known; or None.
+        host, event: the pinned host copy of ``feed`` and the CUDA event
+            after it (CUDA only).
+    """
+
+    items: list[Chunk]
+    batch: BatchInputs
+    logits: torch.Tensor
+    slots: list[OutputSlot]
+    t0: float
+    feed: torch.Tensor | None = None
+    tokens: list[int] | None = None
+    host: torch.Tensor | None = None
+    event: Any = None
 
 
 class ModelRunner:
@@ -57,11 +96,13 @@ class ModelRunner:
         self.fused = FusedDecoder.build(model) if kern is not None else None
         self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
                                    kern.argmax_masked if kern is not None else None)
+        #: give plain greedy launches a :attr:`Launch.feed` on a CPU too (on a GPU they always have one)
+        self.feeds = False
         # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
         self._indexes = getattr(model.config, "sliding_window", None) is not None
 
     def run(self, items: list[Chunk]) -> list[object]:
-        """One model call over ``items``.
+        """One model call over ``items``: :meth:`launch` then :meth:`finish`.
 
         Returns:
             The result of every output slot, in order of the chunks and of
@@ -74,14 +115,70 @@ class ModelRunner:
             BaseException: whatever the batch tensors or the model call raised
                 (the whole batch failed; nothing was counted).
         """
+        return self.finish(self.launch(items))
+
+    def launch(self, items: list[Chunk], feeds: collections.abc.Sequence[tuple[int, Launch, int]] = ()) -> Launch:
+        """Queue the model call over ``items`` and, when every output slot is
+        a plain greedy one (:func:`plain_greedy`), the argmax of its logits
+        and the copy of the tokens to the host, without waiting for the
+        device (on a CPU everything has run on return).
+
+        Args:
+            items: the chunks, as :meth:`run`.
+            feeds: ``(chunk index, earlier launch, slot k)``: the chunk's one
+                input token is the token the earlier launch sampled at its
+                output slot ``k`` (still on the device: the input is copied
+                there, in stream order, without the host reading it; the
+                chunk's own token id is a placeholder). The earlier launch
+                must have sampled on the device (:attr:`Launch.feed`).
+
+        Raises:
+            BaseException: as :meth:`run` (nothing was counted).
+        """
         t0 = time.perf_counter()
         batch = build_batch(items, self._indexes).to(self.model.device)
+        if feeds:
+            rows = [sum(it.n for it in items[:j]) for j, _, _ in feeds]  # a fed chunk is one token: its row
+            src = feeds[0][1].feed
+            assert src is not None and all(f[1].feed is src for f in feeds)  # one earlier launch
+            # no blocking copy here: one would wait for the launch in flight (the overlap's point)
+            idx = torch.tensor(rows + [k for *_, k in feeds], dtype=torch.long)
+            idx = idx.pin_memory().to(src.device, non_blocking=True) if src.is_cuda else idx
+            batch.input_ids.index_copy_(0, idx[: len(rows)], src.index_select(0, idx[len(rows) :]))
         logits = self.forward(batch)
+        slots = [s for it in items for _, s in it.out_slots]
+        launch = Launch(items, batch, logits, slots, t0)
+        if slots and batch.hidden is None and batch.probe is None and all(plain_greedy(s) for s in slots):
+            if logits.device.type == "cpu":
+                launch.tokens = self.sampler.argmax(logits)
+                if self.feeds:  # a CPU runs the same path as a GPU (the tests check it there)
+                    launch.feed = torch.tensor(launch.tokens, dtype=torch.long)
+            else:  # sampled on the device; the host copy is read at finish
+                launch.feed = logits.argmax(dim=-1)
+                launch.host = torch.empty(launch.feed.shape, dtype=torch.long, pin_memory=True)
+                launch.host.copy_(launch.feed, non_blocking=True)
+                launch.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+                launch.event.record()
+        return launch
+
+    def finish(self, launch: Launch) -> list[object]:
+        """The results of a :meth:`launch` (as :meth:`run` returns them),
+        waiting for the device if need be; counts the call in the stats.
+
+        Raises:
+            BaseException: as :meth:`run` (nothing was counted).
+        """
+        items, batch, logits, slots = launch.items, launch.batch, launch.logits, launch.slots
+        if launch.event is not None:
+            launch.event.synchronize()
+            assert launch.host is not None  # set with the event
+            launch.tokens = launch.host.tolist()
         if batch.probe is not None:  # the attention probe's weights into each request's scores
             batch.probe.collect([it.req.probe_acc for it in items])
-        slots = [s for it in items for _, s in it.out_slots]
         history = _history(items)  # read only by slots with a DRY penalty (the sampler finds them)
-        if batch.hidden is None:
+        if launch.tokens is not None:
+            results: list[object] = list(launch.tokens)
+        elif batch.hidden is None:
             results = self.sampler.run(logits, slots, history) if slots else []
         else:  # hidden-state slots take their rows of the capture, the others the logits rows
             on_logits = [s for s in slots if not isinstance(s.spec, HiddenSpec)]
@@ -90,7 +187,7 @@ class ModelRunner:
             results = [next(hidden) if isinstance(s.spec, HiddenSpec) else next(sampled) for s in slots]
         st = self.stats
         st.model_calls += 1
-        st.forward_seconds += time.perf_counter() - t0
+        st.forward_seconds += time.perf_counter() - launch.t0
         decodes = sum(1 for it in items if it.n == 1)
         st.mixed_calls += 0 < decodes < len(items)
         st.batched_requests += len(items)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -51,6 +51,17 @@ class ForwardRequest:
             is not served from the prefix cache.
         probe_acc: the probe's values so far (set by the scheduler at the
             first chunk, filled by the model runner).
+        feed_back: set when the continuation's next pass is always the token
+            sampled at this pass's one output, fed back as the only input,
+            with this slot as its output (the same object), unless it stops:
+            a host-side greedy ``generate``. With overlap scheduling the
+            scheduler then queues that pass before this one's token reaches
+            the host (:mod:`.lookahead`).
+        origin, ahead, feed, dropped: overlap scheduling's links
+            (:mod:`.lookahead`): the request a lookahead pass was made for
+            (None once it took over its future), the lookahead made for this
+            one, the earlier launch and output slot whose device-side token
+            is its input, and whether it was dropped (its origin stopped).
     """
 
     seq: Sequence
@@ -74,6 +85,11 @@ class ForwardRequest:
     adapter: LoraAdapter | None = None
     probe: AttentionProbeSpec | None = None
     probe_acc: ProbeAccumulator | None = None
+    feed_back: OutputSlot | None = None
+    origin: "ForwardRequest | None" = None
+    ahead: "ForwardRequest | None" = None
+    feed: "tuple[Any, int] | None" = None
+    dropped: bool = False
 
     @property
     def adapter_key(self) -> bytes:

@@ -205,7 +205,7 @@ class SlotSampler:
         if checked:
             greedy_checked = [i for i in checked if _greedy(slots[i])]
             rows = logits if len(greedy_checked) == len(slots) else logits[greedy_checked]
-            picks = dict(zip(greedy_checked, self._argmax(rows))) if greedy_checked else {}
+            picks = dict(zip(greedy_checked, self.argmax(rows))) if greedy_checked else {}
             for i in checked:
                 check = slots[i].check
                 assert check is not None  # checked
@@ -239,7 +239,7 @@ class SlotSampler:
                 logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
         greedy = [i for i, s in enumerate(slots) if out[i] is None and _greedy(s)]
         if greedy:
-            for i, t in zip(greedy, self._argmax(logits if len(greedy) == len(slots) else logits[greedy])):
+            for i, t in zip(greedy, self.argmax(logits if len(greedy) == len(slots) else logits[greedy])):
                 out[i] = t
         rest = [i for i in range(len(slots)) if out[i] is None]
         if not rest:
@@ -273,7 +273,7 @@ class SlotSampler:
             out[i, ids] -= torch.tensor(list(pen.values()), dtype=out.dtype, device=out.device)
         return out
 
-    def _argmax(self, rows: torch.Tensor) -> list[int]:
+    def argmax(self, rows: torch.Tensor) -> list[int]:
         """``rows.argmax(-1).tolist()`` (the C kernel where it applies)."""
         argmax = self._argmax_rows
         if argmax is not None and rows.dtype is torch.float32 and rows.is_cpu and rows.stride(-1) == 1:

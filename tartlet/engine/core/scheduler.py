@@ -28,6 +28,10 @@ queue, with everything later that touches its sequence, while other
 sequences run and free pages; later work on other sequences goes past it.
 After ``kv_wait_s`` seconds of waiting it fails with ``KvCacheFullError``.
 
+Overlap (``overlap=True``, the default on CUDA): a batch of greedy token
+chains is not waited for before the next one is built and queued on the
+device (:mod:`.lookahead`).
+
 Fairness. Requests carry their user. When several users have work queued,
 each user's tokens in one round are capped at an equal share of
 ``max_batch_tokens`` (a long prefill of one user is chunked to its share, so
@@ -47,11 +51,13 @@ from typing import Any, Callable, TypeVar
 from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
 from ..cuda.graphs import DecodeGraphs
 from ..models.llama import LlamaModel
+from . import lookahead
 from .admission import admission_error
 from .attention_probe import ProbeAccumulator
 from .hidden_states import HiddenSpec
 from .kv_cache import PagePool
-from .model_runner import ModelRunner
+from .lookahead import lookaheads
+from .model_runner import Launch, ModelRunner
 from .requests import Chunk, Command, ForwardRequest, check_pass
 from .sequence import Sequence
 from .stats import SchedulerStats
@@ -75,10 +81,12 @@ class Scheduler:
             full before it fails with ``KvCacheFullError`` (seconds).
         graphs: CUDA graphs of decode steps over ``pool`` for the model
             runner, or None.
+        overlap: overlap scheduling (:mod:`.lookahead`).
     """
 
     def __init__(self, model: LlamaModel, pool: PagePool, max_batch_tokens: int = 512, batch_wait_s: float = 0.003,
-                 max_seq_len: int | None = None, kv_wait_s: float = 10.0, graphs: DecodeGraphs | None = None) -> None:
+                 max_seq_len: int | None = None, kv_wait_s: float = 10.0, graphs: DecodeGraphs | None = None,
+                 overlap: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.max_batch_tokens = max(1, max_batch_tokens)
@@ -90,6 +98,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         #: runs each batch (graph / fused C / op by op: model_runner.py)
         self.runner = ModelRunner(model, pool, self.stats, graphs)
+        self.overlap = overlap
+        self.runner.feeds = overlap
+        #: sequences of the launch in flight (overlap): other passes on them wait for it
+        self._inflight: set[int] = set()
         self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._expected: set[int] = set()
@@ -158,30 +170,43 @@ class Scheduler:
 
     # -- the loop (scheduler thread) ----------------------------------------
     def _loop(self) -> None:
+        inflight: Launch | None = None  # launched ahead and not finished (overlap)
         while True:
             with self._cond:
-                while self._running and not self._queue:
-                    self._cond.wait()
-                if not self._running:
-                    return
+                if inflight is None:
+                    while self._running and not self._queue:
+                        self._cond.wait()
+                    if not self._running:
+                        return
                 t0 = time.perf_counter()
                 deadline = t0 + self.batch_wait_s
-                while self._running and self._expected:
+                while inflight is None and self._running and self._expected:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
                     self._cond.wait(left)
                 self._expected.clear()
                 t1 = time.perf_counter()
-                items = self._build()
+                items = self._build() if self._running else []
                 self.stats.batch_wait_seconds += t1 - t0
                 self.stats.overhead_seconds += time.perf_counter() - t1
-                if not items and self._queue:
+                if inflight is None and not items and self._queue:
                     # only requests waiting for pages are left: sleep until
                     # new work (a free, say) arrives or a wait times out
                     self._cond.wait(0.02)
-            if items:
-                self._run(items)
+            launch = self._launch(items) if items else None
+            if inflight is not None:
+                self._finish(inflight)
+            inflight, self._inflight = None, set()
+            if launch is not None:
+                ahead = lookaheads(launch) if self.overlap else []
+                if ahead:  # finished after the next launch
+                    self.stats.lookaheads += len(ahead)
+                    inflight, self._inflight = launch, {id(it.seq) for it in launch.items}
+                    with self._cond:
+                        self._queue.extend(ahead)
+                else:
+                    self._finish(launch)
 
     def _build(self) -> list[Chunk]:
         """Drain the queue into a batch (called with the condition held)."""
@@ -202,10 +227,16 @@ class Scheduler:
         users = {r.user for r in q if isinstance(r, ForwardRequest)}
         share = max(1, self.max_batch_tokens // len(users)) if len(users) > 1 else self.max_batch_tokens
         used: dict[str, int] = {}  # tokens of each user in this round
+        inflight = self._inflight
         while q and budget > 0:
             head = q[0]
+            if isinstance(head, ForwardRequest) and head.dropped:  # a lookahead whose chain stopped
+                q.popleft()
+                self.stats.lookaheads_dropped += 1
+                continue
             touched = head.touches if isinstance(head, Command) else (head.seq,)
-            if any(id(s) in waiting or id(s) in busy for s in touched):
+            ahead = isinstance(head, ForwardRequest) and head.origin is not None  # a lookahead (lookahead.py)
+            if any(id(s) in waiting or id(s) in busy or (id(s) in inflight and not ahead) for s in touched):
                 # stays behind the earlier work of its sequence (next round)
                 left.append(q.popleft())
                 waiting.update(id(s) for s in touched)
@@ -233,15 +264,15 @@ class Scheduler:
                 req.started = True
                 if seq.freed:
                     q.popleft()
-                    req.future.set_exception(SequenceFreedError(seq.error or "the context was destroyed"))
+                    self._fail(req, SequenceFreedError(seq.error or "the context was destroyed"))
                     continue
                 req.start_len = len(seq)
                 refused = admission_error(seq, len(req.tokens), self.pool, self.max_seq_len, self.max_batch_tokens)
                 if refused is not None:
                     q.popleft()
-                    req.future.set_exception(refused)
+                    self._fail(req, refused)
                     continue
-                if req.positions is None and req.attention is None and req.probe is None:  # a probe: every query computed
+                if req.positions is None and req.attention is None and req.probe is None and not ahead:  # a probe: every query computed
                     first_out = min((s.index for s in req.outputs), default=len(req.tokens))
                     reused = seq.match_prefix(req.tokens, first_out, req.adapter_key)
                     req.done = reused
@@ -258,6 +289,10 @@ class Scheduler:
                 slots = seq.reserve(req.tokens[lo:hi], positions, custom_attention=req.attention is not None,
                                     adapter=req.adapter_key)
             except KvCacheFullError as e:
+                if ahead:  # no wait: its chain goes on without overlap once its token is known
+                    q.popleft()
+                    self._fail(req, e)
+                    continue
                 if not isinstance(e, KvQuotaError):  # the pool is full: wait for pages, up to kv_wait_s
                     now = time.perf_counter()
                     req.waiting_since = req.waiting_since or now
@@ -293,16 +328,44 @@ class Scheduler:
         if req.start_len >= 0 and not req.seq.freed and len(req.seq) > req.start_len:
             req.seq.truncate(req.start_len)
 
-    def _run(self, items: list[Chunk]) -> None:
-        t0 = time.perf_counter()
+    def _fail(self, req: ForwardRequest, e: BaseException) -> None:
+        """Fail ``req``'s future with ``e``; a lookahead not yet handed its
+        origin's future is dropped instead (the chain goes on without it)."""
+        if req.origin is not None:
+            self.stats.lookaheads_dropped += 1
+            lookahead.drop(req)
+        else:
+            req.future.set_exception(e)
+
+    def _failed(self, items: list[Chunk], e: BaseException) -> None:
+        """A model call failed: roll back and fail its requests (this batch
+        only), and drop the lookaheads made for them."""
+        log.error("forward pass failed", exc_info=e)
+        for it in items:
+            req = it.req
+            self._rollback(req)
+            if req.ahead is not None:
+                lookahead.drop(req.ahead)
+            if not req.future.done():
+                self._fail(req, e)
+
+    def _launch(self, items: list[Chunk]) -> Launch | None:
+        """Queue the model call over ``items`` (the scheduler's lookaheads
+        take their input tokens from the launch in flight)."""
+        feeds = [(j, it.req.feed[0], it.req.feed[1]) for j, it in enumerate(items) if it.req.feed is not None]
         try:
-            results = self.runner.run(items)
+            return self.runner.launch(items, feeds)
         except BaseException as e:  # a model failure fails this batch only
-            log.exception("forward pass failed")
-            for it in items:
-                self._rollback(it.req)
-                if not it.req.future.done():
-                    it.req.future.set_exception(e)
+            self._failed(items, e)
+            return None
+
+    def _finish(self, launch: Launch) -> None:
+        items = launch.items
+        t0 = launch.t0
+        try:
+            results = self.runner.finish(launch)
+        except BaseException as e:
+            self._failed(items, e)
             return
         t1 = time.perf_counter()
         st = self.stats
@@ -310,12 +373,19 @@ class Scheduler:
         finished: list[ForwardRequest] = []
         for it in items:
             req = it.req
-            req.seq.commit_full_pages()
+            if req.dropped:  # a lookahead whose chain stopped: its row was wasted
+                st.lookaheads_dropped += 1
+                k += len(it.out_slots)
+                self._rollback(req)
+                continue
             if not req.results:
                 req.results = [None] * len(req.outputs)
             for pos, _ in it.out_slots:
                 req.results[pos] = results[k]
                 k += 1
+            if req.done == len(req.tokens):
+                lookahead.place_token(req)
+            req.seq.commit_full_pages(it.start + it.n)
             if req.done == len(req.tokens):
                 if req.probe_acc is not None:  # the attention probe's scores follow the slots' results
                     req.results.append(req.probe_acc.result(self.pool.page_size))
@@ -331,7 +401,11 @@ class Scheduler:
             err = next((r for r in req.results if isinstance(r, Exception)), None)
             if err is not None:
                 self._rollback(req)
+                if req.ahead is not None:
+                    lookahead.drop(req.ahead)
                 req.future.set_exception(err)
+            elif req.ahead is not None:
+                lookahead.settle(req, again)
             elif req.then is None or not req.continue_into(again):
                 req.future.set_result(req.results)
         if again:  # queued together: one lock round for the whole batch

@@ -231,13 +231,15 @@ class Sequence:
         p = self.pages[-1]
         return p is not None and self.pool.is_private(p)
 
-    def commit_full_pages(self) -> None:
+    def commit_full_pages(self, end: int | None = None) -> None:
         """Register pages that became full (after a forward pass wrote them)
-        in the prefix cache, adopting an identical page if one exists."""
+        in the prefix cache, adopting an identical page if one exists.
+        ``end``: only pages within the first ``end`` tokens (those written;
+        None: all), as a later pass may be reserved already."""
         if not self.pure:
             return
         ps = self.page_size
-        full = len(self.tokens) // ps
+        full = (len(self.tokens) if end is None else min(end, len(self.tokens))) // ps
         while len(self.keys) < full:
             j = len(self.keys)
             prev = self.keys[-1] if self.keys else EMPTY_KEY

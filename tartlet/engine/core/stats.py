@@ -30,6 +30,11 @@ class SchedulerStats:
     ``batch_requests``; :class:`tartlet.drafter.AdaptiveDrafter`). Not an
     average, so a lone request after a burst sees its own calls, not the
     burst's.
+
+    Overlap scheduling (:mod:`.lookahead`): ``lookaheads`` passes made
+    before their token reached the host, ``lookaheads_dropped`` of them
+    dropped (their chain stopped or asked for another pass; each dropped
+    one that ran cost a wasted row).
     """
 
     model_calls: int = 0
@@ -45,3 +50,5 @@ class SchedulerStats:
     overhead_seconds: float = 0.0
     batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     last_batch: int = 0
+    lookaheads: int = 0
+    lookaheads_dropped: int = 0
