@@ -38,16 +38,19 @@ states, stepping inferlets' passes) run synchronously, as before.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 from .model_runner import Launch
 from .requests import ForwardRequest
 
 
-def lookaheads(launch: Launch) -> list[ForwardRequest]:
+def lookaheads(launch: Launch, future: Future[list[object]]) -> list[ForwardRequest]:
     """The lookahead passes of ``launch``'s requests, linked to them, or
     ``[]`` when the launch does not qualify (module docstring, step 1): no
     device-side tokens, or a request with an output that is not a token
-    chain ending its pass here."""
+    chain ending its pass here. ``future``: a placeholder they share until
+    each takes its origin's (a ``Future`` each would cost ~15 us, a step of
+    256 chains 4 ms); nothing resolves it (see :meth:`Scheduler._fail`)."""
     if launch.feed is None:
         return []
     for it in launch.items:
@@ -63,7 +66,7 @@ def lookaheads(launch: Launch) -> list[ForwardRequest]:
     for it in launch.items:
         req = it.req
         if it.out_slots and not req.dropped:
-            la = ForwardRequest(req.seq, [0], outputs=[req.feed_back], continued=True, user=req.user,  # type: ignore[list-item]  # checked above
+            la = ForwardRequest(req.seq, [0], outputs=[req.feed_back], future=future, continued=True, user=req.user,  # type: ignore[list-item]  # checked above
                                 adapter=req.adapter, feed_back=req.feed_back, origin=req, feed=(launch, k))
             la.enqueued_at = now
             req.ahead = la

@@ -20,6 +20,7 @@ it, which fails the batch's requests and rolls their sequences back.
 from __future__ import annotations
 
 import collections.abc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,7 +139,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = build_batch(items, self._indexes).to(self.model.device)
         if feeds:
-            rows = [sum(it.n for it in items[:j]) for j, _, _ in feeds]  # a fed chunk is one token: its row
+            starts = list(itertools.accumulate((it.n for it in items), initial=0))
+            rows = [starts[j] for j, _, _ in feeds]  # a fed chunk is one token: its row
             src = feeds[0][1].feed
             assert src is not None and all(f[1].feed is src for f in feeds)  # one earlier launch
             # no blocking copy here: one would wait for the launch in flight (the overlap's point)

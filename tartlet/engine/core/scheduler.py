@@ -102,6 +102,8 @@ class Scheduler:
         self.runner.feeds = overlap
         #: sequences of the launch in flight (overlap): other passes on them wait for it
         self._inflight: set[int] = set()
+        #: the future of every lookahead until it takes its origin's (never resolved)
+        self._placeholder: Future[list[object]] = Future()
         self._queue: collections.deque[ForwardRequest | Command[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._expected: set[int] = set()
@@ -165,6 +167,8 @@ class Scheduler:
             self._thread.join()
         while self._queue:
             item = self._queue.popleft()
+            if isinstance(item, ForwardRequest) and item.origin is not None:
+                continue  # a lookahead: its origin's future fails (or resolved) on its own
             if not item.future.done():
                 item.future.set_exception(RuntimeError("the engine stopped"))
 
@@ -199,7 +203,7 @@ class Scheduler:
                 self._finish(inflight)
             inflight, self._inflight = None, set()
             if launch is not None:
-                ahead = lookaheads(launch) if self.overlap else []
+                ahead = lookaheads(launch, self._placeholder) if self.overlap else []
                 if ahead:  # finished after the next launch
                     self.stats.lookaheads += len(ahead)
                     inflight, self._inflight = launch, {id(it.seq) for it in launch.items}
@@ -346,7 +350,7 @@ class Scheduler:
             self._rollback(req)
             if req.ahead is not None:
                 lookahead.drop(req.ahead)
-            if not req.future.done():
+            if req.origin is not None or not req.future.done():
                 self._fail(req, e)
 
     def _launch(self, items: list[Chunk]) -> Launch | None:
