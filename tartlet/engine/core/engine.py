@@ -21,6 +21,7 @@ import torch
 
 from ...sdk.errors import AdapterError
 from ..cuda.graphs import DecodeGraphs, unsupported
+from ..cuda.quant_matmul import CudaQuantLinear
 from ..loading import huge_pages
 from ..loading.quant_formats import QuantWeight
 from ..models.config import ModelConfig
@@ -49,17 +50,23 @@ class EngineConfig:
         model: a known model name (``tartlet model list``), a ``.gguf`` file
             or a Hugging Face folder.
         dtype: ``auto`` (default): on CUDA, bfloat16 with every weight
-            dequantized to it; on the CPU, compute in float32 and keep the matrices
-            of a quantized GGUF file in their blocks, multiplied by the
-            quantized CPU kernels (:mod:`tartlet.engine.models.quant_linear`; without
-            a C compiler they are dequantized). ``float32``,
+            dequantized to it unless ``quantize`` is set; on the CPU, compute
+            in float32 and keep the matrices of a quantized GGUF file in their
+            blocks, multiplied by the quantized CPU kernels
+            (:mod:`tartlet.engine.models.quant_linear`; without a C compiler
+            they are dequantized). ``float32``,
             ``bfloat16`` or ``float16``: the reference path, every weight
             dequantized to that dtype.
         quantize: quantize float matrices at load (``q8_0``, ``q4_0``,
             ``q4_1``, ``q5_0``, ``q5_1``; see
             :data:`tartlet.engine.loading.quant_formats.QUANTIZE_TYPES`): Hugging
-            Face folders and float tensors of GGUF files. CPU only; ``None``
-            keeps them float.
+            Face folders and float tensors of GGUF files; ``None`` keeps them
+            float. On CUDA it also keeps a GGUF file's quantized matrices in
+            their blocks on the GPU, multiplied by Triton kernels
+            (:mod:`tartlet.engine.cuda.quant_matmul`): a third of bfloat16's
+            memory at 4 bits and faster decode at one sequence, slower than
+            bfloat16 from a few sequences on (docs/benchmarks.md, "quantized
+            weights on the GPU").
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
         page_size: tokens per KV page.
         kv_cache_mb: memory budget of the page pool, in MiB.
@@ -152,10 +159,18 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose from auto, {', '.join(_DTYPES)})") from None
 
     def keeps_quantized(self) -> bool:
-        """Whether quantized weights stay in their blocks: ``dtype`` is
-        ``auto`` or ``quantize`` is set, the device is the CPU, and the
-        quantized kernels can be built (else they are dequantized)."""
-        if (self.dtype != "auto" and self.quantize is None) or self.torch_device().type != "cpu":
+        """Whether quantized weights stay in their blocks: on the CPU when
+        ``dtype`` is ``auto`` or ``quantize`` is set and the quantized C
+        kernels can be built; on CUDA when ``quantize`` is set and Triton is
+        there (:mod:`tartlet.engine.cuda.quant_matmul`: slower than bfloat16
+        beyond a few rows, so not by default); else they are dequantized."""
+        if self.torch_device().type == "cuda":
+            from ..cuda.quant_matmul import available
+
+            return self.quantize is not None and available()
+        if self.dtype != "auto" and self.quantize is None:
+            return False
+        if self.torch_device().type != "cpu":
             return False
         from ..kernels.quant_kernels import load
 
@@ -253,7 +268,7 @@ class Engine:
             progress(f"loading {path.name}")
         quantized = cfg.keeps_quantized()
         if cfg.quantize is not None and not quantized:
-            raise ValueError(f"quantize = {cfg.quantize!r} needs the quantized CPU kernels on the CPU")
+            raise ValueError(f"quantize = {cfg.quantize!r} needs quantized kernels: the C ones on the CPU (a C compiler), Triton on CUDA")
         t0 = time.perf_counter()
         # converted weights allocated on huge pages from the start (huge_pages.empty): little left to collapse
         with huge_pages.for_new_weights(cfg.huge_pages and cfg.torch_device().type == "cpu"):
@@ -336,7 +351,7 @@ class Engine:
         for i, layer in enumerate(adapter.layers):
             for proj, pair in layer.items():
                 lin = cast("dict[str, object]", m.layers[i]).get(proj)
-                if not isinstance(lin, (Linear, QuantLinear)) or (pair.at.shape[0], pair.bt.shape[1]) != (
+                if not isinstance(lin, (Linear, QuantLinear, CudaQuantLinear)) or (pair.at.shape[0], pair.bt.shape[1]) != (
                         lin.in_features, lin.out_features):
                     raise AdapterError(f"{adapter.source}: layer {i} {proj} does not fit the loaded model's projection")
         return adapter

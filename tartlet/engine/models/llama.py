@@ -56,17 +56,19 @@ from ..attention.paged_attention import Attention, AttentionPass
 from ..core.batch import BatchInputs
 from ..core.hidden_states import FINAL, HiddenCapture
 from ..cuda import attention as cuda_attention
+from ..cuda import quant_matmul as cuda_quant
 from ..cuda import rms_norm as cuda_rms_norm
+from ..cuda.quant_matmul import CudaQuantLinear
 from ..loading import os_memory
-from ..loading.quant_formats import F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
+from ..loading.quant_formats import BF16, F16, INTERLEAVED_KINDS, KIND_NAMES, QuantWeight
 from .config import ModelConfig
 from .linear import Linear, onednn_packing_available
 from .moe import SparseMoe, build_sparse_moe
 from .quant_linear import MATMUL_DTYPES, QuantLinear, embedding_rows
 from .rope import Rotary, rope_inv_freq  # noqa: F401 (rope_inv_freq: re-exported)
 
-#: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`).
-Projection = Linear | QuantLinear
+#: A projection: float (:class:`Linear`) or quantized (:class:`QuantLinear`; on CUDA :class:`CudaQuantLinear`).
+Projection = Linear | QuantLinear | CudaQuantLinear
 
 class Layer(TypedDict, total=False):
     """One decoder layer's weights (:attr:`LlamaModel.layers`): RMSNorm
@@ -124,9 +126,13 @@ class LlamaModel:
             with ``"float32"`` (see :mod:`tartlet.engine.models.quant_linear`);
             ``"bfloat16"`` keeps them in the row layout for its panel.
 
+    Quantized weights stay quantized on the CPU in float32 (:class:`QuantLinear`)
+    and on CUDA with Triton in any compute dtype (:class:`CudaQuantLinear`,
+    the Triton kernels of :mod:`tartlet.engine.cuda.quant_matmul`).
+
     Raises:
-        ValueError: a missing tensor, quantized weights off the CPU or not in
-            float32, a bad ``act_bits`` or ``matmul_dtype``, or
+        ValueError: a missing tensor, quantized weights on the CPU not in
+            float32 or on CUDA without Triton, a bad ``act_bits`` or ``matmul_dtype``, or
             ``matmul_dtype="bfloat16"`` on a CPU without AVX512_BF16.
     """
 
@@ -154,7 +160,10 @@ class LlamaModel:
                 raise ValueError(f"model weights lack tensor {name!r}") from None
 
         self.quant = None  # the quantized kernels, when any weight is quantized
-        if any(isinstance(t, QuantWeight) for t in weights.values()):
+        #: quantized weights kept quantized on the GPU (CudaQuantLinear), multiplied by the Triton kernels
+        self.cuda_quant = self.device.type == "cuda" and cuda_quant.available() and \
+            any(isinstance(t, QuantWeight) for t in weights.values())
+        if any(isinstance(t, QuantWeight) for t in weights.values()) and not self.cuda_quant:
             if self.device.type != "cpu" or dtype != torch.float32:
                 raise ValueError("quantized weights run on the CPU in float32 only; load them dequantized "
                                  f"for {self.device.type}/{dtype}")
@@ -166,7 +175,10 @@ class LlamaModel:
 
         def w(name: str) -> torch.Tensor:
             t = raw(name)
-            if isinstance(t, QuantWeight):
+            if isinstance(t, QuantWeight) and self.cuda_quant:  # dequantized on the GPU
+                q = cuda_quant.to_device(t, self.device, dtype)
+                t = q.q if q.kind in (F16, BF16) else cuda_quant.dequantize(q, dtype=dtype)
+            elif isinstance(t, QuantWeight):
                 assert self.quant is not None  # loaded above when a weight is quantized
                 t = self.quant.dequantize(t)
             return t.to(device=self.device, dtype=dtype).contiguous()
@@ -188,9 +200,12 @@ class LlamaModel:
         #: the panel GEMM's precision in use ("float32" or "bfloat16"; None without quantized weights)
         self.matmul_dtype = None if self.quant is None else ("bfloat16" if bf16 else "float32")
 
-        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy, normed: bool = True) -> "Linear | QuantLinear":
+        def linear(*names: str, bias: torch.Tensor | None = None, copy: bool = gemv_copy, normed: bool = True) -> Projection:
             # normed: the input comes straight from an RMSNorm (see act_bits)
             parts = [raw(n) for n in names]
+            if self.cuda_quant and any(isinstance(p, QuantWeight) for p in parts):
+                return CudaQuantLinear([p if isinstance(p, QuantWeight) else float_part(p) for p in parts], bias,
+                                       self.device, dtype)
             if self.quant is not None and any(isinstance(p, QuantWeight) for p in parts):
                 quant = [p if isinstance(p, QuantWeight) else float_part(p) for p in parts]
                 bits = act_bits if isinstance(act_bits, int) else (16 if normed else 8)  # act_bits: 8, 16 or "auto"
@@ -202,7 +217,7 @@ class LlamaModel:
             t = w(name)  # Gemma's RMSNorm scales by (1 + w): added once here (HF Gemma3RMSNorm, in float32)
             return (t.float() + 1.0).to(dtype) if c.gemma_norms else t
 
-        def fused(p: str, whole: str, *parts: str, bias: torch.Tensor | None = None) -> "Linear | QuantLinear":
+        def fused(p: str, whole: str, *parts: str, bias: torch.Tensor | None = None) -> Projection:
             # one matrix: as stored when the checkpoint fuses it (Phi-3's qkv_proj, gate_up_proj), else concatenated
             return linear(p + whole, bias=bias) if p + whole in weights else linear(*[p + x for x in parts], bias=bias)
 
@@ -216,6 +231,14 @@ class LlamaModel:
         if c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear) and len(self.lm_head.parts) == 1 \
                 and self.lm_head.parts[0].kind in INTERLEAVED_KINDS:
             self.embed = self.lm_head.parts[0]  # the head's interleaved copy serves the lookups too: one copy kept
+        if self.cuda_quant and isinstance(self.embed, QuantWeight):  # on the GPU, the tied head's copy if there is one
+            head_parts = self.lm_head.parts if isinstance(self.lm_head, CudaQuantLinear) else []
+            if c.tie_word_embeddings and len(head_parts) == 1 and head_parts[0].kind in cuda_quant.KINDS:
+                self.embed = head_parts[0]
+            elif self.embed.kind in cuda_quant.KINDS:
+                self.embed = cuda_quant.to_device(self.embed, self.device, dtype)
+            else:
+                self.embed = w("model.embed_tokens.weight")
         del embed  # (the raw one goes with the dict's entry below)
         self.norm = norm("model.norm.weight")
         # Each loaded tensor is dropped from ``weights`` once its layer is built
@@ -288,7 +311,7 @@ class LlamaModel:
             elif isinstance(obj, QuantWeight):
                 for t in (obj.q, obj.d, obj.m):
                     add(t)
-            elif isinstance(obj, QuantLinear):
+            elif isinstance(obj, (QuantLinear, CudaQuantLinear)):
                 for p in obj.parts:
                     add_any(p)
                 add(obj.bias)
@@ -328,7 +351,7 @@ class LlamaModel:
         kinds: Counter[str] = Counter()
         for lin in self._quant_linears():
             kinds.update(p.source or KIND_NAMES[p.kind] for p in lin.parts)
-        if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, QuantLinear) or self.lm_head.parts[0].q is not self.embed.q):
+        if isinstance(self.embed, QuantWeight) and (not isinstance(self.lm_head, (QuantLinear, CudaQuantLinear)) or self.lm_head.parts[0].q is not self.embed.q):
             kinds[self.embed.source] += 1
         return ", ".join(f"{k} x {n}" for k, n in kinds.most_common()) or str(self.dtype).replace("torch.", "")
 
@@ -348,11 +371,11 @@ class LlamaModel:
             return "integer products at every row count (16-row layout)"
         return f"integer products at every row count for {interleaved} of {len(runs)} runs, {panel} for the rest"
 
-    def _quant_linears(self) -> list[QuantLinear]:
+    def _quant_linears(self) -> list[QuantLinear | CudaQuantLinear]:
         """The quantized projections: the head, every layer's, MoE experts'."""
         held = [v for layer in self.layers for v in layer.values()]
         held += [p for v in held if isinstance(v, SparseMoe) for p in v.parts()]
-        return [lin for lin in [self.lm_head] + held if isinstance(lin, QuantLinear)]
+        return [lin for lin in [self.lm_head] + held if isinstance(lin, (QuantLinear, CudaQuantLinear))]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -364,7 +387,9 @@ class LlamaModel:
     def embed_rows(self, batch: BatchInputs) -> torch.Tensor:
         """The input embeddings of ``batch``'s tokens: ``[T, hidden_size]``
         in the compute dtype (Gemma's scaled by ``sqrt(hidden_size)``)."""
-        if isinstance(self.embed, QuantWeight):
+        if isinstance(self.embed, QuantWeight) and self.cuda_quant:
+            x = cuda_quant.dequantize(self.embed, batch.input_ids, self.dtype)
+        elif isinstance(self.embed, QuantWeight):
             assert self.quant is not None  # loaded with the quantized weights
             x = embedding_rows(self.quant, self.embed, batch.input_ids)
         else:
