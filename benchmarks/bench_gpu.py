@@ -17,10 +17,24 @@ side by side, in alternating rounds:
   plus written over its time).
 
 Also the engine with its CUDA graphs off (every op launched from Python),
-to show what the graphs buy. Needs a CUDA GPU and Triton; prints a table
+to show what the graphs buy, and the engine with graphs run with overlap
+scheduling off (``sync``: the next step built only after this one's tokens
+reached the host; on by default on CUDA, ``tartlet/engine/core/lookahead.py``),
+alternating with it on the same engine. Needs a CUDA GPU and Triton; prints a table
 and one JSON line.
 
+``--weights q4|q6|q8`` (default ``bf16``): the engine's projections are
+random quantized weights built directly on the GPU in the repacked block
+layout (kinds Q4, Q6, Q8 of :mod:`tartlet.engine.loading.quant_formats`, 5, 7
+and 8.5 bits per weight) and multiplied by the Triton kernels of
+:mod:`tartlet.engine.cuda.quant_matmul`; the embedding and the output head
+stay bfloat16, as stored. The roofline then counts the bytes a step reads:
+the quantized values, scales and minimums, the head, one embedding row.
+Transformers keeps bfloat16 weights. ``--only-decode`` skips the engine
+without graphs, the prefill and the tax (a quick device check):
+
     python benchmarks/bench_gpu.py [--shape llama3-8b|small|tiny] [--rounds 2]
+    python benchmarks/bench_gpu.py --weights q4 --concurrency 1,64 --rounds 1 --no-hf --only-decode
 """
 
 from __future__ import annotations
@@ -55,14 +69,25 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_weights(c: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Hugging Face-named random weights of a Llama of config ``c``, on the GPU."""
+#: ``--weights`` choices: the kind of the projections (None: bfloat16 tensors)
+WEIGHT_KINDS = {"bf16": None, "q4": 1, "q6": 3, "q8": 0}  # quant_formats.Q4, Q6, Q8
 
-    def w(*shape: int) -> torch.Tensor:
+
+def random_weights(c: Any, dtype: torch.dtype, kind: int | None = None) -> dict[str, Any]:
+    """Hugging Face-named random weights of a Llama of config ``c``, on the
+    GPU; with ``kind``, the projections are random quantized weights of that
+    kind (:func:`tartlet.engine.cuda.quant_matmul.random_weight`), the
+    embedding, head and norms stay ``dtype``."""
+    from tartlet.engine.cuda.quant_matmul import random_weight
+
+    def dense(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=DEVICE).normal_(0, 0.02)
 
+    def w(*shape: int) -> Any:
+        return dense(*shape) if kind is None or len(shape) == 1 else random_weight(kind, shape[0], shape[1], DEVICE)
+
     H, I, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    out = {"model.embed_tokens.weight": w(c.vocab_size, H), "model.norm.weight": 1 + w(H), "lm_head.weight": w(c.vocab_size, H)}
+    out = {"model.embed_tokens.weight": dense(c.vocab_size, H), "model.norm.weight": 1 + w(H), "lm_head.weight": dense(c.vocab_size, H)}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         out |= {p + "input_layernorm.weight": 1 + w(H), p + "post_attention_layernorm.weight": 1 + w(H),
@@ -88,14 +113,16 @@ def word_tokenizer(vocab: int) -> Any:
     return Tokenizer.from_hf_folder(d)
 
 
-def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int) -> Any:
+def make_engine(shape: dict[str, Any], graphs: bool, kv_cache_mb: int, kind: int | None = None) -> Any:
     from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.engine.models.config import ModelConfig
 
     c = ModelConfig(architecture="llama", name="random", eos_token_ids=(), **shape)
-    cfg = EngineConfig(model="random", device=DEVICE, dtype="bfloat16", kv_cache_mb=kv_cache_mb,
+    # quantized weights on the CPU (--device cpu, a dry run): the quantized CPU kernels, in float32
+    dtype = "float32" if kind is not None and DEVICE == "cpu" else "bfloat16"
+    cfg = EngineConfig(model="random", device=DEVICE, dtype=dtype, kv_cache_mb=kv_cache_mb,
                        max_batch_tokens=LONG + 64, cuda_graphs=graphs)  # fmt: skip
-    return Engine(cfg, c, random_weights(c, torch.bfloat16), word_tokenizer(c.vocab_size))  # type: ignore[arg-type]
+    return Engine(cfg, c, random_weights(c, cfg.torch_dtype(), kind), word_tokenizer(c.vocab_size))
 
 
 def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float, float]:
@@ -123,7 +150,8 @@ def engine_generate(eng: Any, prompts: list[list[int]], new: int) -> tuple[float
         return then
 
     t0 = time.perf_counter()
-    futs = [sch.submit(ForwardRequest(s, p, outputs=[OutputSlot(len(p) - 1, slot[0].spec)], then=continuation()))
+    futs = [sch.submit(ForwardRequest(s, p, outputs=[OutputSlot(len(p) - 1, slot[0].spec)], then=continuation(),
+                                      feed_back=slot[0]))  # each next pass feeds the token back: overlap applies
             for s, p in zip(seqs, prompts)]  # fmt: skip
     for f in futs:
         f.result(600)
@@ -141,6 +169,12 @@ def hf_generate(model: Any, prompts: list[list[int]], new: int) -> float:
                    pad_token_id=0)  # fmt: skip
     sync()
     return time.perf_counter() - t0
+
+
+def set_overlap(eng: Any, on: bool) -> None:
+    """Turn the engine's overlap scheduling on or off (between runs, while
+    it is idle: the scheduler reads the flag each round)."""
+    eng.scheduler.overlap = eng.scheduler.runner.feeds = on
 
 
 def copy_bandwidth() -> float:
@@ -166,6 +200,11 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks this script (tiny shapes)")
+    ap.add_argument("--weights", choices=list(WEIGHT_KINDS), default="bf16",
+                    help="projection weights: bfloat16, or random quantized ones in the GPU kernels' layout")
+    ap.add_argument("--no-eager", action="store_true", help="skip the engine without CUDA graphs")
+    ap.add_argument("--only-decode", action="store_true",
+                    help="decode with graphs only: no engine without graphs, no prefill, no tax (a quick check)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top kernels of a 2,048-token prefill and of batch-1 decode steps")  # fmt: skip
     args = ap.parse_args()
@@ -181,9 +220,16 @@ def main() -> None:
     bw = copy_bandwidth()
     kv_mb = max(4096, (max(conc) * (PROMPT + NEW + 16) + LONG) * 2 * 2 * shape["num_hidden_layers"]
                 * shape["num_key_value_heads"] * shape["head_dim"] // 2**20 + 256)  # fmt: skip
-    engines = {"graphs": make_engine(shape, True, kv_mb), "eager": make_engine(shape, False, kv_mb)}
+    kind = WEIGHT_KINDS[args.weights]
+    engines = {"graphs": make_engine(shape, True, kv_mb, kind)}
+    if not (args.only_decode or args.no_eager):
+        engines["eager"] = make_engine(shape, False, kv_mb, kind)
+    # the engine with graphs, run with overlap scheduling (its default on CUDA) and without ("sync")
+    variants = {"graphs": (engines["graphs"], True), "sync": (engines["graphs"], False)}
+    if "eager" in engines:
+        variants["eager"] = (engines["eager"], True)
     m = engines["graphs"].model
-    g = engines["graphs"].runner.graphs
+    dg = engines["graphs"].runner.graphs
     # bytes a decode step reads: every weight but the embedding table (one row of it)
     weight_bytes = m.weight_bytes() - m.embed.numel() * m.embed.element_size()
     hf = None
@@ -198,16 +244,18 @@ def main() -> None:
             print(f"transformers baseline unavailable: {e!r}")
     # warm-up: Triton compiles, graphs captured for every bucket used, cuBLAS chosen
     for n in conc:
-        for eng in engines.values():
+        for eng, ov in variants.values():
+            set_overlap(eng, ov)
             engine_generate(eng, prompts(n), 4)
         if hf is not None:
             hf_generate(hf, prompts(n), 4)
     rows, results = [], {}
     for n in conc:
-        runs: dict[str, list[float]] = {"graphs": [], "eager": [], "hf": []}
-        tpot: dict[str, list[float]] = {"graphs": [], "eager": []}
-        for _ in range(args.rounds):  # alternating: engine, engine without graphs, transformers
-            for name, eng in engines.items():
+        runs: dict[str, list[float]] = {"graphs": [], "sync": [], "eager": [], "hf": []}
+        tpot: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):  # alternating: engine, without overlap, without graphs, transformers
+            for name, (eng, ov) in variants.items():
+                set_overlap(eng, ov)
                 wall, step = engine_generate(eng, prompts(n), NEW)
                 runs[name].append(wall)
                 tpot[name].append(step)
@@ -215,16 +263,20 @@ def main() -> None:
                 runs["hf"].append(hf_generate(hf, prompts(n), NEW))
         med = {k: statistics.median(v) for k, v in runs.items() if v}
         tok_s = {k: n * NEW / v for k, v in med.items()}
-        step = {k: statistics.median(v) for k, v in tpot.items()}
+        step = {k: statistics.median(v) for k, v in tpot.items() if v}
         results[n] = {"tok_s": tok_s, "tpot_ms": {k: v * 1e3 for k, v in step.items()}}
-        rows.append([n, tok_s["graphs"], step["graphs"] * 1e3, tok_s["eager"], step["eager"] * 1e3,
+        nan = float("nan")
+        rows.append([n, tok_s["graphs"], step["graphs"] * 1e3, step["sync"] * 1e3, tok_s["graphs"] / tok_s["sync"],
+                     tok_s.get("eager", nan), step.get("eager", nan) * 1e3,
                      tok_s.get("hf", float("nan")), tok_s["graphs"] / tok_s["hf"] if "hf" in tok_s else float("nan")])  # fmt: skip
+    set_overlap(engines["graphs"], True)
     # prefill of one long prompt (a first, untimed round picks the kernels for its shapes)
     pre: dict[str, list[float]] = {"engine": [], "hf": []}
-    engine_generate(engines["graphs"], prompts(1, LONG), 1)
-    if hf is not None:
-        hf_generate(hf, prompts(1, LONG), 1)
-    for _ in range(args.rounds):
+    if not args.only_decode:
+        engine_generate(engines["graphs"], prompts(1, LONG), 1)
+        if hf is not None:
+            hf_generate(hf, prompts(1, LONG), 1)
+    for _ in range(0 if args.only_decode else args.rounds):
         pre["engine"].append(engine_generate(engines["graphs"], prompts(1, LONG), 1)[0])
         if hf is not None:
             pre["hf"].append(hf_generate(hf, prompts(1, LONG), 1))
@@ -232,7 +284,7 @@ def main() -> None:
     # programmability tax: the text-completion inferlet (native runtime: tokenizing, streaming
     # text, host-side generate in chunks) against the same decode driven on the engine directly
     tax = {}
-    for n in (1, 64):
+    for n in () if args.only_decode else (1, 64):
         pairs = []
         for _ in range(args.rounds + 1):
             ps = prompts(n)
@@ -243,19 +295,24 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     roof_s = weight_bytes / bw
     b1 = results[conc[0]]["tpot_ms"]["graphs"] / 1e3 if conc[0] == 1 else float("nan")
+    b1_sync = results[conc[0]]["tpot_ms"]["sync"] / 1e3 if conc[0] == 1 else float("nan")
     payload = {
-        "device": name, "shape": args.shape, "weight_bytes": weight_bytes, "copy_bw_GBps": bw / 1e9,
+        "device": name, "shape": args.shape, "weights": args.weights, "weight_bytes": weight_bytes, "copy_bw_GBps": bw / 1e9,
         "roofline_ms": roof_s * 1e3, "batch1_tpot_ms": b1 * 1e3, "batch1_roofline_fraction": roof_s / b1,
+        "batch1_roofline_fraction_without_overlap": roof_s / b1_sync,
         "decode": results, "prefill_2048_s": pre_s, "native_tax": tax,
-        "graphs": None if g is None else {"captures": g.captures, "replays": g.replays},
+        "graphs": None if dg is None else {"captures": dg.captures, "replays": dg.replays},
     }  # fmt: skip
-    report(f"Decode, {args.shape} random weights, bfloat16, {name} ({PROMPT}-token prompts, {NEW} new tokens)",
-           ["concurrent", "engine tok/s", "TPOT ms", "no graphs tok/s", "no graphs TPOT ms", "transformers tok/s", "ratio"], rows, None)  # fmt: skip
+    wname = "bfloat16" if kind is None else f"{args.weights} projections (bfloat16 embedding and head)"
+    report(f"Decode, {args.shape} random weights, {wname}, {name} ({PROMPT}-token prompts, {NEW} new tokens)",
+           ["concurrent", "engine tok/s", "TPOT ms", "no overlap TPOT ms", "overlap gain", "no graphs tok/s", "no graphs TPOT ms",
+            "transformers tok/s", "ratio"], rows, None)  # fmt: skip
     report("Prefill of one 2,048-token prompt, and the batch-1 roofline",
            ["what", "value"],
-           [["engine prefill tok/s", LONG / pre_s["engine"]], ["transformers prefill tok/s", LONG / pre_s["hf"] if "hf" in pre_s else float("nan")],
+           [["engine prefill tok/s", LONG / pre_s["engine"] if "engine" in pre_s else float("nan")], ["transformers prefill tok/s", LONG / pre_s["hf"] if "hf" in pre_s else float("nan")],
             ["weight GB", weight_bytes / 1e9], ["copy bandwidth GB/s", bw / 1e9], ["roofline ms/token", roof_s * 1e3],
             ["batch-1 TPOT ms", b1 * 1e3], ["fraction of roofline", roof_s / b1],
+            ["fraction of roofline without overlap", roof_s / b1_sync],
             *[[f"native tax, text-completion x{n}", f"{t:+.1%}"] for n, t in tax.items()]], payload)  # fmt: skip
     if args.profile:
         sdpa_gqa_check(shape)
@@ -305,10 +362,12 @@ def profile(engines: dict[str, Any], prompts: Any) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
     for what, eng, ps, new in (("prefill of 2,048 tokens", engines["graphs"], prompts(1, LONG), 1),
-                               ("8 batch-1 decode steps, op by op", engines["eager"], prompts(1), 9),
+                               ("8 batch-1 decode steps, op by op", engines.get("eager"), prompts(1), 9),
                                ("8 batch-1 decode steps, CUDA graphs", engines["graphs"], prompts(1), 9),
                                ("8 decode steps of 64 sequences, CUDA graphs", engines["graphs"], prompts(64), 9),
                                ("8 decode steps of 256 sequences, CUDA graphs", engines["graphs"], prompts(256), 9)):  # fmt: skip
+        if eng is None:  # --only-decode: no engine without graphs
+            continue
         with torch_profile(activities=acts) as prof:
             engine_generate(eng, ps, new)
         print(f"\nprofile: {what}")

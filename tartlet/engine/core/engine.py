@@ -65,8 +65,8 @@ class EngineConfig:
             their blocks on the GPU, multiplied by Triton kernels
             (:mod:`tartlet.engine.cuda.quant_matmul`): a third of bfloat16's
             memory at 4 bits and faster decode at one sequence, slower than
-            bfloat16 from a few sequences on (docs/benchmarks.md, "quantized
-            weights on the GPU").
+            bfloat16 from a few sequences on (docs/benchmarks.md, "bench_gpu.py:
+            the engine on a CUDA GPU").
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
         page_size: tokens per KV page.
         kv_cache_mb: memory budget of the page pool, in MiB.
