@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..loading.quant_formats import BF16, F16, KIND_NAMES, Q4, Q5, Q6, Q8, QBYTES, QK, QuantWeight
+from .attention import available as available  # whether Triton imports: these kernels need it too
 
 #: Kinds the kernels multiply (float parts, F16/BF16, go to cuBLAS).
 KINDS = (Q8, Q4, Q5, Q6)
@@ -79,15 +80,6 @@ DOT_MAX_ROWS = int(os.environ.get("TARTLET_CUDA_QUANT_DOT_ROWS", GEMV_MAX_ROWS))
 MIN_PROGRAMS = 256
 #: Largest dequantized slice (elements) for the cuBLAS path: 32 Mi elements, 64 MiB in bfloat16.
 SCRATCH_ELEMENTS = 1 << 25
-
-
-def available() -> bool:
-    """Whether Triton can be imported (what these kernels need)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache
