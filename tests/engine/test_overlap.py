@@ -11,6 +11,7 @@ with ``overlap=True`` beside the shared engine (overlap off) as the oracle.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -165,3 +166,43 @@ async def test_text_completion_inferlets_match_without_overlap(overlap_engine, r
         next(gen, None)
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     assert overlap_engine.scheduler.stats.lookaheads > 0
+
+
+def test_freeing_a_chains_sequence_fails_it_cleanly(overlap_engine):
+    """A free of the sequence while its chain runs ahead (an abort): the
+    chain's future fails with SequenceFreedError or ends, nothing hangs, and
+    every page comes back."""
+    from tartlet.sdk.errors import SequenceFreedError
+
+    eng = overlap_engine
+    free0 = eng.pool.available()
+    prompt = eng.tokenizer.encode(PROMPTS[3])
+    subs = [chain(eng, prompt, lambda n, t: n < 200) for _ in range(3)]
+    while len(subs[0][1]) < 5:
+        time.sleep(0.001)
+    for _, _, seq in subs:
+        eng.scheduler.command(seq.free, seq).result(60)
+    for fut, got, _ in subs:
+        try:
+            fut.result(60)
+        except SequenceFreedError:
+            pass
+        assert len(got) < 200
+    assert eng.pool.available() == free0
+
+
+def test_closing_the_engine_with_chains_in_flight_fails_them(loaded_model):
+    """``Engine.close`` while chains run ahead: every chain's future ends
+    (the engine-stopped error or its last results), none hangs."""
+    from tartlet.engine.core.engine import Engine, EngineConfig
+
+    lm = loaded_model
+    eng = Engine(EngineConfig(kv_cache_mb=16, overlap=True), lm.config, dict(lm.weights), lm.tokenizer)
+    prompt = eng.tokenizer.encode(PROMPTS[0])
+    subs = [chain(eng, prompt, lambda n, t: True) for _ in range(4)]
+    while len(subs[0][1]) < 3:
+        time.sleep(0.001)
+    eng.close()
+    for fut, _, _ in subs:
+        with pytest.raises(RuntimeError, match="stopped"):
+            fut.result(30)
