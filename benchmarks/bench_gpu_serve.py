@@ -165,7 +165,7 @@ def write_model(folder: Path, shape: dict[str, Any], weights: dict[str, Any], to
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **shape}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    tokenizer._tok.save(str(folder / "tokenizer.json"))  # the backend tokenizers.Tokenizer of bench_gpu's word_tokenizer
+    tokenizer.backend.save(str(folder / "tokenizer.json"))  # bench_gpu word_tokenizer's tokenizers.Tokenizer
     shard: dict[str, Any] = {}
     size, n = 0, 0
 
