@@ -75,3 +75,81 @@ async def test_wait_on_a_resolved_future_still_yields_to_the_loop() -> None:
     await _binding.wait(done)
     assert ran == ["other"]
     await task
+
+
+async def test_wait_wakes_the_loop_once_for_futures_resolved_together() -> None:
+    """Futures resolved on another thread in one go (a scheduler step's
+    token streams) settle through one ``call_soon_threadsafe``, in the
+    order they were resolved, each with its own result or error."""
+    loop = asyncio.get_running_loop()
+    threadsafe = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):
+        nonlocal threadsafe
+        threadsafe += 1
+        return original(*args, **kwargs)
+
+    futs: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in range(8)]
+    order: list[int] = []
+
+    async def one(i: int) -> int | str:
+        v: int | str
+        try:
+            v = await _binding.wait(futs[i])
+        except ValueError as e:
+            v = str(e)
+        order.append(i)
+        return v
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
+    await asyncio.sleep(0)  # every task waits now
+    loop.call_soon_threadsafe = counting
+    try:
+        def resolve_all() -> None:
+            for i, f in enumerate(futs):
+                if i == 3:
+                    f.set_exception(ValueError("bad pass"))
+                else:
+                    f.set_result(10 * i)
+
+        t = threading.Thread(target=resolve_all)
+        t.start()
+        t.join()
+        got = await asyncio.gather(*tasks)
+    finally:
+        del loop.call_soon_threadsafe
+    assert got == [0, 10, 20, "bad pass", 40, 50, 60, 70]
+    assert order == list(range(8))
+    assert threadsafe == 1
+
+
+async def test_cancelling_a_wait_cancels_the_host_future() -> None:
+    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+    task = asyncio.ensure_future(_binding.wait(fut))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fut.cancelled()  # as with wrap_future: the host drops the waiter
+    fut2: concurrent.futures.Future[int] = concurrent.futures.Future()
+    task2 = asyncio.ensure_future(_binding.wait(fut2))
+    await asyncio.sleep(0)
+    threading.Thread(target=fut2.cancel).start()  # the host cancels: the wait raises CancelledError
+    with pytest.raises(asyncio.CancelledError):
+        await task2
+
+
+def test_a_finished_loop_is_not_kept_alive_by_its_waker() -> None:
+    import gc
+    import weakref
+
+    loop = asyncio.new_event_loop()
+    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+    threading.Timer(0.01, fut.set_result, args=(3,)).start()
+    assert loop.run_until_complete(_binding.wait(fut)) == 3
+    loop.close()
+    ref = weakref.ref(loop)
+    del loop, fut  # (the host future's callbacks hold the loop's future, as wrap_future's do)
+    gc.collect()
+    assert ref() is None
