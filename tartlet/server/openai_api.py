@@ -277,6 +277,7 @@ class OpenAiRoutes:
         the fork) become chunks of choice ``instance * n + i``."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets: dict[int, int] = {}
+        head = "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": []})[:-2]  # ... "choices": [
 
         def chunk(
             i: int, delta: str | None, finish: str | None = None, role: bool = False, logprobs: Any = None, extra: dict[str, Any] | None = None,
@@ -288,42 +289,34 @@ class OpenAiRoutes:
                 choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
-            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            return f"data: {json.dumps(body)}\n\n"
+            return f"{head}{json.dumps(choice)}]}}\n\n"  # = "data: " + json.dumps(body with choices [choice])
 
         try:
             if chat:
-                for i in range(len(insts) * n):
-                    yield chunk(i, None, role=True)
+                yield "".join(chunk(i, None, role=True) for i in range(len(insts) * n))
             open_ = len(insts)
             usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
             while open_:
-                i, msg = await queue.get()
-                if msg is not None:
-                    m = json.loads(msg)
-                    idx = i * n + int(m.get("i", 0))
-                    if "finish_reason" in m:
-                        yield chunk(idx, None, _FINISH.get(m["finish_reason"], "stop"))
+                # every message waiting goes out in one write: fewer socket sends when the streams lag behind
+                got = [await queue.get()]
+                while not queue.empty():
+                    got.append(queue.get_nowait())
+                out: list[str] = []
+                for i, msg in got:
+                    if msg is not None:
+                        out.append(self._frame(msg, i, n, chat, offsets, chunk))
                         continue
-                    if "reasoning" in m:
-                        yield chunk(idx, None, extra={"reasoning_content": m["reasoning"]})
-                        continue
-                    if "tool_call" in m:
-                        yield chunk(idx, None, extra={"tool_calls": [tool_call_delta(m["tool_call"])]})
-                        continue
-                    entries = m.get("logprobs")
-                    lp = format_logprobs(entries, chat, offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + sum(len(e["token"]) for e in entries or ())
-                    yield chunk(idx, m.get("text") or "", logprobs=lp)
-                    continue
-                open_ -= 1
-                inst = insts[i]
-                await inst.wait()
-                if inst.status is not Status.FINISHED:
-                    yield f"data: {json.dumps(generation_error(inst).body())}\n\n"
-                    return
-                for k, v in _usage(inst.result).items():
-                    usage[k] += v
+                    open_ -= 1
+                    inst = insts[i]
+                    await inst.wait()
+                    if inst.status is not Status.FINISHED:
+                        out.append(f"data: {json.dumps(generation_error(inst).body())}\n\n")
+                        yield "".join(out)
+                        return
+                    for k, v in _usage(inst.result).items():
+                        usage[k] += v
+                if out:
+                    yield "".join(out)
             if include_usage:
                 body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
                 yield f"data: {json.dumps(body)}\n\n"
@@ -332,6 +325,22 @@ class OpenAiRoutes:
             for inst in insts:
                 if not inst.done.is_set():
                     inst.abort("the client disconnected")
+
+    @staticmethod
+    def _frame(msg: str, i: int, n: int, chat: bool, offsets: dict[int, int], chunk: Callable[..., str]) -> str:
+        """The SSE frame of inferlet message ``msg`` of instance ``i`` (see :meth:`_stream`)."""
+        m = json.loads(msg)
+        idx = i * n + int(m.get("i", 0))
+        if "finish_reason" in m:
+            return chunk(idx, None, _FINISH.get(m["finish_reason"], "stop"))
+        if "reasoning" in m:
+            return chunk(idx, None, extra={"reasoning_content": m["reasoning"]})
+        if "tool_call" in m:
+            return chunk(idx, None, extra={"tool_calls": [tool_call_delta(m["tool_call"])]})
+        entries = m.get("logprobs")
+        lp = format_logprobs(entries, chat, offsets.get(idx, 0))
+        offsets[idx] = offsets.get(idx, 0) + sum(len(e["token"]) for e in entries or ())
+        return chunk(idx, m.get("text") or "", logprobs=lp)
 
 
 async def wait_disconnect(request: Request) -> None:
