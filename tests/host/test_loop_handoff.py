@@ -146,10 +146,12 @@ def test_a_finished_loop_is_not_kept_alive_by_its_waker() -> None:
 
     loop = asyncio.new_event_loop()
     fut: concurrent.futures.Future[int] = concurrent.futures.Future()
-    threading.Timer(0.01, fut.set_result, args=(3,)).start()
+    timer = threading.Timer(0.01, fut.set_result, args=(3,))
+    timer.start()
     assert loop.run_until_complete(_binding.wait(fut)) == 3
     loop.close()
+    timer.join()  # its thread holds fut (and so the loop's future) until it ends
     ref = weakref.ref(loop)
-    del loop, fut  # (the host future's callbacks hold the loop's future, as wrap_future's do)
+    del loop, fut, timer  # (the host future's callbacks hold the loop's future, as wrap_future's do)
     gc.collect()
     assert ref() is None
