@@ -85,7 +85,9 @@ class EngineConfig:
             ``auto``: 16 bits into the projections fed by an RMSNorm (QKV,
             gate/up, head), 8 bits into the output and down projections
             (keeps that answer; logits move ~1.0 vs 0.01); see
-            :mod:`tartlet.engine.models.llama`.
+            :mod:`tartlet.engine.models.llama`. All three keep the NLL
+            within 0.5% of float32 on SmolLM2 and Gemma-3-270M
+            (``benchmarks/bench_accuracy.py``, docs/benchmarks.md).
         matmul_dtype: with quantized weights, the precision of the float
             GEMM that calls of 8+ rows (prompts, decode batches) take on
             AVX-512: ``float32`` (default), or ``bfloat16`` (products ~1.8x
