@@ -46,7 +46,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import llamacpp  # noqa: E402
 from bench_vs_llamacpp import WORDS, model_id  # noqa: E402
-from common import ROOT, report  # noqa: E402
+from common import ROOT, exit_on_signals, model_file, report  # noqa: E402
 
 MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -232,15 +231,11 @@ def main() -> None:
     a.concurrency = [int(x) for x in str(a.concurrency).split(",")]
     a.adapters_list = [int(x) for x in str(a.adapters).split(",") if x.strip()]
     targets = [t for t in a.targets.split(",") if t]
-    if a.model is None:
-        from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
-
-        a.model = str(resolve(DEFAULT_MODEL))
-    model = Path(a.model).resolve()
+    model = model_file(a.model)
+    a.model = str(model)
     work = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="bench-adapters-"))
     work.mkdir(parents=True, exist_ok=True)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+    exit_on_signals()
     n_ad = max([1, *a.adapters_list])
     made = make_adapters(model, n_ad, a.rank, targets, work)
     procs: list[subprocess.Popen] = []

@@ -54,7 +54,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, report  # noqa: E402
+from common import ROOT, exit_on_signals, report  # noqa: E402
 
 PROMPT, NEW = 32, 64
 SHARD_BYTES = 2 << 30  # safetensors shard size (each moved to the CPU and written on its own)
@@ -252,9 +251,7 @@ def main() -> None:
     pool = ProcessPoolExecutor(max_workers=a.clients, mp_context=get_context("spawn"))
     for _ in range(a.clients):
         pool.submit(_ready)  # spawns the workers now: they import while the model is written
-    # exit cleanly (and so stop the server) on SIGTERM / SIGHUP too
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+    exit_on_signals()  # so the server is stopped on SIGTERM / SIGHUP too
     proc: subprocess.Popen[bytes] | None = None
     eng: Any = None
     workdir = Path(tempfile.mkdtemp(prefix="bench-gpu-serve-"))

@@ -56,7 +56,6 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llamacpp  # noqa: E402
-from common import ROOT, report  # noqa: E402
+from common import ROOT, exit_on_signals, model_file, report  # noqa: E402
 
 SIDES = ("tartlet", "llama")
 WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
@@ -317,17 +316,12 @@ def main() -> None:
         for name, p in bins.items():
             print(f"{name}: {p}")
         return
-    if a.model is None:
-        from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
-
-        a.model = str(resolve(DEFAULT_MODEL))
-    model = Path(a.model).resolve()
+    model = model_file(a.model)
+    a.model = str(model)
     logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
     logs.mkdir(parents=True, exist_ok=True)
 
-    # exit cleanly (and so kill the servers) on SIGTERM / SIGHUP too, not only on Ctrl-C
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+    exit_on_signals()  # so the servers are killed on SIGTERM / SIGHUP too
     procs: list[subprocess.Popen] = []
     try:
         ctx = max(640, a.prompt_tokens + a.tokens + 64, 2 * (a.tokens + 64))

@@ -166,6 +166,25 @@ def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int)
     return statistics.median(a), statistics.median(b), statistics.median(y / x for x, y in pairs)
 
 
+def model_file(name_or_path: str | None) -> Path:
+    """The GGUF file of ``--model``: a path as given, or the default model
+    (fetched by the model store) when None."""
+    if name_or_path is None:
+        from tartlet.engine.loading.model_store import DEFAULT_MODEL, resolve
+
+        return Path(resolve(DEFAULT_MODEL)).resolve()
+    return Path(name_or_path).resolve()
+
+
+def exit_on_signals() -> None:
+    """Exit cleanly on SIGTERM / SIGHUP too, not only on Ctrl-C, so a
+    benchmark's ``finally`` stops the servers it started."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+
+
 def report(title: str, columns: list[str], rows: list[list[Any]], payload: dict[str, Any] | None) -> None:
     """Print a fixed-width table, then ``JSON: {...}`` on one line (none
     when ``payload`` is None: a later table carries it)."""
