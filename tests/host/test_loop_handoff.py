@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,18 +16,27 @@ from tartlet.sdk import _binding
 from tartlet.server.service import post
 
 
-async def test_post_keeps_order_and_skips_the_self_pipe_on_the_loop_thread() -> None:
-    loop = asyncio.get_running_loop()
-    threadsafe = 0
+@contextlib.contextmanager
+def counting_threadsafe(loop: asyncio.AbstractEventLoop) -> Iterator[list[int]]:
+    """Count ``loop.call_soon_threadsafe`` calls (writes to its self-pipe)
+    made inside the block; the count is the yielded list's one element."""
+    count = [0]
     original = loop.call_soon_threadsafe
 
     def counting(*args, **kwargs):
-        nonlocal threadsafe
-        threadsafe += 1
+        count[0] += 1
         return original(*args, **kwargs)
 
-    loop.call_soon_threadsafe = counting
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
     try:
+        yield count
+    finally:
+        del loop.call_soon_threadsafe
+
+
+async def test_post_keeps_order_and_skips_the_self_pipe_on_the_loop_thread() -> None:
+    loop = asyncio.get_running_loop()
+    with counting_threadsafe(loop) as threadsafe:
         seen: list[str] = []
         post(loop, seen.append, "a")  # the loop's thread: call_soon
         t = threading.Thread(target=post, args=(loop, seen.append, "b"))  # another thread: call_soon_threadsafe
@@ -36,9 +47,7 @@ async def test_post_keeps_order_and_skips_the_self_pipe_on_the_loop_thread() -> 
         for _ in range(3):
             await asyncio.sleep(0)
         assert seen == ["a", "b", "c"]  # one FIFO whichever way they came
-        assert threadsafe == 1
-    finally:
-        del loop.call_soon_threadsafe
+        assert threadsafe[0] == 1
 
 
 async def test_wait_reads_a_resolved_future_and_awaits_a_pending_one() -> None:
@@ -82,14 +91,6 @@ async def test_wait_wakes_the_loop_once_for_futures_resolved_together() -> None:
     token streams) settle through one ``call_soon_threadsafe``, in the
     order they were resolved, each with its own result or error."""
     loop = asyncio.get_running_loop()
-    threadsafe = 0
-    original = loop.call_soon_threadsafe
-
-    def counting(*args, **kwargs):
-        nonlocal threadsafe
-        threadsafe += 1
-        return original(*args, **kwargs)
-
     futs: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in range(8)]
     order: list[int] = []
 
@@ -104,8 +105,7 @@ async def test_wait_wakes_the_loop_once_for_futures_resolved_together() -> None:
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
     await asyncio.sleep(0)  # every task waits now
-    loop.call_soon_threadsafe = counting
-    try:
+    with counting_threadsafe(loop) as threadsafe:
         def resolve_all() -> None:
             for i, f in enumerate(futs):
                 if i == 3:
@@ -117,11 +117,9 @@ async def test_wait_wakes_the_loop_once_for_futures_resolved_together() -> None:
         t.start()
         t.join()
         got = await asyncio.gather(*tasks)
-    finally:
-        del loop.call_soon_threadsafe
     assert got == [0, 10, 20, "bad pass", 40, 50, 60, 70]
     assert order == list(range(8))
-    assert threadsafe == 1
+    assert threadsafe[0] == 1
 
 
 async def test_cancelling_a_wait_cancels_the_host_future() -> None:
