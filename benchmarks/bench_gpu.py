@@ -174,7 +174,7 @@ def hf_generate(model: Any, prompts: list[list[int]], new: int) -> float:
 def set_overlap(eng: Any, on: bool) -> None:
     """Turn the engine's overlap scheduling on or off (between runs, while
     it is idle: the scheduler reads the flag each round)."""
-    eng.scheduler.overlap = eng.scheduler.runner.feeds = on
+    eng.scheduler.overlap = on
 
 
 def copy_bandwidth() -> float:

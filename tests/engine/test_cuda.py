@@ -321,7 +321,7 @@ def test_overlap_scheduling_matches_the_synchronous_loop_on_cuda(tmp_path):
     got = {}
     for overlap in (True, False):
         eng = engine(path, "float32")
-        eng.scheduler.overlap = eng.scheduler.runner.feeds = overlap
+        eng.scheduler.overlap = overlap
         try:
             subs = [chain(eng, p, lambda n, t, m=m: n < m) for p, m in zip(prompts, lengths)]
             for f, _, _ in subs:

@@ -125,8 +125,4 @@ def settle(req: ForwardRequest, again: list[ForwardRequest]) -> None:
         la.then, la.future = req.then, req.future
         return
     drop(la)
-    try:
-        req.rearm(tokens, outputs)
-        again.append(req)
-    except BaseException as e:  # reported to the submitter
-        req.future.set_exception(e)
+    req.continue_with(nxt, again)

@@ -97,7 +97,8 @@ class ModelRunner:
         self.fused = FusedDecoder.build(model) if kern is not None else None
         self.sampler = SlotSampler(model.config.vocab_size, kern.argmax_rows if kern is not None else None,
                                    kern.argmax_masked if kern is not None else None)
-        #: give plain greedy launches a :attr:`Launch.feed` on a CPU too (on a GPU they always have one)
+        #: overlap scheduling is on (``Scheduler.overlap``): plain greedy launches get a
+        #: :attr:`Launch.feed` on a CPU too (on a GPU they always have one)
         self.feeds = False
         # sliding-window models need each group's token indexes (AttentionGroup.q_index/kv_index)
         self._indexes = getattr(model.config, "sliding_window", None) is not None
@@ -177,16 +178,18 @@ class ModelRunner:
             launch.tokens = launch.host.tolist()
         if batch.probe is not None:  # the attention probe's weights into each request's scores
             batch.probe.collect([it.req.probe_acc for it in items])
-        history = _history(items)  # read only by slots with a DRY penalty (the sampler finds them)
-        if launch.tokens is not None:
-            results: list[object] = list(launch.tokens)
-        elif batch.hidden is None:
-            results = self.sampler.run(logits, slots, history) if slots else []
-        else:  # hidden-state slots take their rows of the capture, the others the logits rows
-            on_logits = [s for s in slots if not isinstance(s.spec, HiddenSpec)]
-            sampled = iter(self.sampler.run(logits, on_logits, history) if on_logits else [])
-            hidden = iter(batch.hidden.results())
-            results = [next(hidden) if isinstance(s.spec, HiddenSpec) else next(sampled) for s in slots]
+        results: list[object]
+        if launch.tokens is not None:  # sampled at launch (every slot plain greedy)
+            results = list(launch.tokens)
+        else:
+            history = _history(items)  # read only by slots with a DRY penalty (the sampler finds them)
+            if batch.hidden is None:
+                results = self.sampler.run(logits, slots, history) if slots else []
+            else:  # hidden-state slots take their rows of the capture, the others the logits rows
+                on_logits = [s for s in slots if not isinstance(s.spec, HiddenSpec)]
+                sampled = iter(self.sampler.run(logits, on_logits, history) if on_logits else [])
+                hidden = iter(batch.hidden.results())
+                results = [next(hidden) if isinstance(s.spec, HiddenSpec) else next(sampled) for s in slots]
         st = self.stats
         st.model_calls += 1
         st.forward_seconds += time.perf_counter() - launch.t0

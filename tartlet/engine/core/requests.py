@@ -118,8 +118,18 @@ class ForwardRequest:
         assert self.then is not None  # called for requests with a continuation
         try:
             nxt = self.then(self.results)
-            if nxt is None:
-                return False
+        except BaseException as e:  # reported to the submitter
+            self.future.set_exception(e)
+            return True
+        return self.continue_with(nxt, again)
+
+    def continue_with(self, nxt: tuple[list[int], list[OutputSlot]] | None, again: list["ForwardRequest"]) -> bool:
+        """What :meth:`continue_into` does once the continuation returned
+        ``nxt``: re-arm with it into ``again`` (a malformed pass fails the
+        future), or False for ``None``."""
+        if nxt is None:
+            return False
+        try:
             self.rearm(*nxt)
             again.append(self)
         except BaseException as e:  # reported to the submitter

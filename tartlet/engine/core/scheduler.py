@@ -98,7 +98,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         #: runs each batch (graph / fused C / op by op: model_runner.py)
         self.runner = ModelRunner(model, pool, self.stats, graphs)
-        self.overlap = overlap
         self.runner.feeds = overlap
         #: sequences of the launch in flight (overlap): other passes on them wait for it
         self._inflight: set[int] = set()
@@ -109,6 +108,17 @@ class Scheduler:
         self._expected: set[int] = set()
         self._running = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def overlap(self) -> bool:
+        """Overlap scheduling (:mod:`.lookahead`): the model runner's
+        device-side tokens are what lookaheads feed on, so this is its flag;
+        set it while the engine is idle (the loop reads it each round)."""
+        return self.runner.feeds
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.runner.feeds = on
 
     # -- submission (any thread) -------------------------------------------
     def submit(self, req: ForwardRequest) -> Future[list[object]]:
