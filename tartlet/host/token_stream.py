@@ -58,7 +58,9 @@ class TokenStream:
             if closer is not None:
                 self._buf = []
         _resolve(give)
-        if closer is not None:
+        # the closer is cancelled when its inferlet went away meanwhile (an
+        # abort while it awaited the close): nobody takes the rest then
+        if closer is not None and closer.set_running_or_notify_cancel():
             closer.set_result(rest)
 
     def _take_waiter(self) -> tuple[Future[list[int]], list[int] | BaseException] | None:

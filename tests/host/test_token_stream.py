@@ -109,6 +109,18 @@ def test_close_resolves_a_pending_next_and_after_the_end_returns_the_rest():
     assert t.close().result(timeout=1) == [9]
 
 
+def test_the_end_after_a_cancelled_close_raises_nothing():
+    # the inferlet was aborted while it awaited stream_close: the scheduler's
+    # end of the generation must not fail on the cancelled future (it did,
+    # as an InvalidStateError traceback in the server log)
+    s = TokenStream()
+    s.push(1)
+    closed = s.close()
+    assert closed.cancel()
+    s.end(None)
+    assert closed.cancelled()
+
+
 def test_a_cancelled_waiter_loses_no_token():
     s = TokenStream()
     fut = s.next()
