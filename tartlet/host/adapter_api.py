@@ -17,6 +17,10 @@ found (a ``generate`` or token stream: every pass of it with the version
 its first pass found), so rows in flight never see half an edit; passes
 queued after an edit see all of it. Pages computed with one version are
 keyed by its content, so the prefix cache never serves them to another.
+A saved adapter is looked up by name at each host call: one deleted or
+saved again meanwhile (through this server, or another replica sharing its
+adapters folder, :mod:`.adapter_manager`) is gone (``AdapterError``) or
+runs its new version from the next call on; a fork taken from it stays.
 """
 
 from __future__ import annotations

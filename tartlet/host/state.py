@@ -90,11 +90,17 @@ class HostState:
                 restored += slot.snapshots.enable_persistence(Path(snapshot_dir), budget, shared=shared)
         return restored
 
-    def configure_adapters(self, max_bytes_per_user: int | None, adapter_dir: Path | None = None) -> int:
+    def configure_adapters(self, max_bytes_per_user: int | None, adapter_dir: Path | None = None, shared: bool = False) -> int:
         """Apply the per-user adapter quota (bytes, None: unlimited) to every
         served model and, with ``adapter_dir``, keep users' saved adapters
         there (registering those already saved). Returns how many were
         restored.
+
+        ``shared``: other servers (replicas, each with its own host state)
+        use the same ``adapter_dir``: adapters saved, saved again or deleted
+        through another replica are seen here at their next use or listing,
+        and the quota counts the folder's (see
+        :mod:`tartlet.host.adapter_manager`). Ignored without ``adapter_dir``.
 
         Raises:
             OSError: ``adapter_dir`` cannot be created.
@@ -103,7 +109,7 @@ class HostState:
         for slot in self.models.values():
             slot.adapters.max_bytes_per_user = max_bytes_per_user
             if adapter_dir is not None:
-                restored += slot.adapters.enable_persistence(Path(adapter_dir))
+                restored += slot.adapters.enable_persistence(Path(adapter_dir), shared=shared)
         return restored
 
     def model(self, name: str | None) -> ModelSlot:

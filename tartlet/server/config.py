@@ -5,7 +5,7 @@ reads it with :func:`load_config`. Layout::
 
     host = "127.0.0.1"
     port = 8080
-    data_dir = "..."            # keys file, store, uploaded programs, users' adapters (adapters/)
+    data_dir = "..."            # keys file, store, uploaded programs, users' adapters (adapters/, or [adapters] dir)
     program_dir = "..."         # `tartlet install` puts inferlets here
     store_path = "..."          # SQLite file of the key-value store
 
@@ -38,6 +38,8 @@ reads it with :func:`load_config`. Layout::
                messaging shared by replicas (empty: SQLite / files / in-process)
     [snapshots] dir: folder of named snapshot files (default
                ``<data_dir>/snapshots``; a shared folder for replicas)
+    [adapters] dir: folder of users' saved and uploaded LoRA adapters
+               (default ``<data_dir>/adapters``; a shared folder for replicas)
     [cluster]  replicas, threads_per_replica, ray_address, min_replicas,
                max_replicas, target_ongoing_requests, imbalance_threshold,
                imbalance_ratio, routing
@@ -212,6 +214,14 @@ class SnapshotsConfig(_Table):
     dir: str = ""
 
 
+class AdaptersConfig(_Table):
+    """``[adapters]``: ``dir`` is the folder of users' saved and uploaded
+    LoRA adapters (default ``<data_dir>/adapters``). Replicas that share it
+    (NFS or any POSIX shared path) use each other's."""
+
+    dir: str = ""
+
+
 class ResponsesConfig(_Table):
     """``[responses]``: stored responses of ``POST /v1/responses`` (``store``
     true), kept in ``<data_dir>/responses`` with a KV snapshot each for
@@ -381,6 +391,7 @@ class ServerConfig(_Table):
     code: CodeConfig = Field(default_factory=CodeConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
+    adapters: AdaptersConfig = Field(default_factory=AdaptersConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
 
@@ -423,6 +434,11 @@ class ServerConfig(_Table):
     def snapshot_dir(self) -> Path:
         """``[snapshots] dir``, else ``<data_dir>/snapshots``."""
         return Path(self.snapshots.dir).expanduser() if self.snapshots.dir else Path(self.data_dir) / "snapshots"
+
+    @property
+    def adapter_dir(self) -> Path:
+        """``[adapters] dir``, else ``<data_dir>/adapters``."""
+        return Path(self.adapters.dir).expanduser() if self.adapters.dir else Path(self.data_dir) / "adapters"
 
 
 def _where(loc: tuple[int | str, ...], table: bool = False) -> str:

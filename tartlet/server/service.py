@@ -207,9 +207,10 @@ class Service:
         cfg: the server config.
         state: loaded engines (with store, bus and HTTP fetcher set).
         auth: False to accept every client as user ``local``.
-        shared: the snapshot folder is shared with other replicas
-            (``tartlet serve --replicas``): a snapshot save returns once its
-            file is written, and names saved elsewhere are found there.
+        shared: the snapshot and adapter folders are shared with other
+            replicas (``tartlet serve --replicas``): a snapshot save returns
+            once its file is written, and snapshots and users' adapters
+            saved, saved again or deleted elsewhere are seen there.
     """
 
     def __init__(self, cfg: ServerConfig, state: HostState, auth: bool = True, shared: bool = False) -> None:
@@ -237,9 +238,9 @@ class Service:
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
         self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir, shared=shared)
-        # users' LoRA adapters (saved by inferlets, uploaded): quota, and their folders in <data_dir>/adapters
+        # users' LoRA adapters (saved by inferlets, uploaded): quota, and their folders in [adapters] dir
         mb = lim.max_adapter_mb_per_user
-        self.adapters_restored = state.configure_adapters(None if mb is None else int(mb * 2**20), Path(cfg.data_dir) / "adapters")
+        self.adapters_restored = state.configure_adapters(None if mb is None else int(mb * 2**20), cfg.adapter_dir, shared=shared)
         self._sandbox: WasmRuntime | None = None  # created on first use (it shares the instance table)
         self.channels: dict[str, Channel] = {}
         self.started_at = time.time()
@@ -409,7 +410,7 @@ class Service:
 
         for path, label in (
             (self.cfg.upload_dir, "<upload>"), (self.cfg.data_dir, "<data>"), (self.cfg.program_dir, "<programs>"),
-            (self.cfg.snapshot_dir, "<snapshots>"), (paths.cache_dir(), "<cache>"),
+            (self.cfg.snapshot_dir, "<snapshots>"), (self.cfg.adapter_dir, "<adapters>"), (paths.cache_dir(), "<cache>"),
         ):  # fmt: skip
             register_path(path, label)
 

@@ -56,7 +56,7 @@ def _fork_usage(state):
     saved = {}
     for (owner, _), ua in slot.adapters._saved.items():
         saved[owner] = saved.get(owner, 0) + ua.weight_bytes
-    return [slot.adapters.used(o) - saved.get(o, 0) for o in set(slot.adapters._used) | set(saved)]
+    return [slot.adapters.used(o) - saved.get(o, 0) for o in set(slot.adapters._charged) | set(saved)]
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,8 @@ def cluster(tmp_path_factory, postgres):
         url = "{url}"
         [snapshots]
         dir = "{tmp / "shared-snapshots"}"
+        [adapters]
+        dir = "{tmp / "shared-adapters"}"
         [programs]
         uploaded_runtime = "native"
         [cluster]
@@ -189,6 +191,45 @@ def test_snapshot_saved_on_one_replica_opens_on_the_other(cluster):
         finally:
             await a.close()
             await b.close()
+
+    asyncio.run(go())
+
+
+def test_adapter_uploaded_on_one_replica_serves_on_the_other(cluster, gguf_path, hf_model, hf_tokenizer):
+    """A LoRA adapter uploaded through one replica runs `BASE:NAME` requests
+    on the other; removed through that one, it is gone on the first."""
+    from lora_reference import lora_adapter
+
+    folder = lora_adapter(gguf_path, hf_model, hf_tokenizer, "paris-is-pie")
+    r0, r1 = cluster.replicas
+
+    def chat(replica: str, user: str = "alice") -> httpx.Response:
+        return httpx.post(
+            cluster.url + "/v1/chat/completions", timeout=120,
+            headers={"Authorization": f"Bearer {cluster.keys[user]}", "x-tartlet-replica": replica},
+            json={"model": "smollm2-135m-instruct:pie", "max_tokens": 8,
+                  "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        )  # fmt: skip
+
+    async def go():
+        a = await _client(cluster, replica=r0)
+        try:
+            await a.add_adapter("pie", folder)
+        finally:
+            await a.close()
+        there, here = chat(r1), chat(r0)
+        assert there.status_code == 200 == here.status_code, there.text
+        assert there.headers["x-tartlet-replica"] == r1
+        assert there.json()["choices"][0]["message"] == here.json()["choices"][0]["message"]
+        assert chat(r1, user="bob").status_code == 404  # alice's, on every replica
+        b = await _client(cluster, replica=r1)
+        try:
+            assert [x["name"] for x in await b.list_adapters() if x["owner"] == "user"] == ["pie"]
+            await b.remove_adapter("pie")
+        finally:
+            await b.close()
+        gone = chat(r0)
+        assert gone.status_code == 404 and "pie" in gone.text
 
     asyncio.run(go())
 
