@@ -33,8 +33,9 @@ class KvLimits:
         max_contexts_per_instance: contexts one instance may have open (each
             costs host memory even when it shares all its pages).
         max_snapshot_disk_mb_per_user: disk MiB of one user's persisted
-            snapshots, per model; past it the least recently used files are
-            deleted.
+            snapshots (their files and page files, a shared page file
+            counted once), per model; past it the least recently used
+            snapshot files are deleted.
     """
 
     max_pages_per_user: int | None = None

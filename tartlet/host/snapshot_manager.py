@@ -10,9 +10,11 @@ a time (a snapshot's pages are immutable while it holds them), so a storm of
 saves queues references, not copies of the KV; a snapshot deleted or taken
 before its turn is skipped,
 and at start the files on disk are registered again *on disk only*: their
-pages are loaded into the pool on first open or take. Page edits all run as
-scheduler commands, ordered after the forward passes of the sequences they
-touch.
+pages are loaded into the pool on first open or take. Files share page files
+(:mod:`tartlet.host.snapshot_pages`): a write stores only pages not stored
+yet, and the page files no file names any more are swept on the writer
+thread. Page edits all run as scheduler commands, ordered after the forward
+passes of the sequences they touch.
 
 Replicas sharing one folder (``enable_persistence(..., shared=True)``):
 several servers, each with its own engine and manager, persist to the same
@@ -60,6 +62,10 @@ from ..engine.core.sequence import Sequence
 from ..sdk.errors import SnapshotError
 from .fair_gate import FairGate
 from .kv_quotas import KvAccounts
+from .snapshot_pages import SHARED_GRACE_S, over_budget
+from .snapshot_pages import file_size as _size
+from .snapshot_pages import install as _install
+from .snapshot_pages import partial_tail as _partial
 from .snapshot_store import FileStamp, SnapshotFile, SnapshotStore, file_stamp
 from .snapshots import Snapshot, SnapshotRegistry, check_name
 
@@ -93,6 +99,8 @@ class SnapshotManager:
         self._sync_lock = threading.Lock()
         #: shared mode: user folder -> (its mtime ns, {file: stamp}) at the last listing
         self._listed: dict[Path, tuple[int, dict[Path, FileStamp]]] = {}
+        #: user folder -> ``time.monotonic()`` of its last page-file sweep
+        self._swept: dict[Path, float] = {}
 
     # -- persistence -------------------------------------------------------------------
     def enable_persistence(self, root: Path, budget_bytes: int | None = None, shared: bool = False) -> int:
@@ -118,11 +126,14 @@ class SnapshotManager:
         n = 0
         for f, path, mtime in self.store.scan(tmp_age_s=_SHARED_TMP_AGE_S if shared else 0.0):
             try:
-                snap = Snapshot(f.owner, f.name, f.tokens, None, path, mtime, sha256=f.sha256, stamp=f.stamp)
+                snap = Snapshot(f.owner, f.name, f.tokens, None, path, mtime, sha256=f.sha256, stamp=f.stamp, blobs=tuple(f.blobs or ()))
                 self.registry.add(snap, enforce_limit=False)
                 n += 1
             except SnapshotError as e:
                 log.warning("skipping snapshot file %s: %s", path, e)
+        for d in self.store.user_dirs():  # page files of saves a crash cut short
+            self.store.sweep(d, SHARED_GRACE_S if shared else 0.0)
+            self._swept[d] = time.monotonic()
         return n
 
     def flush(self) -> None:
@@ -139,6 +150,8 @@ class SnapshotManager:
             self._wait_pending()
             self._writer.shutdown(wait=True)
             self._writer = None
+        if self.store is not None:
+            self.store.pages.close()
 
     def _wait_pending(self, timeout_s: float = 120.0) -> None:
         with self._pending_lock:
@@ -350,7 +363,7 @@ class SnapshotManager:
             raise SnapshotError(f"no snapshot named {name!r}")
         head, path = found
         mtime = head.stamp[2] / 1e9 if head.stamp is not None else time.time()
-        snap = Snapshot(head.owner, head.name, head.tokens, None, path, mtime, sha256=head.sha256, stamp=head.stamp)
+        snap = Snapshot(head.owner, head.name, head.tokens, None, path, mtime, sha256=head.sha256, stamp=head.stamp, blobs=tuple(head.blobs or ()))
         try:
             self.registry.add(snap, enforce_limit=False)
         except SnapshotError:  # registered meanwhile (another thread, or a save here)
@@ -428,7 +441,8 @@ class SnapshotManager:
                         self.registry.get(head.owner, head.name)
                     except SnapshotError:
                         mtime_s = head.stamp[2] / 1e9 if head.stamp is not None else time.time()
-                        snap = Snapshot(head.owner, head.name, head.tokens, None, path, mtime_s, sha256=head.sha256, stamp=head.stamp)
+                        snap = Snapshot(head.owner, head.name, head.tokens, None, path, mtime_s, sha256=head.sha256, stamp=head.stamp,
+                                        blobs=tuple(head.blobs or ()))
                         try:
                             self.registry.add(snap, enforce_limit=False)
                         except SnapshotError:
@@ -473,7 +487,7 @@ class SnapshotManager:
                 raise
             if data.sha256 != snap.sha256:  # saved again since its header was read: the file is whole, take all of it
                 snap.tokens, snap.sha256 = list(data.tokens), data.sha256
-            snap.stamp = data.stamp
+            snap.stamp, snap.blobs = data.stamp, tuple(data.blobs or ())
             acc = self.accounts.snapshots(snap.owner)
             n = sum(data.live)
             acc.check(fresh=n)
@@ -483,7 +497,11 @@ class SnapshotManager:
 
         def install() -> None:
             try:
-                _install(seq, data)
+                pages = _install(seq, data)
+                if data.blobs is not None and self.store is not None:  # a later save holding these pages names their files
+                    full, held = len(pages) - _partial(len(data.tokens), data.live, self.engine.pool.page_size), set(seq.pages)
+                    kept = [(p, b) for j, (p, b) in enumerate(zip(pages, data.blobs)) if j < full and p in held]
+                    self.store.pages.remember([p for p, _ in kept], self.engine.pool.generations([p for p, _ in kept]), [b for _, b in kept])
             except BaseException as e:
                 seq.free(f"snapshot {snap.name!r} could not be loaded: {e}")
                 with snap.lock:
@@ -494,21 +512,29 @@ class SnapshotManager:
         self.commands.command(install, seq)
         return seq
 
-    def _gather(self, snap: Snapshot, seq: Sequence) -> SnapshotFile:
-        """Copy the KV of ``seq``'s live pages out of the pool (writer
-        thread: the pages are immutable while the snapshot holds them; if it
-        is taken or deleted meanwhile, what was read is discarded)."""
+    def _gather(self, snap: Snapshot, seq: Sequence) -> tuple[SnapshotFile, list[int], list[int]]:
+        """Store the page files of ``seq``'s live pages (``/2``; ``/1``: copy
+        their KV out of the pool) and describe ``snap``; returns it with the
+        live pages and their generations (writer thread: the pages are
+        immutable while the snapshot holds them; if it is taken or deleted
+        meanwhile, what was read is discarded)."""
+        assert self.store is not None
         pool = seq.pool
         ps = pool.page_size
         pages = seq.pages  # transfer_into replaces the list, never edits it
         live = [p for p in pages if p is not None]
-        rows = (torch.tensor(live, dtype=torch.long)[:, None] * ps + torch.arange(ps)).reshape(-1)
-        return SnapshotFile(
+        f = SnapshotFile(
             owner=snap.owner, name=snap.name, tokens=list(seq.tokens), positions=list(seq.positions),
             # a snapshot with tokens of a LoRA adapter is read back impure: its page keys name the adapter, which the file does not keep
             masked=bytes(seq.masked), live=[int(p is not None) for p in pages], pure=seq.pure and not seq.adapted,
-            k=pool.k[:, rows].cpu(), v=pool.v[:, rows].cpu(),
         )  # fmt: skip
+        if self.store.version == 1:
+            rows = (torch.tensor(live, dtype=torch.long)[:, None] * ps + torch.arange(ps)).reshape(-1)
+            f.k, f.v = pool.k[:, rows].cpu(), pool.v[:, rows].cpu()
+            return f, [], []
+        full = len(live) - _partial(len(f.tokens), f.live, ps)
+        f.blobs, gens = self.store.pages.store(self.store.path_for(snap.owner, snap.name).parent, live, full, len(f.tokens) % ps, self.shared)
+        return f, live[:full], gens[:full]
 
     def _persist(self, snap: Snapshot, seq: Sequence, strict: bool = False) -> None:
         """Write ``snap`` (writer thread). A failed write is logged, or with
@@ -516,21 +542,42 @@ class SnapshotManager:
         assert self.store is not None
         if snap.deleted or seq.freed:
             return  # deleted or taken before its turn
+        store, t0, c0 = self.store, time.perf_counter(), time.thread_time()
+        user_dir = store.path_for(snap.owner, snap.name).parent
         try:
-            f = self._gather(snap, seq)
-            path = self.store.write(f)
+            f, full, gens = self._gather(snap, seq)
+            path = store.write(f)
+            if self.shared and f.blobs:
+                store.pages.check_present(user_dir, [p for p in seq.pages if p is not None], f.blobs, len(full), len(f.tokens) % self.engine.pool.page_size)
         except Exception as e:  # a full disk, or the snapshot taken while it was read
+            self._sweep(user_dir)  # the page files it wrote, unless another snapshot names them
             if not (snap.deleted or seq.freed):
                 if strict:
                     raise
                 log.error("could not write snapshot %r of user %r: %s", snap.name, snap.owner, e)
             return
+        finally:
+            store.pages.stats.write_seconds += time.perf_counter() - t0
+            store.pages.stats.write_cpu_seconds += time.thread_time() - c0
         with self._io_lock:
             if snap.deleted:
-                self.store.delete(path)
+                store.delete(path)
+                self._sweep(user_dir)
                 return
-            snap.path, snap.sha256, snap.stamp = path, f.sha256, f.stamp
+            snap.path, snap.sha256, snap.stamp, snap.blobs = path, f.sha256, f.stamp, tuple(f.blobs or ())
+        if not seq.freed:  # it held the pages all along: they hold what was hashed while their generation stays
+            store.pages.remember(full, gens, list(f.blobs or ())[: len(full)])
         self._enforce_budget(snap.owner, keep=snap)
+        if self.shared and time.monotonic() - self._swept.get(user_dir, 0.0) > SHARED_GRACE_S:
+            self._sweep(user_dir)
+
+    def _sweep(self, user_dir: Path) -> None:
+        """Remove ``user_dir``'s page files no snapshot file names (writer
+        thread; a shared folder's young ones stay, see
+        :mod:`tartlet.host.snapshot_pages`)."""
+        if self.store is not None:
+            self._swept[user_dir] = time.monotonic()
+            self.store.sweep(user_dir, SHARED_GRACE_S if self.shared else 0.0)
 
     def _forget_file(self, snap: Snapshot) -> None:
         with self._io_lock:
@@ -538,6 +585,12 @@ class SnapshotManager:
             path, snap.path = snap.path, None
         if self.store is not None and path is not None:
             self.store.delete(path)
+            writer = self._writer
+            if snap.blobs and writer is not None:  # after the writes queued before it: never under a save in progress
+                try:
+                    writer.submit(self._sweep, path.parent)
+                except RuntimeError:  # closing
+                    pass
 
     def _touch(self, snap: Snapshot) -> None:
         """Mark ``snap`` used now, its file too: the LRU order survives a
@@ -563,60 +616,23 @@ class SnapshotManager:
             os.close(fd)
 
     def _enforce_budget(self, owner: str, keep: Snapshot) -> None:
+        """Delete ``owner``'s least recently used snapshot files (and the
+        page files only they name) until its snapshot and page files fit
+        the disk budget (writer thread)."""
         store = self.store
         if store is None or store.budget_bytes is None:
             return
+        dirs = set()
         with self._io_lock:
-            files = [(s, s.path) for s in self.registry.owned_by(owner) if s.path is not None]
-            sizes = {id(s): _size(p) for s, p in files}
-            total = sum(sizes.values())
-            for s, p in sorted(files, key=lambda sp: sp[0].last_used):
-                if total <= store.budget_bytes:
-                    break
-                if s is keep:
-                    continue
-                total -= sizes[id(s)]
+            files = sorted(((s, s.path) for s in self.registry.owned_by(owner) if s.path is not None), key=lambda sp: sp[0].last_used)
+            paths = {id(s): p for s, p in files}
+            drop = over_budget([(s, _size(p), s.blobs) for s, p in files], store.pages.page_bytes, store.budget_bytes, keep)
+            for s in drop:
                 s.path = None
-                store.delete(p)
+                store.delete(paths[id(s)])
+                dirs.add(paths[id(s)].parent)
                 if s.seq is None:  # on disk only: nothing is left of it
                     self.registry.discard(s)
                 log.info("snapshot %r of user %r dropped from disk (snapshot disk budget)", s.name, owner)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _install(seq: Sequence, data: SnapshotFile) -> None:
-    """Allocate pages for a snapshot read from disk, copy its KV in and fill
-    ``seq`` (scheduler thread). A pure snapshot's full pages also seed the
-    prefix cache.
-
-    Raises:
-        KvQuotaError, KvCacheFullError: no room; nothing is taken.
-    """
-    pool = seq.pool
-    ps = pool.page_size
-    n = sum(data.live)
-    if seq.account is not None:
-        seq.account.check(fresh=n)
-    pages = pool.allocate(n)
-    assert data.k is not None and data.v is not None
-    rows = (torch.tensor(pages, dtype=torch.long)[:, None] * ps + torch.arange(ps)).reshape(-1)
-    pool.k[:, rows.to(pool.k.device)] = data.k.to(pool.k.device, pool.k.dtype)
-    pool.v[:, rows.to(pool.v.device)] = data.v.to(pool.v.device, pool.v.dtype)
-    if seq.account is not None:
-        for p in pages:
-            seq.account.hold(p)
-    it = iter(pages)
-    seq.pages = [next(it) if live else None for live in data.live]
-    seq.tokens = list(data.tokens)
-    seq.positions = list(data.positions)
-    seq.masked = bytearray(data.masked)
-    seq.pure = data.pure
-    seq.keys = []
-    seq.commit_full_pages()
-
+        for d in dirs:
+            self._sweep(d)

@@ -52,6 +52,9 @@ class Snapshot:
             same name.
         stamp: ``(inode, size, mtime ns)`` of its file when last checked
             against ``sha256`` (a cheap test that the file did not change).
+        blobs: the page files its ``tartlet-kv-snapshot/2`` file names (hex
+            SHA-256 ids, see :mod:`tartlet.host.snapshot_pages`); empty for
+            a ``/1`` file or none.
     """
 
     owner: str
@@ -66,6 +69,7 @@ class Snapshot:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     sha256: str = ""
     stamp: tuple[int, int, int] | None = None
+    blobs: tuple[str, ...] = ()
 
 
 def check_name(name: object) -> str:

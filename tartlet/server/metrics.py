@@ -83,11 +83,34 @@ class ServerCollector(Collector):
             pool_pages.add_metric([model], st.total)
             pool_bytes.add_metric([model], engine.pool.nbytes())
         yield from (pages, pool_pages, pool_bytes)
+        yield from _snapshot_counters(service)
         yield GaugeMetricFamily("tartlet_running_instances", "Inferlet instances running now.", value=service.running())
         yield CounterMetricFamily("tartlet_instances_launched", "Instances launched by clients and API requests.",
                                   value=service.launched)
         yield CounterMetricFamily("tartlet_limit_refusals", "Launches refused by the per-user instance limit.",
                                   value=service.limit_refusals)
+
+
+#: (metric name without ``_total``, PageWriteStats field, help) of the snapshot store counters.
+_SNAPSHOT_COUNTERS = (
+    ("tartlet_snapshot_bytes_written", "bytes_written", "Bytes of snapshot files and page files written."),
+    ("tartlet_snapshot_pages_written", "pages_written", "Snapshot page files written (pages not on disk yet)."),
+    ("tartlet_snapshot_pages_reused", "pages_reused", "Pages a snapshot save named without reading them (stored before)."),
+    ("tartlet_snapshot_write_seconds", "write_seconds", "Time of the snapshot writer in writes, seconds."),
+    ("tartlet_snapshot_write_cpu_seconds", "write_cpu_seconds", "CPU time of the snapshot writer thread in writes, seconds."),
+)
+
+
+def _snapshot_counters(service: Service) -> Iterator[Metric]:
+    """Counters of each model's snapshot store (:class:`tartlet.host.snapshot_pages.PageWriteStats`);
+    a model without a data dir has none."""
+    stores = [(name, served.snapshots.store) for name, served in service.state.models.items()]
+    for name, field, help_ in _SNAPSHOT_COUNTERS:
+        c = CounterMetricFamily(name, help_, labels=["model"])
+        for model, store in stores:
+            if store is not None:
+                c.add_metric([model], getattr(store.pages.stats, field))
+        yield c
 
 
 def make_registry(service: Service) -> CollectorRegistry:

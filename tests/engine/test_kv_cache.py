@@ -338,3 +338,26 @@ def test_no_leaks_after_a_mixed_workload(pool):
     assert st.used == 0 and st.free + st.cached == 8
     pool.evict_all_cached()
     no_leaks(pool)
+
+
+def test_generation_moves_whenever_a_page_may_be_written_anew(pool):
+    """The snapshot store names a page's file by ``(page, generation)``: the
+    generation moves on allocation and when the only holder writes a page
+    in place, never while others share it."""
+    a = Sequence(pool)
+    fill(a, [1, 2, 3, 4, 5, 6])  # one full page, one partly filled
+    full, tail = a.pages
+    g = pool.generations([full, tail])
+    b = a.fork()  # shares the full page, copies the tail
+    fill(b, [7])
+    assert pool.generations([full]) == g[:1]  # shared and full: never written
+    fill(a, [8])  # a's own tail, written in place
+    assert pool.generations([tail])[0] > g[1]
+    a.truncate(2)  # the full page, still shared with b: a's next write copies it
+    fill(a, [9])
+    assert a.pages[0] != full and pool.generations([full]) == g[:1]
+    b.free()
+    a.free()
+    (again,) = pool.allocate(1)
+    assert pool.generations([again])[0] > 0
+    pool.release(again)

@@ -282,6 +282,55 @@ async def test_a_shared_save_returns_once_its_file_is_on_disk(replicas):
         mgr.shared = True
 
 
+REOPEN_SAVE = """
+from tartlet import Context, Model
+
+async def main(args):
+    model = Model.load()
+    ctx = Context.open(model, args["name"])
+    ctx.save(args["new"])
+    ctx.close()
+"""
+
+
+async def test_replicas_share_page_files_and_a_sweep_spares_young_ones(replicas):
+    """Page files (``tartlet-kv-snapshot/2``) are shared through the folder:
+    B opens A's snapshot (loading its page files) and saves it again under a
+    new name, writing no page file and touching those it names; deleting
+    A's name keeps them, and a deleted snapshot's page files stay while they
+    are younger than the grace period (another replica may be about to name
+    them), then a sweep removes them."""
+    import os
+    import time
+
+    a, b = replicas
+    x, y = _name("pagesx"), _name("pagesy")
+    saved = await a.save(x)
+    folder = a.snapshots.store.path_for("", x).parent
+    pages = folder / "pages"
+    xs = set(a.snapshots.registry.get("", x).blobs)
+    assert xs and {p.stem for p in pages.glob("*.kv")} >= xs
+    old = time.time() - 7200
+    for blob in xs:
+        os.utime(pages / f"{blob}.kv", (old, old))
+    engine = b.state.model(None).engine
+    engine.scheduler.command(engine.pool.evict_all_cached).result(timeout=60)  # B's pages come from the files
+    written = b.snapshots.store.pages.stats.pages_written
+    await b.run(REOPEN_SAVE, {"name": x, "new": y})
+    assert set(b.snapshots.registry.get("", y).blobs) == xs  # the same bytes: the same page files
+    assert b.snapshots.store.pages.stats.pages_written == written
+    assert all(time.time() - (pages / f"{blob}.kv").stat().st_mtime < 600 for blob in xs)  # touched by the save
+    assert (await a.attempt(x, "delete"))["delete"] == "ok"
+    a.snapshots.flush()
+    assert {p.stem for p in pages.glob("*.kv")} >= xs
+    assert (await a.open(y))["gen"] == saved["gen"]
+    assert (await a.attempt(y, "delete"))["delete"] == "ok"
+    a.snapshots.flush()
+    assert {p.stem for p in pages.glob("*.kv")} >= xs  # named by no file, but young: kept
+    a.snapshots.store.sweep(folder, 0.0)
+    assert not {p.stem for p in pages.glob("*.kv")} & xs
+
+
 async def test_close_writes_every_queued_save(loaded_model, tmp_path):
     """A normal shutdown writes what was queued (single-server mode)."""
     from tartlet.engine.core.engine import Engine, EngineConfig

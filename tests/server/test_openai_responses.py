@@ -145,6 +145,43 @@ def test_ignore_eos_generates_exactly_max_output_tokens_across_turns(setup):
     assert e.value.body["param"] == "ignore_eos"
 
 
+def snapshot_counters(setup) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = setup["server"].get("/metrics").text
+    return {fam.name: sum(s.value for s in fam.samples if s.name.endswith("_total"))
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("tartlet_snapshot_")}
+
+
+def test_each_turn_writes_only_its_new_pages_to_disk(setup):
+    """A stored response's snapshot file names the page files of the turns
+    before it (``tartlet-kv-snapshot/2``): a turn writes only the pages of its
+    new tokens (and the previous turn's partly filled last page), so bytes
+    written per turn stay flat while the conversation grows."""
+    import time
+
+    oa = client(setup)
+    prev, pages, held = None, [], []
+    for turn in range(8):
+        before = snapshot_counters(setup)
+        r = oa.responses.create(model=MODEL, input=f"Step {turn}: the tool said {turn * 7}. What next?", max_output_tokens=16,
+                                extra_body={"ignore_eos": True}, **({"previous_response_id": prev} if prev else {}))
+        prev = r.id
+        for _ in range(600):  # the background writer: wait for this turn's snapshot
+            after = snapshot_counters(setup)
+            if after["tartlet_snapshot_write_seconds"] > before.get("tartlet_snapshot_write_seconds", 0):
+                break
+            time.sleep(0.05)
+        pages.append(after["tartlet_snapshot_pages_written"] - before.get("tartlet_snapshot_pages_written", 0))
+        held.append(r.usage.input_tokens + r.usage.output_tokens)
+        if turn:
+            new = held[-1] - held[-2]
+            # the new tokens' pages, plus the previous last page (partly filled, now full) and one of slack for the boundary
+            assert 0 < pages[-1] <= -(-new // 16) + 2, (turn, pages, held)
+            assert after["tartlet_snapshot_pages_reused"] - before["tartlet_snapshot_pages_reused"] >= (held[-2] - 8) // 16 - 1
+    assert held[-1] > 4 * held[0] and max(pages[1:]) <= min(pages[1:]) + 2  # flat, while the conversation grew 4x
+
+
 def test_bad_requests_are_400_naming_the_parameter(setup):
     oa = client(setup)
     for kw, param in [({"input": []}, "input"), ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),

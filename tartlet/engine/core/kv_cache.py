@@ -13,7 +13,10 @@ Life of a page. A page is *free*, *private* (refcount >= 1, being filled by
 exactly one sequence), *committed* (full, immutable, content-addressed and
 possibly shared by many sequences) or *cached* (committed with refcount 0:
 reusable by a later prefix match, evicted least-recently-used when the pool
-runs out of free pages).
+runs out of free pages). Each page also has a *generation*, bumped whenever
+it is allocated or made writable in place, so a full page whose generation
+has not moved since its KV was written still holds that KV
+(:meth:`PagePool.generations`).
 
 Content addressing. A committed page's key is ``blake2b(prev_key || token ids)``
 where ``prev_key`` is the key of the page before it (the empty key for the
@@ -119,6 +122,8 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._by_key: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
+        #: per page, bumped whenever its rows may be written anew (see :meth:`generations`)
+        self._gen = [0] * num_pages
 
     def nbytes(self) -> int:
         """Bytes reserved for keys and values (pages are only resident once written)."""
@@ -151,6 +156,7 @@ class PagePool:
                     del self._by_key[self._key[p]]  # type: ignore[arg-type]  # a cached page has a key
                     self._key[p] = None
                 self._refcount[p] = 1
+                self._gen[p] += 1
                 pages.append(p)
             return pages
 
@@ -218,6 +224,15 @@ class PagePool:
         with self.lock:
             return self._refcount[page] == 1 and self._key[page] is None
 
+    def generations(self, pages: list[int]) -> list[int]:
+        """Each page's generation: a counter bumped whenever the page is
+        allocated or made writable in place (:meth:`make_private` on its only
+        holder), so while a page's generation is unchanged its rows hold
+        what they held when it was read (the snapshot store reuses the file
+        of a page it wrote before by its ``(page, generation)``)."""
+        with self.lock:
+            return [self._gen[p] for p in pages]
+
     def is_committed(self, page: int) -> bool:
         with self.lock:
             return self._key[page] is not None
@@ -260,6 +275,7 @@ class PagePool:
         """
         with self.lock:
             if self._refcount[page] == 1 and self._key[page] is None:
+                self._gen[page] += 1  # written in place from now on
                 return page
             (dst,) = self.allocate(1)
             self.copy_tokens(page, dst, n_tokens)
