@@ -7,20 +7,21 @@ loads into an engine with the same settings, so the cache key includes the
 wasmtime version and this configuration. Compiling an 18 MB Python
 component takes seconds; loading its cached ``.cwasm`` (mmap) takes ms.
 
-Memory. A component compiled in this process leaves its machine code
-(~55 MiB for a componentize-py build) on the heap, and Cranelift's freed
-scratch (~250 MiB more) in malloc's arenas until they are trimmed. So a
-fresh compile is written to the cache, dropped, the heap trimmed
-(``malloc_trim``), and the component loaded back from its ``.cwasm``
-file: file-backed pages (~4 MiB touched), which the kernel may drop and
-reread. The in-memory map of loaded components keeps the
-:data:`MAX_COMPONENTS` most recently loaded from disk (running instances
-keep their own reference; a dropped one loads again from its ``.cwasm``).
+Memory. Compiling a componentize-py build takes ~300 MiB of Cranelift
+scratch and leaves its machine code (~55 MiB) on the heap; in the server
+process, malloc kept tens of MiB of it per compile however the heap was
+trimmed (RSS grew ~15-25 MiB with each new upload over a soak, issue 40).
+So a compile runs in a child process (:func:`_compile`): it writes the
+``.cwasm`` and exits, and the server loads the component from that file
+(mmap: file-backed pages, ~2 MiB of heap per component), which the kernel
+may drop and reread. The in-memory map of loaded components keeps the
+:data:`MAX_COMPONENTS` most recently loaded (running instances keep their
+own reference; a dropped one loads again from its ``.cwasm``).
 
-CPU. A compile (seconds, for one user's new upload) runs on one thread of
-its own at a lower priority (``nice`` +:data:`COMPILE_NICE`; wasmtime's
-parallel compilation off), so the model thread and the event loop, which
-serve every user, go first.
+CPU. A compile (seconds, for one user's new upload) runs at a lower
+priority (``nice`` +:data:`COMPILE_NICE`, wasmtime's parallel compilation
+off: one core), so the model thread and the event loop, which serve every
+user, go first; the calling thread waits for it without holding the GIL.
 
 The epoch ticker is one daemon thread that calls
 ``engine.increment_epoch()`` every :data:`TICK_S` seconds; each store's CPU
@@ -30,11 +31,11 @@ deadline is counted in these ticks.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import hashlib
 import importlib.metadata
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,22 +51,22 @@ from . import wasm_fastcall, wasm_fastlist
 TICK_S = 0.01
 _CONFIG_ID = "epoch_interruption=1;cranelift"
 #: Compiled components kept loaded (the least recently loaded dropped first).
-MAX_COMPONENTS = 64
-#: Niceness of the thread that compiles a component.
+MAX_COMPONENTS = 32
+#: Niceness of the process that compiles a component.
 COMPILE_NICE = 10
+#: Longest a compile may run, seconds (an 18 MB component: ~5-20 s).
+COMPILE_TIMEOUT_S = 600.0
+#: The engine's settings (``wasmtime.Config`` attributes): the server's
+#: engine and the compiling child's must agree, or the ``.cwasm`` does not load.
+ENGINE_SETTINGS = {"epoch_interruption": True, "parallel_compilation": False}
 
 
-def trim_heap() -> bool:
-    """Give the heap's free memory back to the OS (glibc ``malloc_trim(0)``);
-    returns whether it ran (False where the C library has no such call)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
+def make_engine() -> Engine:
+    """A wasmtime engine with :data:`ENGINE_SETTINGS`."""
+    cfg = Config()
+    for key, value in ENGINE_SETTINGS.items():
+        setattr(cfg, key, value)
+    return Engine(cfg)
 
 
 class WasmLoadError(ProgramError):
@@ -79,10 +80,7 @@ class WasmEngine:
     def __init__(self) -> None:
         wasm_fastlist.install()
         wasm_fastcall.install()
-        cfg = Config()
-        cfg.epoch_interruption = True
-        cfg.parallel_compilation = False  # one (lower-priority) thread per compile: see _compile
-        self.engine = Engine(cfg)
+        self.engine = make_engine()
         self._lock = threading.Lock()
         # digest -> component, least recently loaded first; the map of files
         # (path, inode, size, mtime) -> digest, a lookup that skips hashing
@@ -156,49 +154,67 @@ class WasmEngine:
                 return Component.deserialize_file(self.engine, str(cwasm))
             except WasmtimeError:
                 pass  # stale or corrupt cache entry: recompile
-        try:
-            compiled = _compile(self.engine, data)
-        except WasmtimeError as e:
-            msg = str(e).strip().splitlines()[0]
-            raise WasmLoadError(f"{path} is not a valid WebAssembly component: {msg}") from None
         cwasm.parent.mkdir(parents=True, exist_ok=True)
         tmp = cwasm.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        tmp.write_bytes(compiled.serialize())
-        os.replace(tmp, cwasm)
-        del compiled  # its code and Cranelift's scratch: hundreds of MiB of heap
-        trim_heap()
+        try:
+            _compile(data, tmp)
+            os.replace(tmp, cwasm)
+        except WasmtimeError as e:
+            raise WasmLoadError(f"{path} is not a valid WebAssembly component: {str(e).strip().splitlines()[0]}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
         try:
             return Component.deserialize_file(self.engine, str(cwasm))
         except WasmtimeError as e:  # the file we just wrote: only a full disk or a race with a cleaner
             raise WasmLoadError(f"cannot load the compiled component of {path}: {str(e).strip().splitlines()[0]}") from None
 
-def _compile(engine: Engine, data: bytes) -> Component:
-    """``Component(engine, data)`` on a thread of its own at ``nice``
-    +:data:`COMPILE_NICE` (a thread's niceness cannot be lowered back
-    without privileges, so the thread is used once).
+
+#: The compiling child: settings (JSON), niceness and the output path in
+#: argv, the component's bytes on stdin; a wasmtime error on stderr, exit 2.
+_CHILD = """
+import json, os, sys
+from wasmtime import Config, Engine, WasmtimeError
+from wasmtime.component import Component
+settings, nice, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+try:
+    os.nice(nice)
+except OSError:
+    pass
+cfg = Config()
+for key, value in settings.items():
+    setattr(cfg, key, value)
+try:
+    compiled = Component(Engine(cfg), sys.stdin.buffer.read())
+except WasmtimeError as e:
+    sys.stderr.write(str(e))
+    sys.exit(2)
+with open(out, "wb") as f:
+    f.write(compiled.serialize())
+"""
+
+
+def _compile(data: bytes, out: Path) -> None:
+    """Compile the component ``data`` into the serialized component file
+    ``out``, in a child process at ``nice`` +:data:`COMPILE_NICE` (module
+    docstring: its memory goes with it).
 
     Raises:
-        WasmtimeError: ``data`` is not a valid component.
+        WasmtimeError: ``data`` is not a valid component (wasmtime's message).
+        WasmLoadError: the compile crashed or ran past :data:`COMPILE_TIMEOUT_S`.
     """
-    out: list[Component | BaseException] = []
+    import json
 
-    def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE))
-        except (OSError, AttributeError):  # not Linux: a per-thread priority is not available
-            pass
-        try:
-            out.append(Component(engine, data))
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=run, name="tartlet-wasm-compile", daemon=True)
-    t.start()
-    t.join()
-    result = out[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    cmd = [sys.executable, "-I", "-c", _CHILD, json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE), str(out)]
+    try:
+        r = subprocess.run(cmd, input=data, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise WasmLoadError(f"compiling the component took longer than {COMPILE_TIMEOUT_S:.0f} s") from None
+    err = r.stderr.decode(errors="replace").strip()
+    if r.returncode == 2:
+        raise WasmtimeError(err or "invalid component")
+    if r.returncode != 0:
+        tail = err.splitlines()[-1] if err else f"exit status {r.returncode}"
+        raise WasmLoadError(f"compiling the component failed ({tail})")
 
 
 _shared: WasmEngine | None = None
