@@ -10,13 +10,15 @@ sandboxed runtimes do), so ``max_instances_per_user`` counts both.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..host.api import HostApi
 from ..host.session import Session
 from ..sdk.errors import LimitError, ProgramError
-from .instance import Instance, Status, new_instance_id
+from .instance import Instance, new_instance_id
+from .instance_table import InstanceTable
 from .program import BUNDLED_DIR, Program, find_in, list_programs
 
 if TYPE_CHECKING:
@@ -65,20 +67,28 @@ class BaseRuntime:
         max_pages: int | None = None,
         max_instances_per_user: int | None = None,
         program_dirs: list[Path] | None = None,
-        instances: dict[str, Instance] | None = None,
+        instances: InstanceTable | None = None,
     ) -> None:
         self.state = state
         self.time_limit_s = time_limit_s
         self.max_pages = max_pages
         self.max_instances_per_user = max_instances_per_user
         self.program_dirs = list(program_dirs or [])
-        self.instances: dict[str, Instance] = instances if instances is not None else {}
+        self.instances: InstanceTable = instances if instances is not None else InstanceTable()
         #: the event loop instances run on (set by the first launch)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def running(self, owner: str | None = None) -> list[Instance]:
         """Running instances (of ``owner`` when given)."""
-        return [i for i in self.instances.values() if i.status is Status.RUNNING and (owner is None or i.owner == owner)]
+        return self.instances.running(owner)
+
+    def finished(self, inst: Instance) -> None:
+        """``inst`` ended (its status, result and error set, its resources
+        freed): stamp ``finished_at``, wake its waiters, and move it to the
+        table's ended instances (:class:`~.instance_table.InstanceTable`)."""
+        inst.finished_at = time.time()
+        inst.done.set()
+        self.instances.ended(inst)
 
     def check_user_cap(self, owner: str) -> None:
         """Raises LimitError when ``owner`` already runs ``max_instances_per_user``."""

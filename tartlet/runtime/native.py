@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import traceback
 from typing import Any
 
@@ -69,8 +68,7 @@ class NativeRuntime(BaseRuntime):
         self.instances[inst.id] = inst
         return inst
 
-    @staticmethod
-    def _ended_before_start(inst: Instance) -> None:
+    def _ended_before_start(self, inst: Instance) -> None:
         """An instance aborted before its task ever ran skips ``_run``'s
         cleanup: do it here."""
         if inst.done.is_set():
@@ -80,8 +78,7 @@ class NativeRuntime(BaseRuntime):
         inst.api.close_io()
         inst.api.close()
         inst.session.close()
-        inst.finished_at = time.time()
-        inst.done.set()
+        self.finished(inst)
 
     async def _run(self, inst: Instance, main: Any, limit: float | None) -> None:
         _binding.bind(inst.api)
@@ -109,5 +106,4 @@ class NativeRuntime(BaseRuntime):
             inst.api.close_io()
             inst.api.close()
             inst.session.close()
-            inst.finished_at = time.time()
-            inst.done.set()
+            self.finished(inst)

@@ -299,8 +299,7 @@ class WasmRuntime(BaseRuntime):
             ctx.release()
             ctx.release_memory()
             inst.stdio.flush()
-            inst.finished_at = time.time()
-            inst.done.set()
+            self.finished(inst)
 
     def _settle(self, ctx: "_Run", outcome: tuple[str, Any]) -> None:
         inst, host = ctx.inst, ctx.host

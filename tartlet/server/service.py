@@ -42,9 +42,6 @@ from .programs import ProgramCache
 if TYPE_CHECKING:  # imported on first use: it loads wasmtime
     from ..runtime.wasm import WasmRuntime
 
-#: Finished instances stay listable (and their exit attachable) this long, seconds.
-RETAIN_FINISHED_S = 600.0
-
 Event = dict[str, Any]
 Subscriber = Callable[[Event], None]
 
@@ -235,6 +232,8 @@ class Service:
         )  # fmt: skip
         self.runtime = NativeRuntime(state, **common)
         self.runtime.capture_stdio = True  # what instances print: the server log, and clients asking for it
+        # ended instances stay listable (and their exit attachable) for a while, bounded (InstanceTable)
+        self.runtime.instances.on_drop = self._instance_dropped
         self._common = common
         # KV quotas per user and instance; named snapshots persisted in the data dir
         self.snapshots_restored = state.configure_kv(lim.kv_limits(self.auth), cfg.snapshot_dir, shared=shared)
@@ -518,17 +517,18 @@ class Service:
         return out
 
     def prune(self) -> None:
-        """Forget instances that ended more than :data:`RETAIN_FINISHED_S` ago."""
-        now = time.time()
-        for iid, i in list(self.runtime.instances.items()):
-            if i.finished_at is not None and now - i.finished_at > RETAIN_FINISHED_S:
-                del self.runtime.instances[iid]
-                ch = self.channels.pop(iid, None)
-                if ch is not None:
-                    ch.drop_backlog()
+        """Forget ended instances past the table's bounds
+        (:class:`~tartlet.runtime.instance_table.InstanceTable`: 10 minutes,
+        256 per user, 2,048 in all)."""
+        self.runtime.instances.prune()
+
+    def _instance_dropped(self, iid: str) -> None:
+        ch = self.channels.pop(iid, None)
+        if ch is not None:
+            ch.drop_backlog()
 
     def running(self) -> int:
-        return len(self.runtime.running())
+        return self.runtime.instances.running_count()
 
     async def shutdown(self) -> None:
         """Abort every running instance and wait for them to unwind."""
