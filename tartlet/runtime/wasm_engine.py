@@ -122,16 +122,15 @@ class WasmEngine:
         if comp is not None:
             return comp
         try:
-            data = path.read_bytes()
+            head, digest = _head_and_digest(path)
         except OSError as e:
             raise WasmLoadError(f"cannot read component {path}: {e}") from None
-        digest = hashlib.sha256(data).hexdigest()
         with self._lock:
             comp = self._components.get(digest)
             if comp is None:
-                if data[:4] != b"\0asm":
+                if head != b"\0asm":
                     raise WasmLoadError(f"{path} is not a WebAssembly component (no \\0asm header)")
-                comp = self._load_compiled(digest, data, path)
+                comp = self._load_compiled(digest, path)
             self._components[digest] = comp
             self._components.move_to_end(digest)
             self._by_file[ident] = digest
@@ -141,12 +140,13 @@ class WasmEngine:
                     del self._by_file[key]
             return comp
 
-    def _load_compiled(self, digest: str, data: bytes, path: Path) -> Component:
-        """The component of ``data`` from its ``.cwasm`` (mmap), compiling
+    def _load_compiled(self, digest: str, path: Path) -> Component:
+        """The component of the file at ``path`` (SHA-256 ``digest``) from its ``.cwasm`` (mmap), compiling
         and caching it first when missing or stale (called with the lock).
 
         Raises:
-            WasmLoadError: ``data`` is not a valid component.
+            WasmLoadError: the file is not a valid component, or changed
+                since it was hashed.
         """
         cwasm = self.compiled_path(digest)
         if cwasm.is_file():
@@ -157,7 +157,7 @@ class WasmEngine:
         cwasm.parent.mkdir(parents=True, exist_ok=True)
         tmp = cwasm.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         try:
-            _compile(data, tmp)
+            _compile(path, digest, tmp)
             os.replace(tmp, cwasm)
         except WasmtimeError as e:
             raise WasmLoadError(f"{path} is not a valid WebAssembly component: {str(e).strip().splitlines()[0]}") from None
@@ -169,13 +169,18 @@ class WasmEngine:
             raise WasmLoadError(f"cannot load the compiled component of {path}: {str(e).strip().splitlines()[0]}") from None
 
 
-#: The compiling child: settings (JSON), niceness and the output path in
-#: argv, the component's bytes on stdin; a wasmtime error on stderr, exit 2.
+#: The compiling child: settings (JSON), niceness, the component file, its
+#: expected SHA-256 and the output path in argv; a wasmtime error on
+#: stderr, exit 2; the file changed since it was hashed: exit 3.
 _CHILD = """
-import json, os, sys
+import hashlib, json, os, sys
 from wasmtime import Config, Engine, WasmtimeError
 from wasmtime.component import Component
-settings, nice, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+settings, nice, src, digest, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+with open(src, "rb") as f:
+    data = f.read()
+if hashlib.sha256(data).hexdigest() != digest:
+    sys.exit(3)
 try:
     os.nice(nice)
 except OSError:
@@ -184,7 +189,7 @@ cfg = Config()
 for key, value in settings.items():
     setattr(cfg, key, value)
 try:
-    compiled = Component(Engine(cfg), sys.stdin.buffer.read())
+    compiled = Component(Engine(cfg), data)
 except WasmtimeError as e:
     sys.stderr.write(str(e))
     sys.exit(2)
@@ -193,25 +198,47 @@ with open(out, "wb") as f:
 """
 
 
-def _compile(data: bytes, out: Path) -> None:
-    """Compile the component ``data`` into the serialized component file
-    ``out``, in a child process at ``nice`` +:data:`COMPILE_NICE` (module
-    docstring: its memory goes with it).
+def _head_and_digest(path: Path) -> tuple[bytes, str]:
+    """The first 4 bytes of the file at ``path`` and its hex SHA-256, read
+    in 1 MiB pieces: a component (18-35 MB) is never whole in the server's
+    heap, where glibc would keep the freed space (a freed block under its
+    32 MiB mmap threshold goes back to the heap, not the OS).
 
     Raises:
-        WasmtimeError: ``data`` is not a valid component (wasmtime's message).
-        WasmLoadError: the compile crashed or ran past :data:`COMPILE_TIMEOUT_S`.
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(4)
+        h.update(head)
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return head, h.hexdigest()
+
+
+def _compile(src: Path, digest: str, out: Path) -> None:
+    """Compile the component file ``src`` (whose SHA-256 is ``digest``)
+    into the serialized component file ``out``, in a child process at
+    ``nice`` +:data:`COMPILE_NICE` (module docstring: its memory goes with
+    it).
+
+    Raises:
+        WasmtimeError: not a valid component (wasmtime's message).
+        WasmLoadError: the file changed since it was hashed, the compile
+            crashed, or it ran past :data:`COMPILE_TIMEOUT_S`.
     """
     import json
 
-    cmd = [sys.executable, "-I", "-c", _CHILD, json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE), str(out)]
+    cmd = [sys.executable, "-I", "-c", _CHILD, json.dumps(ENGINE_SETTINGS), str(COMPILE_NICE), str(src), digest, str(out)]
     try:
-        r = subprocess.run(cmd, input=data, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+        r = subprocess.run(cmd, capture_output=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise WasmLoadError(f"compiling the component took longer than {COMPILE_TIMEOUT_S:.0f} s") from None
     err = r.stderr.decode(errors="replace").strip()
     if r.returncode == 2:
         raise WasmtimeError(err or "invalid component")
+    if r.returncode == 3:
+        raise WasmLoadError(f"component {src.name} changed while it was being loaded")
     if r.returncode != 0:
         tail = err.splitlines()[-1] if err else f"exit status {r.returncode}"
         raise WasmLoadError(f"compiling the component failed ({tail})")

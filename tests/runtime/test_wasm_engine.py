@@ -103,11 +103,14 @@ def test_a_compile_runs_in_a_niced_child_process(engine, tmp_path, monkeypatch):
 def test_the_compiling_child_uses_the_servers_engine_settings(tmp_path):
     # a .cwasm made by the child loads into the server's engine only if
     # their settings agree: a mismatch (say, epoch interruption off) fails
-    data = tiny_component(tmp_path, "s").read_bytes()
+    src = tiny_component(tmp_path, "s")
     out = tmp_path / "s.cwasm"
-    wasm_engine._compile(data, out)
+    wasm_engine._compile(src, hashlib.sha256(src.read_bytes()).hexdigest(), out)
     Component.deserialize_file(wasm_engine.make_engine(), str(out))
     other = wasmtime.Config()
     other.epoch_interruption = False
     with pytest.raises(wasmtime.WasmtimeError):
         Component.deserialize_file(wasmtime.Engine(other), str(out))
+    # a file that changed after it was hashed is refused, not compiled as another
+    with pytest.raises(WasmLoadError, match="changed while"):
+        wasm_engine._compile(src, "0" * 64, tmp_path / "t.cwasm")
