@@ -31,25 +31,8 @@ from typing import Any
 
 import httpx
 
+from common import GROUNDED_PROMPTS as PROMPTS
 from common import MODEL, report, start_server
-
-PASSAGES = [
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the lens, "
-    "and wrote the weather in a small leather book. Ships passed far out on the grey water, and none of them knew his name.",
-    "Our quarterly meeting will take place on Thursday at ten in the main conference room. Please bring your project "
-    "updates, the revised budget sheet, and any questions about the new travel policy. Coffee will be served at half past nine.",
-    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait until the green light "
-    "stops blinking. Then open the settings page in your browser and sign in with the password printed on the label.",
-    "Maria planted tomatoes, basil and peppers in the small garden behind her house. Every morning she watered them before "
-    "work, and every evening she pulled the weeds. By August the kitchen smelled of fresh sauce and the neighbours asked for seeds.",
-]
-INSTRUCTIONS = [
-    "Repeat the following passage exactly, word for word.",
-    "Copy the following passage in full. Do not add anything before or after it.",
-    "Rewrite the following passage, keeping every sentence but making the first word of each sentence uppercase.",
-    "Return the following passage unchanged, then stop.",
-]
-PROMPTS = [f"{ins}\n\n{p}" for p in PASSAGES for ins in INSTRUCTIONS]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:

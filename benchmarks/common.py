@@ -73,6 +73,27 @@ def run_inferlets(engine: Any, program: str, args_list: list[dict[str, Any]]) ->
 
 MODEL = "smollm2-135m-instruct"
 
+#: The grounded workload (bench_speculative_served, bench_vs_llamacpp ``--workload grounded``): each prompt
+#: gives a passage and asks to repeat or lightly edit it, so the output copies the prompt (high n-gram overlap,
+#: where prompt-lookup speculative decoding pays). 16 prompts: every instruction with every passage.
+GROUNDED_PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the lens, "
+    "and wrote the weather in a small leather book. Ships passed far out on the grey water, and none of them knew his name.",
+    "Our quarterly meeting will take place on Thursday at ten in the main conference room. Please bring your project "
+    "updates, the revised budget sheet, and any questions about the new travel policy. Coffee will be served at half past nine.",
+    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait until the green light "
+    "stops blinking. Then open the settings page in your browser and sign in with the password printed on the label.",
+    "Maria planted tomatoes, basil and peppers in the small garden behind her house. Every morning she watered them before "
+    "work, and every evening she pulled the weeds. By August the kitchen smelled of fresh sauce and the neighbours asked for seeds.",
+]
+GROUNDED_INSTRUCTIONS = [
+    "Repeat the following passage exactly, word for word.",
+    "Copy the following passage in full. Do not add anything before or after it.",
+    "Rewrite the following passage, keeping every sentence but making the first word of each sentence uppercase.",
+    "Return the following passage unchanged, then stop.",
+]
+GROUNDED_PROMPTS = [f"{ins}\n\n{p}" for p in GROUNDED_PASSAGES for ins in GROUNDED_INSTRUCTIONS]
+
 
 def tool_text(path: str, chars: int) -> str:
     """The text of the tool server's answer to ``path`` (``/tool?...``):
