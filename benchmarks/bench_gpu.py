@@ -35,6 +35,12 @@ without graphs, the prefill and the tax (a quick device check):
 
     python benchmarks/bench_gpu.py [--shape llama3-8b|small|tiny] [--rounds 2]
     python benchmarks/bench_gpu.py --weights q4 --concurrency 1,64 --rounds 1 --no-hf --only-decode
+
+``--only-tax`` runs only the native tax, text-completion inferlets against
+the direct loop in alternating rounds (``--tax-concurrency``, default 1,64);
+on the CPU with ``--shape micro`` it shows the host's share per token:
+
+    python benchmarks/bench_gpu.py --device cpu --shape micro --only-tax --rounds 6
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +64,9 @@ SHAPES = {  # Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B) and a small
                       max_position_embeddings=8192),
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096),
+    # --device cpu: a model so small that the host's work per token (scheduler, token streams, inferlets) shows
+    "micro": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=4096),
     "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
 }  # fmt: skip
@@ -205,13 +215,26 @@ def main() -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip the engine without CUDA graphs")
     ap.add_argument("--only-decode", action="store_true",
                     help="decode with graphs only: no engine without graphs, no prefill, no tax (a quick check)")  # fmt: skip
+    ap.add_argument("--only-tax", action="store_true",
+                    help="only the native tax (text-completion inferlets against the direct loop, alternating rounds)")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the collector as it is (tartlet serve and run call host.state.gc_for_serving once loaded)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="ms: sys.setswitchinterval (default 5): how long a thread holding the GIL keeps it from "
+                         "one that waits (the scheduler thread back from the GPU, behind the inferlets' loop)")
+    ap.add_argument("--tax-concurrency", default="1,64", help="concurrencies of the tax section")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top kernels of a 2,048-token prefill and of batch-1 decode steps")  # fmt: skip
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
     global DEVICE
     DEVICE = args.device
     shape = SHAPES[args.shape]
     conc = [int(x) for x in args.concurrency.split(",")]
+    tax_conc = [int(x) for x in args.tax_concurrency.split(",")]
+    if args.only_tax:
+        conc = tax_conc
     g = torch.Generator().manual_seed(0)
 
     def prompts(n: int, length: int = PROMPT) -> list[list[int]]:
@@ -222,7 +245,7 @@ def main() -> None:
                 * shape["num_key_value_heads"] * shape["head_dim"] // 2**20 + 256)  # fmt: skip
     kind = WEIGHT_KINDS[args.weights]
     engines = {"graphs": make_engine(shape, True, kv_mb, kind)}
-    if not (args.only_decode or args.no_eager):
+    if not (args.only_decode or args.no_eager or args.only_tax):
         engines["eager"] = make_engine(shape, False, kv_mb, kind)
     # the engine with graphs, run with overlap scheduling (its default on CUDA) and without ("sync")
     variants = {"graphs": (engines["graphs"], True), "sync": (engines["graphs"], False)}
@@ -233,7 +256,7 @@ def main() -> None:
     # bytes a decode step reads: every weight but the embedding table (one row of it)
     weight_bytes = m.weight_bytes() - m.embed.numel() * m.embed.element_size()
     hf = None
-    if not args.no_hf:
+    if not (args.no_hf or args.only_tax):
         import transformers
 
         try:
@@ -242,6 +265,10 @@ def main() -> None:
                 hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
         except Exception as e:  # report the engine's figures even so
             print(f"transformers baseline unavailable: {e!r}")
+    if not args.no_freeze:  # as tartlet serve does once its models are loaded
+        from tartlet.host.state import gc_for_serving
+
+        gc_for_serving()
     # warm-up: Triton compiles, graphs captured for every bucket used, cuBLAS chosen
     for n in conc:
         for eng, ov in variants.values():
@@ -250,7 +277,7 @@ def main() -> None:
         if hf is not None:
             hf_generate(hf, prompts(n), 4)
     rows, results = [], {}
-    for n in conc:
+    for n in () if args.only_tax else conc:
         runs: dict[str, list[float]] = {"graphs": [], "sync": [], "eager": [], "hf": []}
         tpot: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):  # alternating: engine, without overlap, without graphs, transformers
@@ -272,11 +299,11 @@ def main() -> None:
     set_overlap(engines["graphs"], True)
     # prefill of one long prompt (a first, untimed round picks the kernels for its shapes)
     pre: dict[str, list[float]] = {"engine": [], "hf": []}
-    if not args.only_decode:
+    if not (args.only_decode or args.only_tax):
         engine_generate(engines["graphs"], prompts(1, LONG), 1)
         if hf is not None:
             hf_generate(hf, prompts(1, LONG), 1)
-    for _ in range(0 if args.only_decode else args.rounds):
+    for _ in range(0 if args.only_decode or args.only_tax else args.rounds):
         pre["engine"].append(engine_generate(engines["graphs"], prompts(1, LONG), 1)[0])
         if hf is not None:
             pre["hf"].append(hf_generate(hf, prompts(1, LONG), 1))
@@ -284,14 +311,26 @@ def main() -> None:
     # programmability tax: the text-completion inferlet (native runtime: tokenizing, streaming
     # text, host-side generate in chunks) against the same decode driven on the engine directly
     tax = {}
-    for n in () if args.only_decode else (1, 64):
-        pairs = []
+    for n in () if args.only_decode else tax_conc:
+        pairs, walls = [], [0.0, 0.0]
         for _ in range(args.rounds + 1):
             ps = prompts(n)
             direct = engine_generate(engines["graphs"], ps, NEW)[0]
             t_args = [{"prompt": " ".join(f"t{t}" for t in p), "raw": True, "max_tokens": NEW, "ignore_eos": True} for p in ps]
-            pairs.append(run_inferlets(engines["graphs"], "text-completion", t_args)[1] / direct)
+            served = run_inferlets(engines["graphs"], "text-completion", t_args)[1]
+            pairs.append(served / direct)
+            walls[0], walls[1] = walls[0] + direct, walls[1] + served
         tax[n] = statistics.median(pairs) - 1
+        if args.only_tax:  # the whole run's ratio too: a stall (a full collection, say) in either side skews a round
+            r = args.rounds + 1
+            print(f"native tax x{n}: {tax[n]:+.1%}, whole run {walls[1] / walls[0] - 1:+.1%}, mean direct "
+                  f"{walls[0] / r * 1e3:.1f} ms, text-completion {walls[1] / r * 1e3:.1f} ms (rounds: "
+                  f"{', '.join(f'{r - 1:+.1%}' for r in pairs)})", flush=True)
+    if args.only_tax:
+        print(json.dumps({"device": DEVICE, "shape": args.shape, "native_tax": tax}))
+        for eng in engines.values():
+            eng.close()
+        return
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     roof_s = weight_bytes / bw
     b1 = results[conc[0]]["tpot_ms"]["graphs"] / 1e3 if conc[0] == 1 else float("nan")

@@ -101,12 +101,13 @@ async def _run_instance(
     engine: Engine, program: Program, args: dict[str, Any], time_limit: float | None, json_out: bool, wasm: Path | None = None,
 ) -> int:
     from ..host.session import Session
-    from ..host.state import HostState
+    from ..host.state import HostState, gc_for_serving
     from ..runtime.instance import Instance, Status
     from ..runtime.native import NativeRuntime
 
     state = HostState()
     state.add_engine(engine)
+    gc_for_serving()  # the model lives as long as the run: collections skip it
     # the program on the native runtime, or its component on the WASM one
     launch: Callable[[Session], Instance] = functools.partial(NativeRuntime(state, time_limit_s=time_limit).launch, program, args)
     if wasm is not None:

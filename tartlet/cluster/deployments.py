@@ -44,6 +44,7 @@ class TartletReplica:
     """
 
     async def __init__(self, cfg_json: str, auth: bool) -> None:  # type: ignore[misc]  # Ray Serve awaits an async __init__
+        from ..host.state import gc_for_serving
         from ..runtime.instance import set_instance_id_prefix
         from ..server.app import build_app, load_state, setup_logging
         from ..server.service import Service
@@ -55,6 +56,7 @@ class TartletReplica:
         set_instance_id_prefix(self.replica_id)
         self.state = await asyncio.to_thread(load_state, cfg)
         self.service = Service(cfg, self.state, auth=auth, shared=True)
+        gc_for_serving()  # the loaded models live as long as the replica: collections skip them
         self.service.replica_id = self.replica_id
         self.tunnel = ReplicaTunnel(build_app(self.service), self.replica_id)
         log.info("replica %s ready", self.replica_id)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # the contract only; the SDK does not import the host at run time
@@ -78,8 +80,15 @@ class _Waker:
     def _resolved(self, cfut: concurrent.futures.Future[object], afut: asyncio.Future[object]) -> None:  # any thread
         with self._lock:
             self._ready.append((cfut, afut))
-            if len(self._ready) > 1:  # a drain is already posted
+            if len(self._ready) > 1:  # a drain is already posted (or held)
                 return
+        held: list[_Waker] | None = getattr(_held, "wakers", None)
+        if held is not None:  # in hold_wakeups: posted at its end
+            held.append(self)
+            return
+        self._post()
+
+    def _post(self) -> None:
         loop = self._loop()
         if loop is None:  # the loop is gone: nobody waits any more
             return
@@ -100,6 +109,31 @@ class _Waker:
                 afut.set_exception(exc)
             else:
                 afut.set_result(cfut.result())
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def hold_wakeups() -> Iterator[None]:
+    """On this thread, hold the loop wake-ups of the host futures resolved
+    inside the block and post them when it ends: one per event loop for
+    the block (the scheduler hands a step's results out in one, see
+    ``Scheduler.hold_wakeups``), not one per future as soon as the loop
+    has drained the last. Each wake-up is a write to the loop's self-pipe
+    whose return waits for the GIL the woken loop took. Nested blocks
+    join the outer one."""
+    if getattr(_held, "wakers", None) is not None:
+        yield
+        return
+    wakers: list[_Waker] = []
+    _held.wakers = wakers
+    try:
+        yield
+    finally:
+        _held.wakers = None
+        for w in wakers:
+            w._post()
 
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker] = weakref.WeakKeyDictionary()

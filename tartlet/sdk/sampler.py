@@ -216,7 +216,9 @@ class Sampler:
         self._mirostat: tuple[float, float] | None = None
         self.mu = 0.0
         self._step = 0
-        self._rng = random.Random(seed)
+        #: unseeded Mirostat's random stream, made at its first draw (seeding
+        #: one from os.urandom costs ~0.1 ms, once per request otherwise)
+        self._rng: random.Random | None = None
         #: Mirostat: the observed surprise (bits) of each token picked since step 0
         self.surprises: list[float] = []
 
@@ -354,7 +356,10 @@ class Sampler:
         if self._mirostat is not None:
             ids, probs = result
             tau, eta = self._mirostat
-            rng = self._rng if self.seed is None else random.Random(step_seed(self.seed, self._step))
+            if self.seed is not None:
+                rng = random.Random(step_seed(self.seed, self._step))
+            else:
+                rng = self._rng = self._rng or random.Random()
             tok, surprise, self.mu = mirostat.draw(list(ids), list(probs), self.mu, tau, eta, rng)
             self.surprises.append(surprise)
             return tok
@@ -373,7 +378,7 @@ class Sampler:
         new.__dict__.update(self.__dict__)
         new.surprises = list(self.surprises)
         new.dry_sequence_breakers = list(self.dry_sequence_breakers)
-        new._rng = random.Random(self.seed)
+        new._rng = None  # its own stream at its first unseeded draw
         return new
 
     def __repr__(self) -> str:

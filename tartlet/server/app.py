@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from ..host.state import HostState
+from ..host.state import HostState, gc_for_serving
 from . import metrics
 from .config import ServerConfig
 from .embeddings_api import EmbeddingsRoutes
@@ -276,6 +276,7 @@ def serve(cfg: ServerConfig, auth: bool = True, announce: Callable[[str], None] 
     setup_logging()
     state = load_state(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     service = Service(cfg, state, auth=auth)
+    gc_for_serving()  # what is loaded lives as long as the server: collections skip it
     for warning in memory_warnings(cfg, user_count(service.keys, service.auth), machine_ram()):
         log.warning("%s", warning)
     sock = listen_socket(cfg.host, cfg.port)

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,6 +121,57 @@ async def test_wait_wakes_the_loop_once_for_futures_resolved_together() -> None:
     assert got == [0, 10, 20, "bad pass", 40, 50, 60, 70]
     assert order == list(range(8))
     assert threadsafe[0] == 1
+
+
+async def test_hold_wakeups_wakes_the_loop_once_when_the_block_ends() -> None:
+    """Futures resolved one by one inside ``hold_wakeups`` (a scheduler
+    step handing out its tokens) while the loop is free: no wait is woken
+    before the block ends, then one ``call_soon_threadsafe`` settles them
+    all; a nested block joins the outer one."""
+    loop = asyncio.get_running_loop()
+    futs: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in range(4)]
+    tasks = [asyncio.ensure_future(_binding.wait(f)) for f in futs]
+    await asyncio.sleep(0)  # every task waits now
+    settled_inside: list[int] = []
+
+    def step() -> None:
+        with _binding.hold_wakeups():
+            for i, f in enumerate(futs):
+                with _binding.hold_wakeups():
+                    f.set_result(i)
+                time.sleep(0.02)  # the loop is free: unheld, it would drain each one
+            settled_inside.append(sum(t.done() for t in tasks))
+
+    with counting_threadsafe(loop) as threadsafe:
+        t = threading.Thread(target=step)
+        t.start()
+        while t.is_alive():
+            await asyncio.sleep(0.005)
+        assert await asyncio.gather(*tasks) == [0, 1, 2, 3]
+    t.join()
+    assert settled_inside == [0]
+    assert threadsafe[0] == 1
+    # outside a block, a future resolved while the loop is free wakes it at once
+    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+    threading.Timer(0.01, fut.set_result, args=(5,)).start()
+    assert await _binding.wait(fut) == 5
+
+
+def test_gc_for_serving_freezes_what_is_loaded_and_collects_young_objects_less_often() -> None:
+    import gc
+
+    from tartlet.host.state import gc_for_serving
+
+    before = gc.get_threshold()
+    try:
+        frozen = gc_for_serving(young=5_000)
+        assert frozen == gc.get_freeze_count() > 1000  # the modules, pytest, torch
+        assert len(gc.get_objects()) < frozen  # full collections walk only what came since
+        assert gc.get_threshold() == (5_000, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    assert gc.get_freeze_count() == 0
 
 
 async def test_cancelling_a_wait_cancels_the_host_future() -> None:

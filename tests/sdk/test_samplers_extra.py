@@ -11,6 +11,7 @@ here, independently, in float64."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import statistics
@@ -301,6 +302,24 @@ def test_mirostat_step_truncates_by_surprise_and_updates_mu():
     # the distribution slot asks for enough tokens: at most 2**mu of them have p >= 2**-mu
     assert mirostat.candidates_needed(10.0, 49152) == 1025
     assert mirostat.candidates_needed(20.0, 49152) == 49152
+
+
+def test_unseeded_mirostat_makes_its_random_stream_at_its_first_draw():
+    """An unseeded Sampler seeds no random stream until Mirostat draws
+    (seeding one from os.urandom cost ~0.1 ms a request); a copy draws from
+    its own stream."""
+    ids, probs = [5, 6, 7, 8], [0.4, 0.3, 0.2, 0.1]
+    s = Sampler.mirostat_v2(3.0, eta=0.1)
+    assert s._rng is None
+    s.slot(0, 0)
+    assert s.pick((ids, probs)) in ids and s._rng is not None
+    rng = s._rng
+    assert s.pick((ids, probs)) in ids and s._rng is rng  # the same stream from then on
+    c = copy.copy(s)
+    assert c._rng is None and c.surprises == s.surprises
+    c.slot(0, 2)
+    assert c.pick((ids, probs)) in ids and c._rng is not None and c._rng is not rng
+    assert Sampler(seed=4)._rng is None and Sampler()._rng is None
 
 
 MIROSTAT = """

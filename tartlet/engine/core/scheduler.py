@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any, Callable, TypeVar
 
 from ...sdk.errors import KvCacheFullError, KvQuotaError, SequenceFreedError
@@ -108,6 +109,11 @@ class Scheduler:
         self._expected: set[int] = set()
         self._running = False
         self._thread: threading.Thread | None = None
+        #: a context manager factory the results of each step are handed out
+        #: in (futures resolved, continuations run), or None: the host's
+        #: ``tartlet.sdk._binding.hold_wakeups``, so the event loop waiting
+        #: on a step's 64 token streams is woken once, not once a stream
+        self.hold_wakeups: Callable[[], AbstractContextManager[object]] | None = None
 
     @property
     def overlap(self) -> bool:
@@ -210,7 +216,7 @@ class Scheduler:
                     self._cond.wait(0.02)
             launch = self._launch(items) if items else None
             if inflight is not None:
-                self._finish(inflight)
+                self._finish_held(inflight)
             inflight, self._inflight = None, set()
             if launch is not None:
                 ahead = lookaheads(launch, self._placeholder) if self.overlap else []
@@ -220,7 +226,7 @@ class Scheduler:
                     with self._cond:
                         self._queue.extend(ahead)
                 else:
-                    self._finish(launch)
+                    self._finish_held(launch)
 
     def _build(self) -> list[Chunk]:
         """Drain the queue into a batch (called with the condition held)."""
@@ -372,6 +378,15 @@ class Scheduler:
         except BaseException as e:  # a model failure fails this batch only
             self._failed(items, e)
             return None
+
+    def _finish_held(self, launch: Launch) -> None:
+        """:meth:`_finish` inside :attr:`hold_wakeups` (when set)."""
+        hold = self.hold_wakeups
+        if hold is None:
+            self._finish(launch)
+            return
+        with hold():
+            self._finish(launch)
 
     def _finish(self, launch: Launch) -> None:
         items = launch.items
