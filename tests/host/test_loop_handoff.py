@@ -165,7 +165,9 @@ def test_gc_for_serving_freezes_what_is_loaded_and_collects_young_objects_less_o
     before = gc.get_threshold()
     try:
         frozen = gc_for_serving(young=5_000)
-        assert frozen == gc.get_freeze_count() > 1000  # the modules, pytest, torch
+        assert frozen > 1000  # the modules, pytest, torch
+        # a frozen object freed since (another thread's, a frame's) leaves the permanent generation
+        assert abs(gc.get_freeze_count() - frozen) <= frozen // 100
         assert len(gc.get_objects()) < frozen  # full collections walk only what came since
         assert gc.get_threshold() == (5_000, *before[1:])
     finally:
