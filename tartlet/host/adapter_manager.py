@@ -65,7 +65,7 @@ from ..engine.core.engine import Engine
 from ..engine.models.lora import LoraAdapter
 from ..sdk.errors import AdapterError, LimitError
 from .adapter_store import AdapterStore, StoredAdapter
-from .snapshot_manager import _RACY_MTIME_NS, _SHARED_TMP_AGE_S
+from .snapshot_store import RACY_MTIME_NS, SHARED_TMP_AGE_S
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class AdapterManager:
         self.shared = shared
         self._synced, self._dirs = {}, {}
         n = 0
-        for found in self.store.scan(tmp_age_s=_SHARED_TMP_AGE_S if shared else 0.0):
+        for found in self.store.scan(tmp_age_s=SHARED_TMP_AGE_S if shared else 0.0):
             with self._lock:
                 if (found.owner, found.name) in self._saved:
                     continue
@@ -181,7 +181,7 @@ class AdapterManager:
             if mtime is not None:
                 with self._lock:  # versions read before: their safetensors headers are not read again
                     sizes = {ua.version: ua.weight_bytes for (o, _), ua in self._saved.items() if o == owner and ua.path}
-                found = {f.name: f for f in store.scan(_SHARED_TMP_AGE_S, owner, sizes) if f.owner == owner}
+                found = {f.name: f for f in store.scan(SHARED_TMP_AGE_S, owner, sizes) if f.owner == owner}
             with self._lock:
                 for key, ua in list(self._saved.items()):
                     if key[0] != owner or ua.path is None:  # another's, or being saved here
@@ -194,7 +194,7 @@ class AdapterManager:
                 for name, f in found.items():
                     if (owner, name) not in self._saved:
                         self._saved[(owner, name)] = UserAdapter(owner, name, f.weight_bytes, None, f.path, f.version)
-            if mtime is not None and time.time_ns() - mtime > _RACY_MTIME_NS:
+            if mtime is not None and time.time_ns() - mtime > RACY_MTIME_NS:
                 self._synced[owner] = mtime
             else:
                 self._synced.pop(owner, None)

@@ -66,17 +66,11 @@ from .snapshot_pages import SHARED_GRACE_S, over_budget
 from .snapshot_pages import file_size as _size
 from .snapshot_pages import install as _install
 from .snapshot_pages import partial_tail as _partial
-from .snapshot_store import FileStamp, SnapshotFile, SnapshotStore, file_stamp
+from .snapshot_store import RACY_MTIME_NS, SHARED_TMP_AGE_S, FileStamp, SnapshotFile, SnapshotStore, file_stamp
 from .snapshots import Snapshot, SnapshotRegistry, check_name
 
 log = logging.getLogger(__name__)
 
-#: a folder whose mtime is younger than this is listed again next time (a
-#: file added in the same clock tick would not change its mtime)
-_RACY_MTIME_NS = 2_000_000_000
-#: shared folder: a temporary file this old is a crashed write, not another
-#: replica's write in progress
-_SHARED_TMP_AGE_S = 3600.0
 
 
 class SnapshotManager:
@@ -124,7 +118,7 @@ class SnapshotManager:
         self._listed = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tartlet-snapshot-writer")
         n = 0
-        for f, path, mtime in self.store.scan(tmp_age_s=_SHARED_TMP_AGE_S if shared else 0.0):
+        for f, path, mtime in self.store.scan(tmp_age_s=SHARED_TMP_AGE_S if shared else 0.0):
             try:
                 snap = Snapshot(f.owner, f.name, f.tokens, None, path, mtime, sha256=f.sha256, stamp=f.stamp, blobs=tuple(f.blobs or ()))
                 self.registry.add(snap, enforce_limit=False)
@@ -447,7 +441,7 @@ class SnapshotManager:
                             self.registry.add(snap, enforce_limit=False)
                         except SnapshotError:
                             pass  # registered meanwhile
-                if now - mtime > _RACY_MTIME_NS:
+                if now - mtime > RACY_MTIME_NS:
                     self._listed[d] = (mtime, files)
                 else:
                     self._listed.pop(d, None)

@@ -75,6 +75,14 @@ __all__ = ["FORMAT", "FORMAT_V1", "FileStamp", "SnapshotFile", "SnapshotStore", 
 #: replaced (a rename brings a new inode) or touched
 FileStamp = tuple[int, int, int]
 
+#: shared folders (snapshots, adapters): a folder whose mtime is younger
+#: than this, ns, is listed again next time (a file added in the same clock
+#: tick would not change its mtime)
+RACY_MTIME_NS = 2_000_000_000
+#: shared folders: a temporary file this old, seconds, is a crashed write,
+#: not another replica's write in progress
+SHARED_TMP_AGE_S = 3600.0
+
 
 def file_stamp(st: os.stat_result) -> FileStamp:
     """The :data:`FileStamp` of a ``stat`` result."""
