@@ -14,9 +14,14 @@ trimmed (RSS grew ~15-25 MiB with each new upload over a soak, issue 40).
 So a compile runs in a child process (:func:`_compile`): it writes the
 ``.cwasm`` and exits, and the server loads the component from that file
 (mmap: file-backed pages, ~2 MiB of heap per component), which the kernel
-may drop and reread. The in-memory map of loaded components keeps the
-:data:`MAX_COMPONENTS` most recently loaded (running instances keep their
-own reference; a dropped one loads again from its ``.cwasm``).
+may drop and reread. The in-memory map of loaded components keeps at most
+the :data:`MAX_COMPONENTS` most recently used, and none unused for
+:data:`IDLE_S` seconds: a mapped component's pages count in the server's
+RSS (a soak's build phase, two new uploads run once, added 15 MiB of
+``.cwasm`` pages), so components uploaded and run once would otherwise
+stay until 32 of them pushed each other out.
+Running instances keep their own reference; a dropped component loads
+again from its ``.cwasm`` in milliseconds.
 
 CPU. A compile (seconds, for one user's new upload) runs at a lower
 priority (``nice`` +:data:`COMPILE_NICE`, wasmtime's parallel compilation
@@ -30,7 +35,6 @@ deadline is counted in these ticks.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import importlib.metadata
 import os
@@ -50,8 +54,12 @@ from . import wasm_fastcall, wasm_fastlist
 #: Seconds per epoch tick (the resolution of the CPU-time limit).
 TICK_S = 0.01
 _CONFIG_ID = "epoch_interruption=1;cranelift"
-#: Compiled components kept loaded (the least recently loaded dropped first).
+#: Compiled components kept loaded (the least recently used dropped first).
 MAX_COMPONENTS = 32
+#: Seconds a loaded component stays in memory without a launch.
+IDLE_S = 60.0
+#: Epoch ticks between sweeps of idle components (10 s).
+SWEEP_TICKS = 1000
 #: Niceness of the process that compiles a component.
 COMPILE_NICE = 10
 #: Longest a compile may run, seconds (an 18 MB component: ~5-20 s).
@@ -82,17 +90,40 @@ class WasmEngine:
         wasm_fastcall.install()
         self.engine = make_engine()
         self._lock = threading.Lock()
-        # digest -> component, least recently loaded first; the map of files
-        # (path, inode, size, mtime) -> digest, a lookup that skips hashing
-        self._components: collections.OrderedDict[str, Component] = collections.OrderedDict()
+        # digest -> component; digest -> when it was last launched
+        # (time.monotonic()); the map of files (path, inode, size, mtime)
+        # -> digest, a lookup that skips hashing
+        self._components: dict[str, Component] = {}
+        self._used: dict[str, float] = {}
         self._by_file: dict[tuple[str, int, int, int], str] = {}
         self._ticker = threading.Thread(target=self._tick, name="tartlet-wasm-epoch", daemon=True)
         self._ticker.start()
 
     def _tick(self) -> None:
+        n = 0
         while True:
             time.sleep(TICK_S)
             self.engine.increment_epoch()
+            n += 1
+            if n % SWEEP_TICKS == 0 and self._components and self._lock.acquire(blocking=False):
+                try:  # skipped while a compile holds the lock: the next sweep comes 10 s later
+                    self.drop_idle(time.monotonic() - IDLE_S)
+                finally:
+                    self._lock.release()
+
+    def drop_idle(self, before: float) -> int:
+        """Drop from memory the components last launched before ``before``
+        (a ``time.monotonic()`` value); returns how many (called with the lock)."""
+        old = [d for d, t in list(self._used.items()) if t < before]  # a launch may add one meanwhile
+        for d in old:
+            self._drop(d)
+        return len(old)
+
+    def _drop(self, digest: str) -> None:
+        self._components.pop(digest, None)
+        self._used.pop(digest, None)
+        for key in [k for k, d in self._by_file.items() if d == digest]:
+            del self._by_file[key]
 
     @staticmethod
     def compiled_path(digest: str) -> Path:
@@ -118,8 +149,10 @@ class WasmEngine:
         # Read without the lock, which a compile of another component holds
         # for seconds (a dict lookup is atomic)
         ident = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-        comp = self._components.get(self._by_file.get(ident, ""))
+        digest = self._by_file.get(ident, "")
+        comp = self._components.get(digest)
         if comp is not None:
+            self._used[digest] = time.monotonic()
             return comp
         try:
             head, digest = _head_and_digest(path)
@@ -132,12 +165,10 @@ class WasmEngine:
                     raise WasmLoadError(f"{path} is not a WebAssembly component (no \\0asm header)")
                 comp = self._load_compiled(digest, path)
             self._components[digest] = comp
-            self._components.move_to_end(digest)
+            self._used[digest] = time.monotonic()
             self._by_file[ident] = digest
             while len(self._components) > MAX_COMPONENTS:
-                old, _ = self._components.popitem(last=False)
-                for key in [k for k, d in self._by_file.items() if d == old]:
-                    del self._by_file[key]
+                self._drop(min(self._used, key=self._used.__getitem__))
             return comp
 
     def _load_compiled(self, digest: str, path: Path) -> Component:

@@ -114,3 +114,37 @@ def test_the_compiling_child_uses_the_servers_engine_settings(tmp_path):
     # a file that changed after it was hashed is refused, not compiled as another
     with pytest.raises(WasmLoadError, match="changed while"):
         wasm_engine._compile(src, "0" * 64, tmp_path / "t.cwasm")
+
+
+def test_idle_components_leave_memory(engine, tmp_path, monkeypatch):
+    # a component uploaded and run once must not stay mapped (its pages count
+    # in the server's RSS) until MAX_COMPONENTS newer ones push it out
+    import time
+
+    a, b = tiny_component(tmp_path, "a"), tiny_component(tmp_path, "b")
+    comp_a = engine.load(a)
+    t = time.monotonic()
+    comp_b = engine.load(b)
+    with engine._lock:
+        assert engine.drop_idle(t) == 1  # a, launched before t
+    assert set(engine._components) == {hashlib.sha256(b.read_bytes()).hexdigest()}
+    assert len(engine._by_file) == 1
+    assert engine.load(b) is comp_b
+    loaded = spy_deserialize(monkeypatch)
+    assert engine.load(a) is not comp_a  # loaded again from its .cwasm, not compiled
+    assert len(loaded) == 1 and loaded[0].endswith(".cwasm")
+    with engine._lock:
+        assert engine.drop_idle(time.monotonic() + 1) == 2
+    assert not engine._components and not engine._by_file
+
+
+def test_the_epoch_ticker_sweeps_idle_components(engine, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(wasm_engine, "IDLE_S", 0.0)
+    monkeypatch.setattr(wasm_engine, "SWEEP_TICKS", 5)
+    engine.load(tiny_component(tmp_path, "a"))
+    deadline = time.monotonic() + 10
+    while engine._components and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine._components
