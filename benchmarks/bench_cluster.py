@@ -139,13 +139,66 @@ async def stream_completion(c: httpx.AsyncClient, url: str, prompt: str, max_tok
     return {"tokens": tokens, "ttft": (first or end) - t0, "replica": replica}
 
 
-async def scaling(url: str, n: int, max_tokens: int, seed: int) -> dict[str, Any]:
+def process_role(pid: int) -> str:
+    """What a process of the server's session is, from its command line:
+    ``main`` (``tartlet serve`` itself: the engine of the single-process
+    server, the Ray driver with ``--replicas``), ``engine`` (a replica),
+    ``gateway`` (the HTTP entry point and router), ``serve`` (Ray Serve's
+    controller and proxy), ``ray`` (Ray's own daemons and idle workers:
+    GCS, raylet, dashboard, log monitor)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    name = cmd.split()[0] if cmd.strip() else ""
+    if name.startswith("ray::"):
+        if "Gateway" in name:
+            return "gateway"
+        if "TartletReplica" in name:
+            return "engine"
+        return "serve" if "ServeController" in name or "Proxy" in name else "ray"
+    return "main" if "tartlet" in cmd and " serve " in cmd else "ray"
+
+
+def session_cpu(sid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system, all threads) of every live process in
+    session ``sid``, by pid, with its :func:`process_role`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[3]) == sid:  # fields after the name: state ppid pgrp session ... utime (11) stime (12)
+            out[int(d.name)] = (process_role(int(d.name)), (int(f[11]) + int(f[12])) / tick)
+    return out
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two :func:`session_cpu` samples, summed by role."""
+    spent: dict[str, float] = {}
+    for pid, (role, t) in after.items():
+        spent[role] = spent.get(role, 0.0) + t - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
+async def scaling(url: str, n: int, max_tokens: int, seed: int, sid: int | None = None) -> dict[str, Any]:
+    """``n`` concurrent streamed completions of ``max_tokens`` tokens; with
+    ``sid`` (the server's session), the CPU seconds each role of its
+    processes spent per 1,000 tokens, and this load generator's."""
     prompts = [f"Story {seed}-{i}: once upon a time, in a land of {i} rivers," for i in range(n)]
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 8)) as c:
+        cpu0, me0 = session_cpu(sid) if sid else {}, time.process_time()
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(stream_completion(c, url, p, max_tokens, {}) for p in prompts))
         wall = time.perf_counter() - t0
-    return {"tok_s": sum(r["tokens"] for r in rs) / wall, "wall_s": wall, "ttft_p50": statistics.median(r["ttft"] for r in rs)}
+        spent = {**cpu_by_role(cpu0, session_cpu(sid)), "client": time.process_time() - me0} if sid else {}
+    tokens = sum(r["tokens"] for r in rs)
+    return {"tok_s": tokens / wall, "wall_s": wall, "ttft_p50": statistics.median(r["ttft"] for r in rs),
+            "cpu_s_per_1k_tokens": {k: round(1000 * v / tokens, 3) for k, v in sorted(spent.items())}}  # fmt: skip
 
 
 # -- (b) routing over capacity-bound shared prefixes --------------------------------------
@@ -440,7 +493,7 @@ def main() -> None:
                 try:
                     if "a" in a.parts:
                         asyncio.run(scaling(srv.url, a.concurrency, 16, seed=-1))  # warm-up: the same shape, shorter
-                        add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd)))
+                        add(f"scaling/{label}", asyncio.run(scaling(srv.url, a.concurrency, a.max_tokens, seed=rnd, sid=srv.proc.pid)))
                     if kind == 0:  # each of 2 replicas holds half the streams: its best case is this
                         add("scaling/single-half", asyncio.run(scaling(srv.url, a.concurrency // 2, a.max_tokens, seed=rnd)))
                     if kind == 2 and "c" in a.parts:
@@ -487,6 +540,16 @@ def main() -> None:
             summary["single_over_1x"] = paired("scaling/single")
         tables.append((f"(a) scaling: {a.concurrency} concurrent streams x {a.max_tokens} tokens, median of {a.rounds} rounds",
                        ["server", "tok/s", "vs 1 replica"], rows))  # fmt: skip
+        roles = ["engine", "main", "gateway", "serve", "ray", "client"]
+        cpu_rows = []
+        for key in ("scaling/single", "scaling/1x1", "scaling/2x1"):
+            if key in res:
+                cpu = {r: statistics.median(x["cpu_s_per_1k_tokens"].get(r, 0.0) for x in res[key]) for r in roles}
+                summary.setdefault("cpu_s_per_1k_tokens", {})[key] = cpu
+                cpu_rows.append([key.split("/")[1], *(f"{cpu[r]:.2f}" for r in roles), f"{sum(cpu.values()):.2f}"])
+        tables.append(("(a) CPU seconds per 1,000 tokens by process role (median of rounds; 'main' is the engine of the single "
+                       "process and the idle Ray driver otherwise; 'client' is this load generator)",
+                       ["server", *roles, "all"], cpu_rows))  # fmt: skip
     if "b" in a.parts:
         rows = []
         for key in ("routing/tartlet", "routing/session", "routing/power-of-two", "routing/1 replica"):
