@@ -316,6 +316,22 @@ def test_metrics_are_per_replica_and_merged(cluster):
         assert one.status_code == 200 and "tartlet_tokens_generated_total" in one.text
 
 
+def test_ray_serves_controller_runs_at_the_launchers_loop_period(cluster):
+    # its reconcile loop took 2.6% of a core at Ray's default 0.1 s, CPU the
+    # replicas' engines want on a small machine (launcher.CONTROL_LOOP_INTERVAL_S)
+    from tartlet.cluster.launcher import CONTROL_LOOP_INTERVAL_S
+
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(b"ray::ServeController"):
+                env = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
+                found.append(env.get(b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S"))
+        except OSError:
+            continue
+    assert CONTROL_LOOP_INTERVAL_S.encode() in found, found
+
+
 def test_a_killed_replica_fails_its_clients_others_finish_and_it_comes_back(cluster):
     """Last in this module: it replaces a replica."""
     health = {r["replica"]: r for r in cluster.wait_replicas(2)}
