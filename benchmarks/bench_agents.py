@@ -74,8 +74,12 @@ per-task latency p50 and p95 (launch or first request to result), tasks/s,
 the engine's counters over the run (``model s``: time in model calls;
 ``rows``: tokens through the model), and the CPU seconds of the server
 process per task (``/proc/<pid>/stat``, every thread: the WASM instances
-and the model run in it) and of this process (the clients, the tool
-server, the launch client). Ratios against the chat client: ``chat p50 /
+and the model run in it), of its main thread alone (``loop cpu ms/task``:
+the event loop, which runs native inferlets, the HTTP and WebSocket
+handlers, chat templates and tokenizing; the rest is the scheduler thread
+with the model's OpenMP workers, and the pools for HTTP fetches and
+WASM), and of this process (the clients, the tool server, the launch
+client). Ratios against the chat client: ``chat p50 /
 p50`` (>1: the mode's tasks finish sooner), ``tasks/s / chat``, ``cpu /
 chat cpu`` (server CPU per task; <1: the mode made the server do less).
 
@@ -301,9 +305,12 @@ async def run_responses(url: str, w: Workload, tool_url: str, rtt_s: float, run:
 COUNTERS = {"calls": "tartlet_model_calls", "rows": "tartlet_tokens_computed", "forward_s": "tartlet_forward_seconds"}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads,
+    or only its thread ``thread`` (a Linux thread id: ``pid`` itself is the
+    main thread) (Linux)."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -332,7 +339,7 @@ async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, r
         await run_inferlet(url, prog, Workload("warm-up", 1, 0, 1), tool_url, 0.0, next(_runs))  # tasks of their own
     async with httpx.AsyncClient(timeout=60) as mc:
         before = await scrape(mc, url)
-        cpu0, own0 = cpu_seconds(server_pid), time.process_time()
+        cpu0, loop0, own0 = cpu_seconds(server_pid), cpu_seconds(server_pid, server_pid), time.process_time()
         t0 = time.perf_counter()
         if mode == "chat":
             lat = await run_client(url, w, tool_url, rtt_s, run)
@@ -343,6 +350,7 @@ async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, r
                                      0.0 if mode == "ideal" else rtt_s, run)
         wall = time.perf_counter() - t0
         cpu, own = cpu_seconds(server_pid) - cpu0, time.process_time() - own0
+        loop = cpu_seconds(server_pid, server_pid) - loop0
         after = await scrape(mc, url)
         # outside the measured window: the stored responses go (bounded state across runs)
         for k in range(0, len(log.ids), 16):
@@ -350,7 +358,8 @@ async def one_run(mode: str, url: str, prog: Path, w: Workload, tool_url: str, r
     d = {k: after[k] - before[k] for k in COUNTERS}
     out = {"latency_p50_s": statistics.median(lat), "latency_p95_s": p95(lat), "tasks_per_s": w.tasks / wall, "wall_s": wall,
            "forward_s": d["forward_s"], "rows": int(d["rows"]), "model_calls": int(d["calls"]),
-           "server_cpu_per_task_s": cpu / w.tasks, "bench_cpu_s": own, "load_avg": os.getloadavg()[0], "latencies_s": lat}
+           "server_cpu_per_task_s": cpu / w.tasks, "server_loop_cpu_per_task_s": loop / w.tasks, "bench_cpu_s": own,
+           "load_avg": os.getloadavg()[0], "latencies_s": lat}
     if mode == "responses":
         out["cached_fraction"] = log.cached_tokens / max(1, log.input_tokens)
     return out
@@ -381,7 +390,7 @@ def summarize(w: Workload, rtt_ms: float, tool_s: float, ideal: list[dict[str, A
     bound = statistics.median(c["latency_p50_s"] / i for c, i in zip(chat, ideal_s)) if chat else None
     res["ideal"]["chat_p50_over_ideal"] = bound
     rows: list[list[Any]] = [["ideal", res["ideal"]["latency_s"], "-", "-", "-", x(bound), "-", "-", res["ideal"]["model_s"],
-                              int(res["ideal"]["rows"]), "-", "-", "-"]]
+                              int(res["ideal"]["rows"]), "-", "-", "-", "-"]]
     for m, rs in runs.items():
         over = statistics.median(r["latency_p50_s"] / i - 1 for r, i in zip(rs, ideal_s))
         # beside the model's own speed, which drifts from run to run on a shared VM
@@ -392,18 +401,19 @@ def summarize(w: Workload, rtt_ms: float, tool_s: float, ideal: list[dict[str, A
                   "tasks_per_s": statistics.median(r["tasks_per_s"] / c["tasks_per_s"] for r, c in zip(rs, chat)),
                   "cpu": statistics.median(r["server_cpu_per_task_s"] / c["server_cpu_per_task_s"] for r, c in zip(rs, chat))}
         med = {k: _med(rs, k) for k in ("latency_p50_s", "latency_p95_s", "tasks_per_s", "forward_s", "rows",
-                                        "server_cpu_per_task_s", "bench_cpu_s")}
+                                        "server_cpu_per_task_s", "server_loop_cpu_per_task_s", "bench_cpu_s")}
         res["modes"][m] = {**med, "over_ideal": over, "waste_s": waste, "chat_p50_over_p50": vs["latency"], "tasks_per_s_vs_chat": vs["tasks_per_s"],
                            "cpu_per_task_vs_chat": vs["cpu"], "rounds": rs}
         if m == "responses":
             res["modes"][m]["cached_fraction"] = _med(rs, "cached_fraction")
 
         rows.append([m, med["latency_p50_s"], med["latency_p95_s"], f"{100 * over:+.0f}%", waste, x(vs["latency"]), med["tasks_per_s"],
-                     x(vs["tasks_per_s"]), med["forward_s"], int(med["rows"]), med["server_cpu_per_task_s"], x(vs["cpu"]), med["bench_cpu_s"]])
+                     x(vs["tasks_per_s"]), med["forward_s"], int(med["rows"]), med["server_cpu_per_task_s"], x(vs["cpu"]),
+                     1000 * med["server_loop_cpu_per_task_s"], med["bench_cpu_s"]])
     report(f"{w.name}: {w.tasks} task(s) x {w.steps} steps x {w.calls} call(s), {w.tokens_per_task()} tokens/task, "
            f"RTT {rtt_ms:g} ms (median of {len(ideal)} round(s))",
            ["mode", "p50 s", "p95 s", "over ideal", "waste s", "chat p50 / p50", "tasks/s", "tasks/s / chat", "model s", "rows",
-            "server cpu s/task", "cpu / chat cpu", "bench cpu s"], rows, None)
+            "server cpu s/task", "cpu / chat cpu", "loop cpu ms/task", "bench cpu s"], rows, None)
     return res
 
 
