@@ -54,6 +54,8 @@ with one ``JSON:`` line. Asserts nothing.
     .venv/bin/python benchmarks/bench_kv_eviction.py --workload prose-q # question in the prompt, 1024 + ~15 + answer
     .venv/bin/python benchmarks/bench_kv_eviction.py --quick            # 256 + 32, to check it runs
     .venv/bin/python benchmarks/bench_kv_eviction.py --options '{"h2o": {"score": "mean", "sink": 4}}'
+    .venv/bin/python benchmarks/bench_kv_eviction.py --methods h2o,snapkv,tova \
+        --options '{"h2o": {"chunk": 16}, "snapkv": {"chunk": 16}, "tova": {"chunk": 16}}'  # ChunkKV, page chunks
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ Args:
     kernel_size (int, default 7): snapkv only: pooling kernel (odd).
     pooling (str, default "max"): snapkv only: max or avg.
     layers (list of int, default all): h2o, snapkv, tova: layers whose scores count.
+    chunk (int, default 1): h2o, snapkv, tova: evict whole chunks of this many
+        positions (ChunkKV; the page size frees a page per chunk evicted).
 
 Returns ``{"text", "tokens", "finish_reason", "method", "budget",
 "kept_tokens", "evicted", "dropped_pages", "peak_live_pages", "page_size",
@@ -37,7 +39,7 @@ Returns ``{"text", "tokens", "finish_reason", "method", "budget",
 
 from tartlet import Model, Sampler, kv_eviction, session
 
-OPTIONS = ("sink", "recent", "score", "heads", "window", "kernel_size", "pooling", "layers")
+OPTIONS = ("sink", "recent", "score", "heads", "window", "kernel_size", "pooling", "layers", "chunk")
 
 
 async def main(args: dict) -> dict:

@@ -49,8 +49,11 @@ H2O, SnapKV and TOVA select per token for all layers and heads at once
 token from every layer and head; ``heads="max"`` ranks a token by the head
 that needs it most instead of the sum over heads (Ada-KV's selection across
 heads, see :class:`_Scored`), and ``sink`` keeps the first tokens whatever
-their scores (StreamingLLM's attention sinks). Defaults are the papers'
-(``heads="sum"``, ``sink=0``, ``score="sum"``).
+their scores (StreamingLLM's attention sinks), and ``chunk`` > 1 keeps or
+evicts runs of ``chunk`` positions (ChunkKV, Liu et al., 2025; aligned to
+pages when ``chunk`` is the page size: :mod:`tartlet.sdk.kv_chunks`).
+Defaults are the papers' (``heads="sum"``, ``sink=0``, ``score="sum"``,
+``chunk=1``).
 
 Memory accounting: KV memory is held in pages of ``page_size`` tokens, so
 the bytes held are the pages held, not the tokens kept: a page is released
@@ -61,7 +64,8 @@ context only this policy masks); the bytes are that times
 ``layers x 2 x kv_heads x head_dim x dtype bytes x page_size``. With a
 scattered eviction pattern (H2O, SnapKV, TOVA) pages stay held while any
 of their tokens is kept, so they hold more pages than ``budget / page_size``;
-the sliding window frees pages as fast as it evicts.
+the sliding window frees pages as fast as it evicts, and so do the others
+with ``chunk`` equal to the page size (whole pages evicted).
 
 Usage::
 
@@ -81,6 +85,7 @@ from . import forward as fwd
 from .attention_probe import AttentionProbe, AttentionScores
 from .context import Context
 from .forward import OutputSlot
+from .kv_chunks import lowest_chunks
 from .sampler import Sampler
 
 #: Method names :func:`make_policy` accepts.
@@ -153,6 +158,7 @@ class EvictionPolicy:
     """
 
     method = ""
+    chunk = 1  # positions per eviction unit (kv_chunks); 1: single tokens
 
     def __init__(self, budget: int) -> None:
         self.budget = _int_arg("budget", budget, 1)
@@ -344,8 +350,9 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def _lowest(self, score: Sequence[float], candidates: Sequence[int], n: int) -> list[int]:
-        """The ``n`` candidates with the lowest ``score`` (ties: earlier first)."""
-        return sorted(candidates, key=lambda j: (score[j], j))[:max(0, n)]
+        """The ``n`` candidates with the lowest ``score`` (ties: earlier
+        first), by chunks of :attr:`chunk` positions (:func:`lowest_chunks`)."""
+        return lowest_chunks(score, self._kept, candidates, n, self.chunk)
 
 
 class SinkWindow(EvictionPolicy):
@@ -394,10 +401,17 @@ class _Scored(EvictionPolicy):
     ranking of the group's mean). Every row carries
     the same mass (each query's softmax sums to 1), so normalising rows or
     layers before combining them would change nothing.
+
+    ``chunk`` (int >= 1, positions): evict whole chunks of ``chunk``
+    positions aligned to position 0, ranked by the sum of their kept
+    tokens' combined scores; the budget stays exact in tokens, the last
+    chunk taken partly (its lowest tokens); sinks and the recent or
+    observation window stay token-level (:mod:`tartlet.sdk.kv_chunks`).
     """
 
-    def __init__(self, budget: int, *, sink: int, heads: str, layers: list[int] | None) -> None:
+    def __init__(self, budget: int, *, sink: int, heads: str, layers: list[int] | None, chunk: int = 1) -> None:
         super().__init__(budget)
+        self.chunk = _int_arg("chunk", chunk, 1)
         self.sink = _int_arg("sink", sink, 0)
         if self.sink >= self.budget:
             raise ValueError(f"sink must be less than budget ({self.budget}), got {sink}")
@@ -444,14 +458,14 @@ class H2O(_Scored):
     Raises:
         ValueError: ``budget`` < 1, ``recent`` not in ``[0, budget]``,
             ``sink + recent`` over ``budget``, ``score`` or ``heads``
-            unknown, ``layers`` malformed.
+            unknown, ``layers`` malformed, ``chunk`` < 1.
     """
 
     method = "h2o"
 
     def __init__(self, budget: int, *, recent: int | None = None, sink: int = 0, score: str = "sum",
-                 heads: str = "sum", layers: list[int] | None = None) -> None:
-        super().__init__(budget, sink=sink, heads=heads, layers=layers)
+                 heads: str = "sum", layers: list[int] | None = None, chunk: int = 1) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers, chunk=chunk)
         self.recent = self.budget // 2 if recent is None else _int_arg("recent", recent, 0)
         if self.recent > self.budget:
             raise ValueError(f"recent must be at most budget ({self.budget}), got {recent}")
@@ -515,13 +529,14 @@ class TOVA(_Scored):
 
     Raises:
         ValueError: ``budget`` < 1, ``sink`` not in ``[0, budget)``,
-            ``heads`` unknown, ``layers`` malformed.
+            ``heads`` unknown, ``layers`` malformed, ``chunk`` < 1.
     """
 
     method = "tova"
 
-    def __init__(self, budget: int, *, sink: int = 0, heads: str = "sum", layers: list[int] | None = None) -> None:
-        super().__init__(budget, sink=sink, heads=heads, layers=layers)
+    def __init__(self, budget: int, *, sink: int = 0, heads: str = "sum", layers: list[int] | None = None,
+                 chunk: int = 1) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers, chunk=chunk)
 
     async def _prefill(self, ctx: Context, outputs: list[OutputSlot]) -> list[Any]:
         over = self.kept_tokens + len(ctx.pending) > self.budget
@@ -544,19 +559,22 @@ class SnapKV(_Scored):
     pools each head's) and the rows combined as ``heads`` says; the top
     ``budget - window - sink`` earlier positions are kept with the window
     and the first ``sink``. Decode steps over budget evict the lowest-voted
-    prompt tokens first, then the oldest.
+    prompt tokens first, then the oldest. With ``chunk`` > 1 the votes
+    rank chunks (the sum of their kept positions' votes; ChunkKV's
+    selection from the same observation window).
 
     Raises:
         ValueError: ``budget`` < 1, ``window`` not in ``[1, budget]``,
             ``sink + window`` over ``budget``, ``kernel_size`` not odd,
-            ``pooling`` or ``heads`` unknown, ``layers`` malformed.
+            ``pooling`` or ``heads`` unknown, ``layers`` malformed,
+            ``chunk`` < 1.
     """
 
     method = "snapkv"
 
     def __init__(self, budget: int, *, window: int | None = None, kernel_size: int = 7, pooling: str = "max",
-                 sink: int = 0, heads: str = "sum", layers: list[int] | None = None) -> None:
-        super().__init__(budget, sink=sink, heads=heads, layers=layers)
+                 sink: int = 0, heads: str = "sum", layers: list[int] | None = None, chunk: int = 1) -> None:
+        super().__init__(budget, sink=sink, heads=heads, layers=layers, chunk=chunk)
         self.window = min(32, self.budget - self.sink) if window is None else _int_arg("window", window, 1)
         if self.window > self.budget:
             raise ValueError(f"window must be at most budget ({self.budget}), got {window}")
@@ -593,8 +611,13 @@ class SnapKV(_Scored):
         over = self.kept_tokens - self.budget
         if over <= 0:
             return
-        gone = self._order[len(self._order) - min(over, len(self._order)):]
-        del self._order[len(self._order) - len(gone):]
+        if self.chunk > 1:
+            gone = self._lowest(self.votes, self._order, min(over, len(self._order)))
+            taken = set(gone)
+            self._order = [j for j in self._order if j not in taken]
+        else:
+            gone = self._order[len(self._order) - min(over, len(self._order)):]
+            del self._order[len(self._order) - len(gone):]
         rest, taken = over - len(gone), set(gone)
         old = [j for j in range(self.sink, len(self._kept)) if self._kept[j] and j not in taken][:rest] \
             if rest > 0 else []
@@ -605,7 +628,7 @@ def make_policy(method: str, budget: int, **options: Any) -> EvictionPolicy:
     """The policy named ``method`` (:data:`METHODS`) with a KV budget of
     ``budget`` tokens and its keyword ``options`` (window: ``sink``; h2o:
     ``recent``, ``score``; snapkv: ``window``, ``kernel_size``, ``pooling``;
-    h2o, snapkv, tova: ``sink``, ``heads``, ``layers``).
+    h2o, snapkv, tova: ``sink``, ``heads``, ``layers``, ``chunk``).
 
     Raises:
         ValueError: an unknown method, an option the method does not take,
