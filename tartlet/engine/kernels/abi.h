@@ -20,7 +20,7 @@
 
 /* Raise when a change to the boundary is not visible in sizes and offsets
  * (a field's meaning or units changed). */
-#define TQ_ABI_VERSION 1
+#define TQ_ABI_VERSION 2
 
 /* KV pool row kinds, one enum for both libraries (tq_decoder_desc.kv_kind;
  * the cpu_kernels entry points per kind): float32 [slots, nkv, hd], int8

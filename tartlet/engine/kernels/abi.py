@@ -27,7 +27,7 @@ import torch
 
 #: ``TQ_ABI_VERSION`` of ``abi.h``: raised when a field's meaning changes
 #: without changing sizes or offsets.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: KV pool row kind per pool dtype (``abi.h``'s ``TQ_KV_*``): the one enum
 #: for both libraries and their wrappers.

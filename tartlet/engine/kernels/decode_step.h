@@ -66,18 +66,20 @@ typedef struct {
 
 /* LoRA (models/lora.py): one adapter's update of one projection,
  * y += (x @ at) @ bt, with at = A^T [k, r] and bt = (s B)^T [r, n] (the
- * scale folded in), row-major, of dtype TQ_LORA_F32, TQ_LORA_F16 (IEEE
- * binary16) or TQ_LORA_I8 (int8 values; then rank c of the product is
- * scaled by scale[c], the product of at's column scale and bt's row
- * scale: y += ((x @ at) * scale) @ bt); at NULL (or r 0): the adapter leaves
- * the projection alone. blocks: where bt is block
- * diagonal (a fused projection's parts, each with its own ranks), its
- * nblocks blocks {n0, n1, c0, c1}: outputs [n0, n1) use ranks [c0, c1)
- * only (the rest of bt is zeros, never read); nblocks 0: bt is dense. An
+ * scale folded in), of dtype TQ_LORA_F32, TQ_LORA_F16 (IEEE binary16) or
+ * TQ_LORA_I8 (int8 values; then rank c of the product is scaled by
+ * scale[c], the product of at's column scale and bt's row scale: y +=
+ * ((x @ at) * scale) @ bt), both packed in the order the kernels read them
+ * (lora_kernels.h: at as rank groups [ceil(r / TQ_LORA_W)][k][TQ_LORA_W],
+ * bt as its diagonal blocks' column panels); at NULL (or r 0): the adapter
+ * leaves the projection alone. blocks: where bt is block diagonal (a fused
+ * projection's parts, each with its own ranks), its nblocks blocks {n0, n1,
+ * c0, c1}: outputs [n0, n1) use ranks [c0, c1) only (the rest of bt is
+ * zeros, not stored); nblocks 0: bt is dense (one block {0, n, 0, r}). An
  * adapter is an array of 4 n_layers of them, projection p of layer l at
  * 4 l + p (p: 0 QKV, 1 output, 2 gate/up, 3 down). */
 #define TQ_LORA_MAX_BLOCKS 4
-enum { TQ_LORA_F32 = 0, TQ_LORA_F16 = 1, TQ_LORA_I8 = 2 };
+enum { TQ_LORA_F32 = 0, TQ_LORA_F16 = 1, TQ_LORA_I8 = 2, TQ_LORA_W = 16 };
 typedef struct {
     const void *at, *bt;
     const float *scale;
@@ -329,207 +331,7 @@ typedef struct {
     const int64_t *lora_rows, *lora_start;
 } step_ctx;
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define LORA_SIMD 1
-/* 8 values from p[i] of dtype dt (TQ_LORA_*) */
-static inline __attribute__((always_inline)) __m256 lora_load8(const void *p, int64_t i, const int dt) {
-    if (dt == TQ_LORA_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    if (dt == TQ_LORA_I8)
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-#endif
-
-static inline __attribute__((always_inline)) float lora_val(const void *p, int64_t i, const int dt) {
-    return dt == TQ_LORA_F16 ? fp16_to_fp32(((const uint16_t *)p)[i])
-           : dt == TQ_LORA_I8 ? (float)((const int8_t *)p)[i] : ((const float *)p)[i];
-}
-
-/* Rows of one adapter a LoRA kernel call takes (lora_b_block; lora_a_block
- * LORA_NR_A): each value of its matrices it loads serves them all. */
-#define LORA_NR 4
-#define LORA_NR_A 2
-
-/* out[i][:R] = (x[rows[i]] @ at [K, R]) (* scale, when not NULL) (x rows of
- * K) for nr <= LORA_NR_A rows. Each output is the sum of four partial sums,
- * over k = 0, 1, 2, 3 mod 4, (p0 + p1) + (p2 + p3): independent FMA chains,
- * and the same order whatever nr (a row's result does not depend on the
- * rows beside it). Sixteen ranks a pass for one row, eight for two. */
-static inline __attribute__((always_inline)) void lora_a_block(const float *x, const int64_t *rows, const int nr,
-                                                               const void *at, const int dt, int64_t K, int64_t R,
-                                                               const float *scale, float *const *out) {
-    const float *xr[LORA_NR]; /* (sized for the dispatch's every case; nr <= LORA_NR_A) */
-    for (int i = 0; i < nr; i++) xr[i] = x + rows[i] * K;
-    int64_t c = 0;
-#ifdef LORA_SIMD
-    const int nv = nr == 1 ? 2 : 1; /* vectors of 8 ranks a pass */
-    const int64_t K4 = K / 4 * 4;
-    for (; c + 8 * nv <= R; c += 8 * nv) {
-        __m256 s[LORA_NR][2][4];
-        for (int i = 0; i < nr; i++)
-            for (int v = 0; v < nv; v++)
-                for (int u = 0; u < 4; u++) s[i][v][u] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K4; k += 4)
-            for (int u = 0; u < 4; u++)
-                for (int v = 0; v < nv; v++) {
-                    const __m256 b = lora_load8(at, (k + u) * R + c + 8 * v, dt);
-                    for (int i = 0; i < nr; i++) s[i][v][u] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[i] + k + u), b, s[i][v][u]);
-                }
-        for (int64_t k = K4; k < K; k++)
-            for (int v = 0; v < nv; v++) {
-                const __m256 b = lora_load8(at, k * R + c + 8 * v, dt);
-                for (int i = 0; i < nr; i++) s[i][v][k - K4] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[i] + k), b, s[i][v][k - K4]);
-            }
-        for (int i = 0; i < nr; i++)
-            for (int v = 0; v < nv; v++)
-                _mm256_storeu_ps(out[i] + c + 8 * v, _mm256_add_ps(_mm256_add_ps(s[i][v][0], s[i][v][1]),
-                                                                   _mm256_add_ps(s[i][v][2], s[i][v][3])));
-    }
-    if (nr == 1 && c + 8 <= R) { /* one row: a last 8 ranks (more rows take 8 a pass above) */
-        __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < K4; k += 4)
-            for (int u = 0; u < 4; u++) s[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + k + u), lora_load8(at, (k + u) * R + c, dt), s[u]);
-        for (int64_t k = K4; k < K; k++)
-            s[k - K4] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + k), lora_load8(at, k * R + c, dt), s[k - K4]);
-        _mm256_storeu_ps(out[0] + c, _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
-        c += 8;
-    }
-#endif
-    for (; c < R; c++) /* ranks past the last 8 (or every rank without AVX2): the same four partial sums */
-        for (int i = 0; i < nr; i++) {
-            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t k = 0; k < K; k++) p[k & 3] = fmaf(xr[i][k], lora_val(at, k * R + c, dt), p[k & 3]);
-            out[i][c] = (p[0] + p[1]) + (p[2] + p[3]);
-        }
-    if (scale)
-        for (int i = 0; i < nr; i++)
-            for (int64_t j = 0; j < R; j++) out[i][j] *= scale[j];
-}
-
-/* y[rows[i], lo:hi] += lt_i[c0:c1] @ bt[c0:c1, lo:hi] (bt [R, N], y rows of
- * N) for nr <= LORA_NR rows: per output the sum over the ranks in order (one
- * FMA chain), then added (as addmm); 64 columns a pass for one row, 32 for
- * two, 16 for more (eight chains or more), then 8, then one (the same sums). */
-static inline __attribute__((always_inline)) void lora_b_block(float *const *lt, const int nr, const void *bt,
-                                                               const int dt, int64_t N, int64_t c0, int64_t c1,
-                                                               float *y, const int64_t *rows, int64_t lo, int64_t hi) {
-    int64_t c = lo;
-#ifdef LORA_SIMD
-    const int nv = nr == 1 ? 8 : nr == 2 ? 4 : 2; /* vectors of 8 columns a pass */
-    for (; c + 8 * nv <= hi; c += 8 * nv) {
-        __m256 a[LORA_NR][8];
-        for (int i = 0; i < nr; i++)
-            for (int v = 0; v < nv; v++) a[i][v] = _mm256_setzero_ps();
-        for (int64_t r = c0; r < c1; r++) {
-            __m256 l[LORA_NR];
-            for (int i = 0; i < nr; i++) l[i] = _mm256_broadcast_ss(lt[i] + r);
-            for (int v = 0; v < nv; v++) {
-                const __m256 b = lora_load8(bt, r * N + c + 8 * v, dt);
-                for (int i = 0; i < nr; i++) a[i][v] = _mm256_fmadd_ps(l[i], b, a[i][v]);
-            }
-        }
-        for (int i = 0; i < nr; i++)
-            for (int v = 0; v < nv; v++) {
-                float *yr = y + rows[i] * N + c + 8 * v;
-                _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), a[i][v]));
-            }
-    }
-    for (; c + 8 <= hi; c += 8) {
-        __m256 a[LORA_NR];
-        for (int i = 0; i < nr; i++) a[i] = _mm256_setzero_ps();
-        for (int64_t r = c0; r < c1; r++) {
-            const __m256 b0 = lora_load8(bt, r * N + c, dt);
-            for (int i = 0; i < nr; i++) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(lt[i] + r), b0, a[i]);
-        }
-        for (int i = 0; i < nr; i++) {
-            float *yr = y + rows[i] * N + c;
-            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), a[i]));
-        }
-    }
-#endif
-    for (; c < hi; c++)
-        for (int i = 0; i < nr; i++) {
-            float acc = 0.0f;
-            for (int64_t r = c0; r < c1; r++) acc = fmaf(lt[i][r], lora_val(bt, r * N + c, dt), acc);
-            y[rows[i] * N + c] += acc;
-        }
-}
-
-/* The kernels above for a constant row count and dtype (so their loops unroll). */
-#define LORA_ROWS(nr, dt, call)                                                                             \
-    switch (nr) {                                                                                            \
-    case 1: call(1, dt); break;                                                                              \
-    case 2: call(2, dt); break;                                                                              \
-    case 3: call(3, dt); break;                                                                              \
-    default: call(4, dt); break;                                                                             \
-    }
-#define LORA_DISPATCH(nr, dtype, call)                                                                      \
-    do {                                                                                                     \
-        if ((dtype) == TQ_LORA_F16) {                                                                        \
-            LORA_ROWS(nr, TQ_LORA_F16, call)                                                                 \
-        } else if ((dtype) == TQ_LORA_I8) {                                                                  \
-            LORA_ROWS(nr, TQ_LORA_I8, call)                                                                  \
-        } else {                                                                                             \
-            LORA_ROWS(nr, TQ_LORA_F32, call)                                                                 \
-        }                                                                                                    \
-    } while (0)
-
-/* The first half of the LoRA update of projection p of layer li, for rows
- * [r0, r1) of its input x [T, K]: lt[t, :r] = x[t] @ at (run in the tail
- * of the phase that finished x, before the projection's phase opens), the
- * rows of each adapter LORA_NR_A at a time. */
-static void lora_a_rows(const step_ctx *C, int64_t li, int p, const float *x, int64_t K, int64_t r0, int64_t r1) {
-    if (!C->lora) return;
-    const tq_lora_batch *lb = C->lora;
-    for (int64_t a = 0; a < lb->n_adapters; a++) {
-        const tq_lora_mat *m = &lb->adapters[a][4 * li + p];
-        if (!m->at || m->r <= 0) continue;
-        int64_t rows[LORA_NR_A];
-        float *out[LORA_NR_A];
-        int nr = 0;
-        for (int64_t j = C->lora_start[a]; j <= C->lora_start[a + 1]; j++) {
-            const int64_t t = j < C->lora_start[a + 1] ? C->lora_rows[j] : -1;
-            if (t >= r0 && t < r1) {
-                rows[nr] = t, out[nr] = C->lt + t * C->r_max;
-                nr++;
-            }
-            if (nr == LORA_NR_A || (t < 0 && nr > 0)) {
-#define LORA_A_CALL(n, h) lora_a_block(x, rows, n, m->at, h, K, m->r, m->dtype == TQ_LORA_I8 ? m->scale : 0, out)
-                LORA_DISPATCH(nr > 1 ? 2 : 1, m->dtype, LORA_A_CALL);
-#undef LORA_A_CALL
-                nr = 0;
-            }
-        }
-    }
-}
-
-/* The second half, for output columns [lo, hi) of y [M, N] (the columns a
- * projection chunk just wrote): y[t, lo:hi] += lt[t, :r] @ bt[:, lo:hi],
- * block by block where bt is block diagonal, the rows of each adapter
- * LORA_NR at a time. */
-static void lora_b_cols(const step_ctx *C, int64_t li, int p, float *y, int64_t N, int64_t lo, int64_t hi) {
-    const tq_lora_batch *lb = C->lora;
-    for (int64_t a = 0; a < lb->n_adapters; a++) {
-        const tq_lora_mat *m = &lb->adapters[a][4 * li + p];
-        if (!m->at || m->r <= 0) continue;
-        const int64_t dense[4] = {0, N, 0, m->r}, nb = m->nblocks > 0 ? m->nblocks : 1;
-        for (int64_t j = C->lora_start[a]; j < C->lora_start[a + 1]; j += LORA_NR) {
-            const int64_t *rows = C->lora_rows + j;
-            const int nr = (int)(C->lora_start[a + 1] - j < LORA_NR ? C->lora_start[a + 1] - j : LORA_NR);
-            float *lt[LORA_NR];
-            for (int i = 0; i < nr; i++) lt[i] = C->lt + rows[i] * C->r_max;
-            for (int64_t b = 0; b < nb; b++) {
-                const int64_t *bl = m->nblocks > 0 ? m->blocks[b] : dense;
-                const int64_t s = bl[0] > lo ? bl[0] : lo, e = bl[1] < hi ? bl[1] : hi;
-                if (s >= e) continue;
-#define LORA_B_CALL(n, h) lora_b_block(lt, n, m->bt, h, N, bl[2], bl[3], y, rows, s, e)
-                LORA_DISPATCH(nr, m->dtype, LORA_B_CALL);
-#undef LORA_B_CALL
-            }
-        }
-    }
-}
+#include "lora_kernels.h" /* lora_a_rows, lora_b_cols */
 
 /* Rows of the tail of phase ph (of kind `kind`, layer ly, li; last: the
  * head's phase) and, with r1 > r0, that tail over rows [r0, r1) (tmp: hd

@@ -31,14 +31,16 @@ run fused too: each projection adds their adapter's update after its base
 output, as the op-by-op path does (``x @ A^T`` in the tail of the phase
 that finished the projection's input, the product with ``B^T`` in the
 projection's own column chunks, the rows of an adapter four at a time;
-``decode_step.h``). The step reads each adapter from copies of its
-matrices in :attr:`FusedDecoder.lora_dtype` (made once, kept while the
-adapter lives; ``TARTLET_FUSED_LORA_DTYPE``): float16 by default (half the
-bytes a step streams: from a few adapters a batch the step is bound by
-memory bandwidth; the F16C conversion is free), ``int8`` (a scale per
-rank: a quarter; int8 rounding, ~0.4% of a column's largest value) or
-``float32`` (the op-by-op path's values); and only the diagonal blocks of
-a fused projection's ``B``. A step passes one adapter index per row.
+``decode_step.h``, ``lora_kernels.h``). The step reads each adapter from
+copies of its matrices in :attr:`FusedDecoder.lora_dtype` (made once, kept
+while the adapter lives; ``TARTLET_FUSED_LORA_DTYPE``), packed in the order
+the kernels read them (:func:`~.lora_layout.lora_pack`: one contiguous run
+per matrix, only the diagonal blocks of a fused projection's ``B``):
+float16 by default (half the bytes a step streams: from a few adapters a
+batch the step is bound by memory bandwidth; the F16C conversion is free),
+``int8`` (a scale per rank: a quarter; int8 rounding, ~0.4% of a column's
+largest value) or ``float32`` (the op-by-op path's values). A step passes
+one adapter index per row.
 ``TARTLET_FUSED_LORA=0`` (or :attr:`FusedDecoder.lora`) sends batches with
 adapter rows to the op-by-op path instead.
 """
@@ -55,7 +57,8 @@ import torch
 from ..attention.plan import row_attention
 from ..models.quant_linear import DEQUANT_ROWS, QuantLinear
 from .abi import KV_KINDS
-from .quant_kernels import LORA_PROJECTIONS, AttnGroupArgs, DecoderDesc, LayerDesc, LoraMat, LoraParts, decoder_desc, lora_mats
+from .lora_layout import LORA_PROJECTIONS, LoraMat, LoraParts, lora_mats
+from .quant_kernels import AttnGroupArgs, DecoderDesc, LayerDesc, decoder_desc
 
 if TYPE_CHECKING:
     from ..attention.plan import GroupPlan
@@ -189,19 +192,20 @@ class FusedDecoder:
             return None
         if self.kernels.isa < 1 or (dtype == torch.float16 and any(float(t.abs().max()) > 65000.0 for t in pairs)):
             dtype = torch.float32  # no AVX2 conversions, or past float16's range
-        keep: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
         layers = []
         for layer in adapter.layers:
             d: "dict[str, LoraParts]" = {}
             for k, p in layer.items():
                 at, bt, scale = lora_storage(p.at, p.bt, dtype)
-                keep += [t for t in (at, bt, scale) if t is not None]
+                scales += [scale] if scale is not None else []
                 d[k] = (at, bt, p.blocks, scale)
             layers.append(d)
         try:
-            return lora_mats(layers, self._lora_shapes), keep
+            arr, packed = lora_mats(layers, self._lora_shapes)  # the packed copies the array points into
         except ValueError:
             return None
+        return arr, packed + scales
 
     def _lora_arg(self, lora: "LoraBatch", T: int) -> "tuple[list[ctypes.Array[LoraMat]], torch.Tensor]":
         """The step's adapters and each row's index into them (-1: none)."""

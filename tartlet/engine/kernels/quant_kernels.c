@@ -626,7 +626,7 @@ static const tq_abi_entry abi_table[] = {
     TQ_ABI_FIELD(tq_decoder_desc, head), TQ_ABI_FIELD(tq_decoder_desc, kv_kind),
     TQ_ABI_SIZE(tq_lora_mat), TQ_ABI_FIELD(tq_lora_mat, at), TQ_ABI_FIELD(tq_lora_mat, bt), TQ_ABI_FIELD(tq_lora_mat, r),
     TQ_ABI_FIELD(tq_lora_mat, scale), TQ_ABI_FIELD(tq_lora_mat, dtype), TQ_ABI_FIELD(tq_lora_mat, nblocks),
-    TQ_ABI_FIELD(tq_lora_mat, blocks), TQ_ABI_ENUM(TQ_LORA_F32), TQ_ABI_ENUM(TQ_LORA_F16), TQ_ABI_ENUM(TQ_LORA_I8),
+    TQ_ABI_FIELD(tq_lora_mat, blocks), TQ_ABI_ENUM(TQ_LORA_F32), TQ_ABI_ENUM(TQ_LORA_F16), TQ_ABI_ENUM(TQ_LORA_I8), TQ_ABI_ENUM(TQ_LORA_W),
     TQ_ABI_SIZE(tq_lora_batch), TQ_ABI_FIELD(tq_lora_batch, n_adapters), TQ_ABI_FIELD(tq_lora_batch, adapters),
     TQ_ABI_FIELD(tq_lora_batch, row_adapter),
     TQ_ABI_ENUM(TQ_MAX_PARTS), TQ_ABI_ENUM(TQ_LORA_MAX_BLOCKS),

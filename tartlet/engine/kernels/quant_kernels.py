@@ -28,6 +28,7 @@ from . import abi
 from .abi import KV_KINDS
 from .c_build import BASE_FLAGS, compile_library, cpu_flags, open_library
 from .kernel_checks import F32, I64, bad_tensor
+from .lora_layout import LORA_DTYPE_NAMES, LORA_DTYPES, LORA_MAX_BLOCKS, LORA_PROJECTIONS, LORA_W, LoraBatchDesc, LoraMat
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("abi.h", "quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
                                     "panel_gemm_bf16.h", "interleaved_avx512.h", "float_kernels.h", "kv_int8.h",
-                                    "decode_step.h", "repack.h"))
+                                    "decode_step.h", "lora_kernels.h", "repack.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
@@ -91,85 +92,6 @@ class DecoderDesc(ctypes.Structure):
                 ("final_norm", _P), ("head", ctypes.POINTER(LinearDesc)), ("kv_kind", _I)]
 
 
-#: Most diagonal blocks a :class:`LoraMat` describes (``TQ_LORA_MAX_BLOCKS``).
-LORA_MAX_BLOCKS = 4
-
-
-#: ``tq_lora_mat.dtype`` per storage dtype of an adapter's matrices (``TQ_LORA_*``).
-LORA_DTYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
-_LORA_DTYPE_NAMES = {torch.float32: "TQ_LORA_F32", torch.float16: "TQ_LORA_F16", torch.int8: "TQ_LORA_I8"}
-
-
-class LoraMat(ctypes.Structure):
-    """One adapter's update of one projection (``tq_lora_mat``): ``at``
-    ``A^T`` ``[k, r]``, ``bt`` ``(s B)^T`` ``[r, n]`` of one of
-    :data:`LORA_DTYPES` (int8: with ``scale`` float32 ``[r]``, rank ``c``
-    of ``x @ at`` multiplied by ``scale[c]``), or ``at`` NULL where the
-    adapter leaves the projection alone; ``blocks[:nblocks]`` ``(n0, n1,
-    c0, c1)``: outputs ``[n0, n1)`` use ranks ``[c0, c1)`` only (``nblocks``
-    0: ``bt`` is dense). An adapter is an array of ``4 * n_layers`` of them
-    (:func:`lora_mats`)."""
-
-    _fields_ = [("at", _P), ("bt", _P), ("scale", _P), ("r", _I), ("dtype", _I), ("nblocks", _I),
-                ("blocks", (_I * 4) * LORA_MAX_BLOCKS)]
-
-
-class LoraBatchDesc(ctypes.Structure):
-    """The adapters of one fused step (``tq_lora_batch``): row ``t`` uses
-    ``adapters[row_adapter[t]]`` (an array of :class:`LoraMat`), or none when
-    that is negative."""
-
-    _fields_ = [("n_adapters", _I), ("adapters", ctypes.POINTER(_P)), ("row_adapter", _P)]
-
-
-#: The projections of a layer in a :class:`LoraMat` array, in order (``4 * layer + index``).
-LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-#: One projection's LoRA matrices for :func:`lora_mats`: ``at``, ``bt``, the
-#: diagonal blocks of ``bt`` and (int8 matrices) the per-rank scale.
-LoraParts = tuple[torch.Tensor, torch.Tensor, "tuple[tuple[int, int, int, int], ...]", "torch.Tensor | None"]
-
-
-def lora_mats(layers: "list[dict[str, LoraParts]]", shapes: "list[dict[str, tuple[int, int]]]") -> "ctypes.Array[LoraMat]":
-    """The :class:`LoraMat` array of one adapter: ``layers[l][proj] = (at,
-    bt, blocks, scale)`` for the projections it changes (keys of
-    :data:`LORA_PROJECTIONS`; ``blocks`` as :class:`LoraMat`'s, or empty;
-    ``scale`` float32 ``[r]`` for int8 matrices, else None), checked
-    against ``shapes[l][proj] = (k, n)``, the base projection's input and
-    output widths. The tensors must outlive the array.
-
-    Raises:
-        ValueError: a matrix that is not of :data:`LORA_DTYPES` on the CPU,
-            contiguous, of the shape ``[k, r]`` / ``[r, n]`` (both of one
-            dtype), a missing or misshapen scale, or blocks outside the
-            matrix or more than :data:`LORA_MAX_BLOCKS`.
-    """
-    arr = (LoraMat * (len(LORA_PROJECTIONS) * len(layers)))()
-    for li, layer in enumerate(layers):
-        for pi, proj in enumerate(LORA_PROJECTIONS):
-            if proj not in layer:
-                continue
-            at, bt, blocks, scale = layer[proj]
-            k, n = shapes[li][proj]
-            r = at.shape[1] if at.dim() == 2 else -1
-            for name, t, shape in (("at", at, (k, r)), ("bt", bt, (r, n))):
-                if not (t.shape == shape and t.dtype in LORA_DTYPES and t.dtype == at.dtype and t.is_cpu
-                        and t.is_contiguous()):
-                    bad_tensor("lora_mats", f"layer {li} {proj} {name}", t, shape, f"float32, float16 or int8 (as at, {at.dtype})")
-            if at.dtype == torch.int8 and not (scale is not None and scale.shape == (r,) and scale.dtype is F32
-                                               and scale.is_cpu and scale.is_contiguous()):
-                bad_tensor("lora_mats", f"layer {li} {proj} scale", scale, [r])
-            if len(blocks) > LORA_MAX_BLOCKS or any(not (0 <= n0 <= n1 <= n and 0 <= c0 <= c1 <= r) for n0, n1, c0, c1 in blocks):
-                raise ValueError(f"lora_mats: layer {li} {proj}: blocks {blocks} are not up to {LORA_MAX_BLOCKS} "
-                                 f"blocks of a [{r}, {n}] matrix")
-            m = LoraMat(at.data_ptr(), bt.data_ptr(), _ptr(scale) if at.dtype == torch.int8 else None, r,
-                        LORA_DTYPES[at.dtype], len(blocks))
-            for i, b in enumerate(blocks):
-                m.blocks[i][:] = b
-            arr[len(LORA_PROJECTIONS) * li + pi] = m
-    return arr
-
-
 #: GGUF block types ``tq_repack_gguf`` reads: ``repack.h``'s code (G_*) and the kind it makes
 REPACK_TYPES = {"Q8_0": (0, Q8), "Q4_0": (1, Q4), "Q4_1": (2, Q4), "Q5_0": (3, Q5), "Q5_1": (4, Q5), "Q4_K": (5, Q4),
                 "Q5_K": (6, Q5), "Q6_K": (7, Q6)}
@@ -191,7 +113,8 @@ def abi_entries() -> dict[str, int]:
     out.update({f"enum G_{name}": code for name, (code, _) in REPACK_TYPES.items()})
     out["enum TQ_MAX_PARTS"] = MAX_PARTS
     out["enum TQ_LORA_MAX_BLOCKS"] = LORA_MAX_BLOCKS
-    out.update({f"enum {_LORA_DTYPE_NAMES[dt]}": code for dt, code in LORA_DTYPES.items()})
+    out.update({f"enum {LORA_DTYPE_NAMES[dt]}": code for dt, code in LORA_DTYPES.items()})
+    out["enum TQ_LORA_W"] = LORA_W
     return out
 
 
@@ -255,6 +178,8 @@ class QuantKernels:
         lib.tq_decode_layers.restype = ctypes.c_int
         lib.tq_decode_profile.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         lib.tq_decode_profile.restype = ctypes.c_int
+        lib.tq_lora_apply.argtypes = [ctypes.POINTER(LoraMat), _P, _I, _I, _P, _I, _I, _I]
+        lib.tq_lora_apply.restype = ctypes.c_int
         lib.tq_set_par_min.argtypes = [_I]
         lib.tq_set_par_min.restype = _I
         lib.tq_set_panel_rows.argtypes = [_I]
@@ -605,6 +530,31 @@ class QuantKernels:
         out = (ctypes.c_double * len(self.DECODE_PHASES))()
         self._lib.tq_decode_profile(int(enable), out)
         return dict(zip(self.DECODE_PHASES, out))
+
+
+    def lora_apply(self, mat: LoraMat, x: torch.Tensor, y: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """``y[:, lo:hi] += (x @ at) @ bt[:, lo:hi]`` with one adapter's
+        matrices of one projection (a :class:`LoraMat` of
+        :func:`~.lora_layout.lora_mats`, ``at`` ``[K, r]``, ``bt`` ``[r, N]``)
+        by the fused step's LoRA kernels alone, on the instruction set in use.
+        ``x`` float32 ``[T, K]``, ``y`` float32 ``[T, N]`` (changed in place),
+        both contiguous; ``0 <= lo <= hi <= N`` (``hi`` None: ``N``).
+
+        Raises:
+            ValueError: a tensor of the wrong shape, dtype or layout, or a
+                column range outside ``y``.
+            MemoryError: the scratch could not be allocated."""
+        T, K = x.shape if x.dim() == 2 else (-1, -1)
+        if not (T >= 0 and x.dtype is F32 and x.is_cpu and x.is_contiguous()):
+            bad_tensor("lora_apply", "x", x, ["T", "K"])
+        N = y.shape[1] if y.dim() == 2 else -1
+        if not (y.shape == (T, N) and y.dtype is F32 and y.is_cpu and y.is_contiguous()):
+            bad_tensor("lora_apply", "y", y, [T, "N"])
+        hi = N if hi is None else hi
+        if not 0 <= lo <= hi <= N:
+            raise ValueError(f"lora_apply: columns [{lo}, {hi}) are not within y's {N}")
+        if self._lib.tq_lora_apply(ctypes.byref(mat), x.data_ptr(), T, K, y.data_ptr(), N, lo, hi):
+            raise MemoryError(f"cannot allocate the scratch of a {T}-row LoRA update")
 
 
 def decoder_desc(layers: list[LayerDesc], hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,

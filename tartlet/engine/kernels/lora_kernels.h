@@ -1,0 +1,449 @@
+/* The LoRA part of the fused decode step (decode_step.h, models/lora.py):
+ * each projection of a row with an adapter adds y += (x @ at) @ bt, the
+ * first product (lora_a_rows) in the tail of the phase that finished x, the
+ * second (lora_b_cols) in the projection's own column chunks.
+ *
+ * Layout (tq_lora_mat; lora_layout.py lora_pack makes it). The step reads
+ * each adapter of a batch once per step, so at 8-16 adapters a step it
+ * streams as many adapter bytes as base weights; row-major matrices made
+ * those reads many short streams (one per rank row of bt, N values each),
+ * which ran at a quarter of the bandwidth the base weights' one stream
+ * gets, and int8 (half float16's bytes) was no faster. So each matrix is
+ * stored in the order the kernels read it, one contiguous run:
+ * - at [k, r] as ceil(r / TQ_LORA_W) rank groups, each [k][TQ_LORA_W]
+ *   (ranks past r zero): a group's products for a row are one pass over it;
+ * - bt [r, n] as its diagonal blocks (the whole matrix when nblocks is 0)
+ *   one after another, block {n0, n1, c0, c1} as P panels [P][c1 - c0]
+ *   [TQ_LORA_W]: panel p holds columns TQ_LORA_W (j0 + p) ... + TQ_LORA_W
+ *   of ranks c0 .. c1 (j0 = n0 / TQ_LORA_W, P = ceil(n1 / TQ_LORA_W) - j0;
+ *   zeros for columns outside [n0, n1)).
+ * and the kernels prefetch ahead in the run they read (LORA_PF_BYTES, or a
+ * pass). Measured on a shared 2-vCPU Xeon (AVX-512), one thread, 8 adapters
+ * of one row each at SmolLM2-135M's shapes (rank 16, every projection), the
+ * adapters' part of a step alone: 9.5 ms float16, 8.7 ms int8 before; 6.4
+ * and 2.6 ms after (int8 now ~0.4-0.6x of float16's time, as its bytes say).
+ *
+ * Results do not depend on the layout, the instruction set, the thread
+ * count or the rows beside a row: rank c of x @ at is the sum of four
+ * partial sums over k = 0, 1, 2, 3 mod 4, each in order of k, added (p0 +
+ * p1) + (p2 + p3) (then times scale[c] for int8); output column j of a row
+ * is the sum over the block's ranks in order (one FMA chain from zero),
+ * then added to y (as addmm). Each SIMD lane computes exactly that.
+ *
+ * Paths by tq_set_isa level: 3 AVX-512 (16 lanes, up to 4 rows a pass),
+ * 1-2 AVX2 (8 lanes), 0 or without AVX2 at build time portable C. */
+
+/* Rows of one adapter a kernel call takes: each value of its matrices it
+ * loads serves them all. */
+#define LORA_NR 4
+/* Bytes the A kernels prefetch ahead of what they read (into L1; the B
+ * kernels prefetch their next pass). */
+#define LORA_PF_BYTES 1024
+/* Panels of bt the rows of one adapter take together (lora_b_cols): a
+ * slice of at most this many panels stays in L1 while each group of
+ * LORA_NR rows passes over it. */
+#define LORA_SLICE 16
+
+static inline int lora_esz(int dt) { return dt == TQ_LORA_F32 ? 4 : dt == TQ_LORA_F16 ? 2 : 1; }
+
+static inline float lora_val(const void *p, int64_t i, const int dt) {
+    return dt == TQ_LORA_F16 ? fp16_to_fp32(((const uint16_t *)p)[i])
+           : dt == TQ_LORA_I8 ? (float)((const int8_t *)p)[i] : ((const float *)p)[i];
+}
+
+/* Prefetch bytes [p, p + n) into L1, a line at a time. */
+static inline void lora_prefetch(const char *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+/* ------------------------------------------------------------- portable */
+
+/* o[i][j] = (x rows xr[i] [K]) @ group ag [K][W], lane j, for nr rows (the
+ * order of the file's top). */
+static void lora_a_group_c(const float *const *xr, int nr, const void *ag, int dt, int64_t K, float (*o)[TQ_LORA_W]) {
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < TQ_LORA_W; j++) {
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t k = 0; k < K; k++) p[k & 3] = fmaf(xr[i][k], lora_val(ag, k * TQ_LORA_W + j, dt), p[k & 3]);
+            o[i][j] = (p[0] + p[1]) + (p[2] + p[3]);
+        }
+}
+
+/* y[rows[i], s:e] += lt_i[:rb] @ block columns s:e (panels from j0, rb
+ * ranks each), for nr rows. */
+static void lora_b_panels_c(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
+                            const int64_t *rows, int64_t N, int64_t s, int64_t e) {
+    for (int64_t c = s; c < e; c++) {
+        const int64_t base = (c / TQ_LORA_W - j0) * rb * TQ_LORA_W + c % TQ_LORA_W;
+        for (int i = 0; i < nr; i++) {
+            float acc = 0.0f;
+            for (int64_t r = 0; r < rb; r++) acc = fmaf(lt[i][r], lora_val(bp, base + r * TQ_LORA_W, dt), acc);
+            y[rows[i] * N + c] += acc;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------- AVX2 */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LORA_SIMD 1
+
+/* 8 values from p[i] of dtype dt (TQ_LORA_*) */
+static inline __attribute__((always_inline)) __m256 lora_load8(const void *p, int64_t i, const int dt) {
+    if (dt == TQ_LORA_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dt == TQ_LORA_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* lora_a_group_c for one row (two vectors of 8 ranks, four partial sums
+ * each); pf: prefetch ahead in ag. */
+static inline __attribute__((always_inline)) void lora_a_group_avx2(const float *xr, const void *ag, const int dt,
+                                                                    int64_t K, float *o, int pf) {
+    const int64_t K4 = K / 4 * 4, step = 4 * TQ_LORA_W * lora_esz(dt);
+    __m256 s[2][4];
+    for (int v = 0; v < 2; v++)
+        for (int u = 0; u < 4; u++) s[v][u] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K4; k += 4) {
+        if (pf) lora_prefetch((const char *)ag + k * TQ_LORA_W * lora_esz(dt) + LORA_PF_BYTES, step);
+        for (int u = 0; u < 4; u++) {
+            const __m256 xv = _mm256_broadcast_ss(xr + k + u);
+            for (int v = 0; v < 2; v++) s[v][u] = _mm256_fmadd_ps(xv, lora_load8(ag, (k + u) * TQ_LORA_W + 8 * v, dt), s[v][u]);
+        }
+    }
+    for (int64_t k = K4; k < K; k++)
+        for (int v = 0; v < 2; v++)
+            s[v][k - K4] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + k), lora_load8(ag, k * TQ_LORA_W + 8 * v, dt), s[v][k - K4]);
+    for (int v = 0; v < 2; v++)
+        _mm256_storeu_ps(o + 8 * v, _mm256_add_ps(_mm256_add_ps(s[v][0], s[v][1]), _mm256_add_ps(s[v][2], s[v][3])));
+}
+
+/* y[row, 8 columns from c] += a, only columns [s, e) of them */
+static inline __attribute__((always_inline)) void lora_add8(float *yr, int64_t c, int64_t s, int64_t e, __m256 a) {
+    if (c >= s && c + 8 <= e) {
+        _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), a));
+        return;
+    }
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32((int)(c - s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i m = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(-1)),
+                                       _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(e - s)), lane));
+    _mm256_maskstore_ps(yr + c, m, _mm256_add_ps(_mm256_maskload_ps(yr + c, m), a));
+}
+
+/* np panels from panel j (block panels from j0, rb ranks) for nr rows:
+ * eight accumulators. pf: prefetch ahead in the block. */
+static inline __attribute__((always_inline)) void lora_b_pass_avx2(float *const *lt, const int nr, const int np,
+                                                                   const void *bp, const int dt, int64_t rb, int64_t j0,
+                                                                   int64_t j, float *y, const int64_t *rows, int64_t N,
+                                                                   int64_t s, int64_t e, int pf) {
+    const int64_t pw = rb * TQ_LORA_W; /* values of a panel */
+    if (pf) lora_prefetch((const char *)bp + ((j - j0 + np) * pw) * lora_esz(dt), np * pw * lora_esz(dt));
+    __m256 a[LORA_NR][4][2];
+    for (int i = 0; i < nr; i++)
+        for (int p = 0; p < np; p++) a[i][p][0] = a[i][p][1] = _mm256_setzero_ps();
+    const int64_t off = (j - j0) * pw;
+    for (int64_t r = 0; r < rb; r++) {
+        __m256 l[LORA_NR];
+        for (int i = 0; i < nr; i++) l[i] = _mm256_broadcast_ss(lt[i] + r);
+        for (int p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 b = lora_load8(bp, off + p * pw + r * TQ_LORA_W + 8 * h, dt);
+                for (int i = 0; i < nr; i++) a[i][p][h] = _mm256_fmadd_ps(l[i], b, a[i][p][h]);
+            }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) lora_add8(y + rows[i] * N, (j + p) * TQ_LORA_W + 8 * h, s, e, a[i][p][h]);
+}
+
+/* lora_b_panels_c on AVX2: panels 4 a pass for one row, 2 for two, 1 for more. */
+static inline __attribute__((always_inline)) void lora_b_panels_avx2(float *const *lt, const int nr, const void *bp,
+                                                                     const int dt, int64_t rb, int64_t j0, float *y,
+                                                                     const int64_t *rows, int64_t N, int64_t s,
+                                                                     int64_t e, int pf) {
+    const int np = nr == 1 ? 4 : nr == 2 ? 2 : 1;
+    int64_t j = s / TQ_LORA_W;
+    const int64_t je = (e + TQ_LORA_W - 1) / TQ_LORA_W;
+    for (; j + np <= je; j += np) lora_b_pass_avx2(lt, nr, np, bp, dt, rb, j0, j, y, rows, N, s, e, pf);
+    for (; j < je; j++) lora_b_pass_avx2(lt, nr, 1, bp, dt, rb, j0, j, y, rows, N, s, e, pf);
+}
+
+/* The dispatch of a row count and a dtype to constants (so the loops unroll). */
+#define LORA_DT(dtype, call)                                                                                \
+    do {                                                                                                     \
+        if ((dtype) == TQ_LORA_F16) call(TQ_LORA_F16);                                                       \
+        else if ((dtype) == TQ_LORA_I8) call(TQ_LORA_I8);                                                    \
+        else call(TQ_LORA_F32);                                                                              \
+    } while (0)
+#define LORA_NR_DT(nr, dtype, call)                                                                         \
+    do {                                                                                                     \
+        switch (nr) {                                                                                        \
+        case 1: LORA_DT(dtype, call##1); break;                                                              \
+        case 2: LORA_DT(dtype, call##2); break;                                                              \
+        case 3: LORA_DT(dtype, call##3); break;                                                              \
+        default: LORA_DT(dtype, call##4); break;                                                             \
+        }                                                                                                    \
+    } while (0)
+
+/* ------------------------------------------------------------- AVX-512 */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LORA_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+
+static inline __attribute__((always_inline)) __m512 lora_load16(const void *p, int64_t i, const int dt) {
+    if (dt == TQ_LORA_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    if (dt == TQ_LORA_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* lora_a_group_c for nr <= LORA_NR rows: a vector of 16 ranks, four
+ * partial sums, per row. */
+static inline __attribute__((always_inline)) void lora_a_group_512(const float *const *xr, const int nr, const void *ag,
+                                                                   const int dt, int64_t K, float (*o)[TQ_LORA_W], int pf) {
+    const int64_t K4 = K / 4 * 4, step = 4 * TQ_LORA_W * lora_esz(dt);
+    __m512 s[LORA_NR][4];
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < 4; u++) s[i][u] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K4; k += 4) {
+        if (pf) lora_prefetch((const char *)ag + k * TQ_LORA_W * lora_esz(dt) + LORA_PF_BYTES, step);
+        for (int u = 0; u < 4; u++) {
+            const __m512 b = lora_load16(ag, (k + u) * TQ_LORA_W, dt);
+            for (int i = 0; i < nr; i++) s[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i][k + u]), b, s[i][u]);
+        }
+    }
+    for (int64_t k = K4; k < K; k++) {
+        const __m512 b = lora_load16(ag, k * TQ_LORA_W, dt);
+        for (int i = 0; i < nr; i++) s[i][k - K4] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i][k]), b, s[i][k - K4]);
+    }
+    for (int i = 0; i < nr; i++)
+        _mm512_storeu_ps(o[i], _mm512_add_ps(_mm512_add_ps(s[i][0], s[i][1]), _mm512_add_ps(s[i][2], s[i][3])));
+}
+
+/* np panels from panel j for nr rows (a vector per panel and row). */
+static inline __attribute__((always_inline)) void lora_b_pass_512(float *const *lt, const int nr, const int np,
+                                                                  const void *bp, const int dt, int64_t rb, int64_t j0,
+                                                                  int64_t j, float *y, const int64_t *rows, int64_t N,
+                                                                  int64_t s, int64_t e, int pf) {
+    const int64_t pw = rb * TQ_LORA_W, off = (j - j0) * pw;
+    if (pf) lora_prefetch((const char *)bp + (off + np * pw) * lora_esz(dt), np * pw * lora_esz(dt));
+    __m512 a[LORA_NR][8];
+    for (int i = 0; i < nr; i++)
+        for (int p = 0; p < np; p++) a[i][p] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rb; r++) {
+        __m512 l[LORA_NR];
+        for (int i = 0; i < nr; i++) l[i] = _mm512_set1_ps(lt[i][r]);
+        for (int p = 0; p < np; p++) {
+            const __m512 b = lora_load16(bp, off + p * pw + r * TQ_LORA_W, dt);
+            for (int i = 0; i < nr; i++) a[i][p] = _mm512_fmadd_ps(l[i], b, a[i][p]);
+        }
+    }
+    for (int p = 0; p < np; p++) {
+        const int64_t c = (j + p) * TQ_LORA_W, lo = s > c ? s - c : 0, hi = e < c + TQ_LORA_W ? e - c : TQ_LORA_W;
+        const __mmask16 m = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+        for (int i = 0; i < nr; i++) {
+            float *yr = y + rows[i] * N + c;
+            if (m == 0xffff) _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), a[i][p]));
+            else _mm512_mask_storeu_ps(yr, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yr), a[i][p]));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void lora_b_panels_512(float *const *lt, const int nr, const void *bp,
+                                                                    const int dt, int64_t rb, int64_t j0, float *y,
+                                                                    const int64_t *rows, int64_t N, int64_t s,
+                                                                    int64_t e, int pf) {
+    const int np = nr == 1 ? 8 : 4;
+    int64_t j = s / TQ_LORA_W;
+    const int64_t je = (e + TQ_LORA_W - 1) / TQ_LORA_W;
+    for (; j + np <= je; j += np) lora_b_pass_512(lt, nr, np, bp, dt, rb, j0, j, y, rows, N, s, e, pf);
+    for (; j < je; j++) lora_b_pass_512(lt, nr, 1, bp, dt, rb, j0, j, y, rows, N, s, e, pf);
+}
+
+static void lora_a_group_avx512(const float *const *xr, int nr, const void *ag, int dt, int64_t K,
+                                float (*o)[TQ_LORA_W], int pf) {
+#define A1(h) lora_a_group_512(xr, 1, ag, h, K, o, pf)
+#define A2(h) lora_a_group_512(xr, 2, ag, h, K, o, pf)
+#define A3(h) lora_a_group_512(xr, 3, ag, h, K, o, pf)
+#define A4(h) lora_a_group_512(xr, 4, ag, h, K, o, pf)
+    LORA_NR_DT(nr, dt, A);
+#undef A1
+#undef A2
+#undef A3
+#undef A4
+}
+
+static void lora_b_panels_avx512(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
+                                 const int64_t *rows, int64_t N, int64_t s, int64_t e, int pf) {
+#define B1(h) lora_b_panels_512(lt, 1, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B2(h) lora_b_panels_512(lt, 2, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B3(h) lora_b_panels_512(lt, 3, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B4(h) lora_b_panels_512(lt, 4, bp, h, rb, j0, y, rows, N, s, e, pf)
+    LORA_NR_DT(nr, dt, B);
+#undef B1
+#undef B2
+#undef B3
+#undef B4
+}
+#pragma GCC pop_options
+#endif /* x86 */
+
+static void lora_b_panels_avx2_any(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
+                                   const int64_t *rows, int64_t N, int64_t s, int64_t e, int pf) {
+#define B1(h) lora_b_panels_avx2(lt, 1, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B2(h) lora_b_panels_avx2(lt, 2, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B3(h) lora_b_panels_avx2(lt, 3, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B4(h) lora_b_panels_avx2(lt, 4, bp, h, rb, j0, y, rows, N, s, e, pf)
+    LORA_NR_DT(nr, dt, B);
+#undef B1
+#undef B2
+#undef B3
+#undef B4
+}
+#endif /* AVX2 */
+
+/* ------------------------------------------------------------- drivers */
+
+/* o[i][:W] = rank group ag's products of the nr rows xr (the path of the ISA in use) */
+static void lora_a_group(const float *const *xr, int nr, const void *ag, int dt, int64_t K, float (*o)[TQ_LORA_W],
+                         int pf) {
+#ifdef LORA_SIMD
+    const int level = cur_isa();
+#ifdef LORA_AVX512
+    if (level >= 3) {
+        lora_a_group_avx512(xr, nr, ag, dt, K, o, pf);
+        return;
+    }
+#endif
+    if (level >= 1) {
+        for (int i = 0; i < nr; i++) {
+            if (dt == TQ_LORA_F16) lora_a_group_avx2(xr[i], ag, TQ_LORA_F16, K, o[i], pf && i == 0);
+            else if (dt == TQ_LORA_I8) lora_a_group_avx2(xr[i], ag, TQ_LORA_I8, K, o[i], pf && i == 0);
+            else lora_a_group_avx2(xr[i], ag, TQ_LORA_F32, K, o[i], pf && i == 0);
+        }
+        return;
+    }
+#endif
+    (void)pf;
+    lora_a_group_c(xr, nr, ag, dt, K, o);
+}
+
+static void lora_b_panels(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
+                          const int64_t *rows, int64_t N, int64_t s, int64_t e, int pf) {
+#ifdef LORA_SIMD
+    const int level = cur_isa();
+#ifdef LORA_AVX512
+    if (level >= 3) {
+        lora_b_panels_avx512(lt, nr, bp, dt, rb, j0, y, rows, N, s, e, pf);
+        return;
+    }
+#endif
+    if (level >= 1) {
+        lora_b_panels_avx2_any(lt, nr, bp, dt, rb, j0, y, rows, N, s, e, pf);
+        return;
+    }
+#endif
+    (void)pf;
+    lora_b_panels_c(lt, nr, bp, dt, rb, j0, y, rows, N, s, e);
+}
+
+/* The first half of the LoRA update of projection p of layer li, for rows
+ * [r0, r1) of its input x [T, K]: lt[t, :r] = x[t] @ at (run in the tail
+ * of the phase that finished x, before the projection's phase opens): per
+ * adapter, per rank group, its rows LORA_NR at a time (the group, read
+ * from memory by the first, stays in L1 for the others). */
+static void lora_a_rows(const step_ctx *C, int64_t li, int p, const float *x, int64_t K, int64_t r0, int64_t r1) {
+    if (!C->lora) return;
+    const tq_lora_batch *lb = C->lora;
+    for (int64_t a = 0; a < lb->n_adapters; a++) {
+        const tq_lora_mat *m = &lb->adapters[a][4 * li + p];
+        if (!m->at || m->r <= 0) continue;
+        const int dt = (int)m->dtype;
+        for (int64_t g = 0; g * TQ_LORA_W < m->r; g++) {
+            const char *ag = (const char *)m->at + g * K * TQ_LORA_W * lora_esz(dt);
+            const int64_t c0 = g * TQ_LORA_W, w = m->r - c0 < TQ_LORA_W ? m->r - c0 : TQ_LORA_W;
+            int first = 1;
+            for (int64_t j = C->lora_start[a]; j < C->lora_start[a + 1];) {
+                const float *xr[LORA_NR];
+                int64_t rows[LORA_NR];
+                int nr = 0;
+                for (; j < C->lora_start[a + 1] && nr < LORA_NR; j++)
+                    if (C->lora_rows[j] >= r0 && C->lora_rows[j] < r1) rows[nr] = C->lora_rows[j], xr[nr] = x + rows[nr] * K, nr++;
+                if (!nr) break;
+                float o[LORA_NR][TQ_LORA_W];
+                lora_a_group(xr, nr, ag, dt, K, o, first);
+                first = 0;
+                for (int i = 0; i < nr; i++) {
+                    float *out = C->lt + rows[i] * C->r_max + c0;
+                    if (dt == TQ_LORA_I8)
+                        for (int64_t q = 0; q < w; q++) out[q] = o[i][q] * m->scale[c0 + q];
+                    else
+                        memcpy(out, o[i], (size_t)w * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
+/* The second half, for output columns [lo, hi) of y [M, N] (the columns a
+ * projection chunk just wrote): y[t, lo:hi] += lt[t, :r] @ bt[:, lo:hi],
+ * block by block, slices of LORA_SLICE panels, each slice passed by the
+ * rows of the adapter LORA_NR at a time. */
+static void lora_b_cols(const step_ctx *C, int64_t li, int p, float *y, int64_t N, int64_t lo, int64_t hi) {
+    const tq_lora_batch *lb = C->lora;
+    for (int64_t a = 0; a < lb->n_adapters; a++) {
+        const tq_lora_mat *m = &lb->adapters[a][4 * li + p];
+        const int64_t n_rows = C->lora_start[a + 1] - C->lora_start[a];
+        if (!m->at || m->r <= 0 || n_rows <= 0) continue;
+        const int dt = (int)m->dtype;
+        const int64_t dense[4] = {0, N, 0, m->r}, nb = m->nblocks > 0 ? m->nblocks : 1;
+        const char *bp = (const char *)m->bt;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t *bl = m->nblocks > 0 ? m->blocks[b] : dense;
+            const int64_t rb = bl[3] - bl[2], j0 = bl[0] / TQ_LORA_W, P = (bl[1] + TQ_LORA_W - 1) / TQ_LORA_W - j0;
+            const int64_t s = bl[0] > lo ? bl[0] : lo, e = bl[1] < hi ? bl[1] : hi;
+            for (int64_t cs = s; cs < e && rb > 0;) {
+                const int64_t ce0 = (cs / TQ_LORA_W + LORA_SLICE) * TQ_LORA_W, ce = ce0 < e ? ce0 : e;
+                for (int64_t j = C->lora_start[a]; j < C->lora_start[a + 1]; j += LORA_NR) {
+                    const int64_t *rows = C->lora_rows + j;
+                    const int nr = (int)(C->lora_start[a + 1] - j < LORA_NR ? C->lora_start[a + 1] - j : LORA_NR);
+                    float *lt[LORA_NR];
+                    for (int i = 0; i < nr; i++) lt[i] = C->lt + rows[i] * C->r_max + bl[2];
+                    lora_b_panels(lt, nr, bp, dt, rb, j0, y, rows, N, cs, ce, j == C->lora_start[a]);
+                }
+                cs = ce;
+            }
+            bp += P * rb * TQ_LORA_W * lora_esz(dt);
+        }
+    }
+}
+
+/* The kernels above alone, for one adapter's update of one projection (tests
+ * give them shapes and column ranges the model's projections do not have):
+ * y[t, lo:hi] += (x[t] @ at) @ bt[:, lo:hi] for the T rows of x [T, K], y
+ * [T, N], with m's matrices as tq_decode_layers takes them. Returns 0, or -1
+ * when the scratch cannot be allocated. */
+int tq_lora_apply(const tq_lora_mat *m, const float *x, int64_t T, int64_t K, float *y, int64_t N, int64_t lo,
+                  int64_t hi) {
+    if (T <= 0 || !m->at || m->r <= 0) return 0;
+    float *lt = malloc((size_t)(T * m->r) * sizeof(float));
+    int64_t *rows = malloc((size_t)(T + 2) * sizeof(int64_t)), zero = 0;
+    if (!lt || !rows) {
+        free(lt), free(rows);
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++) rows[t] = t;
+    int64_t *start = rows + T; /* one adapter: its rows 0 .. T */
+    start[0] = 0, start[1] = T;
+    const tq_lora_mat *adapters[1] = {m};
+    const tq_lora_batch lb = {1, adapters, &zero};
+    step_ctx C;
+    memset(&C, 0, sizeof(C));
+    C.T = T, C.lora = &lb, C.lt = lt, C.r_max = m->r, C.lora_rows = rows, C.lora_start = start;
+    lora_a_rows(&C, 0, 0, x, K, 0, T);
+    lora_b_cols(&C, 0, 0, y, N, lo, hi);
+    free(lt), free(rows);
+    return 0;
+}
