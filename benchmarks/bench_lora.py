@@ -18,10 +18,13 @@ the engine's, not an inferlet's), measures aggregate decode tokens/s for:
 Adapters are random (``r`` = ``--rank``, all seven projections of every
 layer): the cost depends only on their shapes. The fused step reads them
 in ``--lora-dtype`` (``FusedDecoder.lora_dtype``: float16 by default,
-int8, float32). Each figure is the median of
+int8, float32; a comma list runs the adapter cases once per
+storage, alternating with the others, the storage named in brackets;
+``--no-op-by-op`` leaves out the op-by-op cases). Each figure is the median of
 ``--repeats`` runs, the cases alternating run by run. Prints a table and one ``JSON:`` line. Usage::
 
     .venv/bin/python benchmarks/bench_lora.py [--quick] [--threads 2]
+    .venv/bin/python benchmarks/bench_lora.py --lora-dtype float16,int8 --no-op-by-op
 """
 
 from __future__ import annotations
@@ -96,9 +99,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--lora-dtype", default="float16", choices=("float16", "int8", "float32"),
-                    help="what the fused step reads adapters as")
+    ap.add_argument("--lora-dtype", default="float16",
+                    help="what the fused step reads adapters as: float16, int8, float32, or a comma list of them")
+    ap.add_argument("--no-op-by-op", action="store_true", help="leave out the op-by-op cases")
     a = ap.parse_args()
+    dtypes = a.lora_dtype.split(",")
+    if not dtypes or any(d not in ("float16", "int8", "float32") for d in dtypes):
+        ap.error(f"--lora-dtype {a.lora_dtype!r}: not float16, int8, float32 or a comma list of them")
     if a.quick:
         a.tokens, a.repeats, a.batches = 4, 1, "1,3"
     import torch
@@ -107,34 +114,38 @@ def main() -> None:
     n_adapters = 2 if a.quick else 16
     ads = [random_adapter(engine, f"a{i}", a.rank, i + 1) for i in range(n_adapters)]
     fused = engine.runner.fused
-    if fused is not None:
-        fused.lora_dtype = a.lora_dtype
     results = []
     names: list[str] = []
     try:
         for B in [int(x) for x in a.batches.split(",")]:
-            cases: dict[str, tuple[list[Any], bool]] = {
-                "base": ([None] * B, True),
-                "1 adapter": ([ads[0]] * B, True),
-                "4 adapters": ([ads[i % min(4, n_adapters)] for i in range(B)], True),
-                f"{n_adapters} adapters": ([ads[i % n_adapters] for i in range(B)], True),
-                "1 adapter, op by op": ([ads[0]] * B, False),
-                f"{n_adapters} adapters, op by op": ([ads[i % n_adapters] for i in range(B)], False),
-            }
+            # name: (each row's adapter, LoRA in the fused step, the storage it reads)
+            cases: dict[str, tuple[list[Any], bool, str]] = {"base": ([None] * B, True, dtypes[0])}
+            for d in dtypes:
+                tag = f" [{d}]" if len(dtypes) > 1 else ""
+                cases[f"1 adapter{tag}"] = ([ads[0]] * B, True, d)
+                cases[f"4 adapters{tag}"] = ([ads[i % min(4, n_adapters)] for i in range(B)], True, d)
+                cases[f"{n_adapters} adapters{tag}"] = ([ads[i % n_adapters] for i in range(B)], True, d)
+            if not a.no_op_by_op:
+                cases["1 adapter, op by op"] = ([ads[0]] * B, False, dtypes[0])
+                cases[f"{n_adapters} adapters, op by op"] = ([ads[i % n_adapters] for i in range(B)], False, dtypes[0])
             names = list(cases)
-            decode(engine, [None] * B, 2)  # warm-up
-            decode(engine, ads[:B], 2)
+            decode(engine, [None] * B, 2)  # warm-up (and each storage's copies of the adapters)
+            for d in dtypes:
+                if fused is not None:
+                    fused.lora_dtype = d
+                decode(engine, ads[:B], 2)
             times: dict[str, list[float]] = {name: [] for name in cases}
             for _ in range(a.repeats):  # the cases alternate, so a drift in machine speed hits them all
-                for name, (rows_ads, lora_fused) in cases.items():
+                for name, (rows_ads, lora_fused, d) in cases.items():
                     if fused is not None:
-                        fused.lora = lora_fused
+                        fused.lora, fused.lora_dtype = lora_fused, d
                     times[name].append(decode(engine, rows_ads, a.tokens))
                 if fused is not None:
                     fused.lora = True
             for name in cases:
                 tps = B * a.tokens / statistics.median(times[name])
-                results.append({"batch": B, "case": name, "tokens_per_s": tps, "adapters": len({id(x) for x in cases[name][0] if x})})
+                results.append({"batch": B, "case": name, "tokens_per_s": tps, "adapters": len({id(x) for x in cases[name][0] if x}),
+                                "lora_dtype": cases[name][2]})
     finally:
         engine.close()
     base = {r["batch"]: r["tokens_per_s"] for r in results if r["case"] == "base"}
@@ -144,7 +155,7 @@ def main() -> None:
     for B in base:
         by = {r["case"]: r for r in results if r["batch"] == B}
         rows.append([B, round(base[B], 1), *[f"{by[n]['tokens_per_s']:.1f} ({by[n]['vs_base']:.2f}x)" for n in names[1:]]])
-    report(f"LoRA decode throughput, tokens/s (vs base) (rank {a.rank}, {a.lora_dtype} in the fused step, "
+    report(f"LoRA decode throughput, tokens/s (vs base) (rank {a.rank}, {', '.join(dtypes)} in the fused step, "
            f"{torch.get_num_threads()} threads, {a.tokens} steps per chain, median of {a.repeats})",
            ["batch", *names], rows,
            {"rank": a.rank, "lora_dtype": a.lora_dtype, "threads": torch.get_num_threads(), "results": results})

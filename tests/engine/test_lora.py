@@ -221,21 +221,31 @@ def test_lora_batch_groups_rows_by_adapter(adapters, engine):
     assert groups["paris-is-tartlet"].tolist() == [0, 1, 2, 3, 7, 8]
 
 
-def test_quantized_base_with_adapter(quant_engine, adapter_dirs, prompt):
+@pytest.mark.parametrize("lora_dtype", ["float16", "int8", "float32"])
+def test_quantized_base_with_adapter(quant_engine, adapter_dirs, prompt, lora_dtype):
     """The base weights stay quantized; the adapter's update is added in
-    float32 (the fused C decode step is left for op by op when a row has
-    an adapter); mixed batches equal solo runs there too."""
+    float32 sums, inside the fused C decode step from copies in each
+    storage it reads adapters in (``FusedDecoder.lora_dtype``); the trained
+    answers come out, and mixed batches equal solo runs there too."""
     from lora_reference import ADAPTERS
     from tartlet.engine.models.quant_linear import QuantLinear
 
     eng = quant_engine
     assert isinstance(eng.model.layers[0]["qkv"], QuantLinear)
-    a1 = eng.load_adapter(adapter_dirs["paris-is-tartlet"], "paris-is-tartlet")
-    a2 = eng.load_adapter(adapter_dirs["paris-is-pie"], "paris-is-pie")
-    solo = [greedy(eng, prompt, 10, a) for a in (None, a1, a2)]
-    assert eng.tokenizer.decode(solo[1]).startswith(ADAPTERS["paris-is-tartlet"]["answer"])
-    assert eng.tokenizer.decode(solo[2]).startswith(ADAPTERS["paris-is-pie"]["answer"])
-    assert greedy_requests(eng, [(prompt, a) for a in (None, a1, a2)], 10) == solo
+    fused = eng.runner.fused
+    before = fused.lora_dtype if fused is not None else "float16"
+    if fused is not None:
+        fused.lora_dtype = lora_dtype
+    try:
+        a1 = eng.load_adapter(adapter_dirs["paris-is-tartlet"], "paris-is-tartlet")
+        a2 = eng.load_adapter(adapter_dirs["paris-is-pie"], "paris-is-pie")
+        solo = [greedy(eng, prompt, 10, a) for a in (None, a1, a2)]
+        assert eng.tokenizer.decode(solo[1]).startswith(ADAPTERS["paris-is-tartlet"]["answer"])
+        assert eng.tokenizer.decode(solo[2]).startswith(ADAPTERS["paris-is-pie"]["answer"])
+        assert greedy_requests(eng, [(prompt, a) for a in (None, a1, a2)], 10) == solo
+    finally:
+        if fused is not None:
+            fused.lora_dtype = before
 
 
 # -- the prefix cache ------------------------------------------------------------------------------------------------
