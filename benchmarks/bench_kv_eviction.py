@@ -299,6 +299,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.25,0.5,0.75", help="fractions of prompt + continuation")
     ap.add_argument("--methods", default="window,h2o,snapkv,tova")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--model", default=None, help="model name or GGUF path (default: the default model)")
     ap.add_argument("--options", default="{}", help='JSON: options per method, e.g. {"snapkv": {"pooling": "avg"}}')
     a = ap.parse_args()
     for method, opts in json.loads(a.options).items():
@@ -312,7 +313,7 @@ def main() -> None:
     from tartlet.runtime.native import NativeRuntime
     from tartlet.runtime.program import load_program
 
-    engine = load_engine(kv_cache_mb=512)
+    engine = load_engine(kv_cache_mb=512, **({"model": a.model} if a.model else {}))
     samples = build_samples(a.workload, engine.tokenizer.encode, a.seed, a.prefix, a.continuation, a.samples)
     scored_n = sum(len(s.scored) for s in samples)
     page_bytes = engine.pool.nbytes() // engine.pool.num_pages
@@ -356,7 +357,7 @@ def main() -> None:
             return out + [r["source_kept"], r["document_kept"]] if diag else out
 
         rows = [row("full", full)]
-        payload: dict[str, Any] = {"workload": a.workload, "scored": scored_n, "options": OPTIONS,
+        payload: dict[str, Any] = {"model": engine.cfg.model, "workload": a.workload, "scored": scored_n, "options": OPTIONS,
                                    "prefix": a.prefix, "continuation": a.continuation, "page_bytes": page_bytes,
                                    "full": full, "runs": []}
         if diag:
@@ -380,7 +381,7 @@ def main() -> None:
             "prose-q": f"the answers ({scored_n} tokens, {len(samples)} samples) to a question at the prompt's end "
                        "on the language reference"}[a.workload]
     after = "their prompts" if diag else f"{a.prefix}"
-    report(f"KV eviction, workload {a.workload}: teacher-forced NLL of {what}, "
+    report(f"KV eviction, {Path(engine.cfg.model).name}, workload {a.workload}: teacher-forced NLL of {what}, "
            f"{a.continuation if not diag else 'answer'} tokens after {after} (budget: tokens of KV kept"
            f"{', mean over samples' if diag else ''})",
            ["method", "budget", "NLL", "vs full", "KV MiB held", "tok/s"] + (["src kept", "doc kept"] if diag else []),
