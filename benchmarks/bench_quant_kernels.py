@@ -14,8 +14,8 @@ vanishes. Each Q4, Q5 and Q8 format runs in both layouts: ``rows`` (a row's
 blocks in a row: the row-at-a-time integer kernel; the engine sends calls
 of 8+ rows in this layout to the float panel GEMM instead, not timed here)
 and ``x16`` (interleaved by 16 rows, as the engine holds them on AVX-512
-VNNI with 16-bit activations: the integer kernel of
-``interleaved_avx512.h``, at any row count). Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
+VNNI: the integer kernel of ``interleaved_avx512.h``, at any row count,
+for 16-bit and 8-bit activations). Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
 time, GB/s = weight bytes / time (compare with the machine's read
 bandwidth, ``bench_roofline.py``). Prints a table and one ``JSON:`` line.
 Usage::
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="activation precision")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q8 kinds, 16-bit activations)")
+    ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q5/Q8 kinds)")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read when the kernel library starts its OpenMP runtime
 
@@ -59,7 +59,7 @@ def main() -> None:
         for (n, k), layout in ((s, lay) for s in SHAPES for lay in a.layouts.split(",")):
             w = quantize(torch.randn(n, k), fmt)
             if layout == "x16":
-                if w.kind not in INTERLEAVED or a.bits != 16:
+                if w.kind not in INTERLEAVED:
                     continue
                 w = interleave(w)
             wbytes = sum(t.numel() * t.element_size() for t in (w.q, w.d, w.m) if t is not None)

@@ -333,7 +333,7 @@ def test_quant_linear_parts_bias_residual(kern, act_bits):
         refs.append(dequant_reference(raw, t, n, k))
     bias = torch.randn(88)
     lin = QuantLinear(parts, bias, kern, act_bits=act_bits)
-    il = act_bits == 16 and kern.isa == 3  # runs of 16k rows at outputs 16j: interleaved where they can be
+    il = kern.isa == 3  # runs of 16k rows at outputs 16j: interleaved where they can be (either act_bits)
     assert [p.kind for p in lin.parts] == [Q4I if il else Q4, Q6I if il else Q6, F16], "runs of one kind are merged"
     assert (lin.in_features, lin.out_features) == (k, 88)
     x, res = torch.randn(5, k), torch.randn(5, 88)

@@ -1,8 +1,8 @@
 /* Integer kernel for weights interleaved by 16 rows (kinds K_Q4I, K_Q5I,
  * K_Q6I and K_Q8I, made at load by quant_formats.interleave from kinds Q4,
  * Q5, Q6, Q8):
- * y = x @ W^T (+ bias) (+ res) with x quantized to 16-bit blocks
- * (tq_quantize, bits 16), for any number of activation rows. Included after
+ * y = x @ W^T (+ bias) (+ res) with x quantized to 16-bit or 8-bit blocks
+ * (tq_quantize, bits 16 or 8), for any number of activation rows. Included after
  * quant_kernels_avx512.h, inside the same "#pragma GCC target" region.
  *
  * Layout. Rows come in groups of 16; a group's blocks follow each other
@@ -34,8 +34,13 @@
  * 4 lo bytes; Q8I's
  * signed s against broadcasts of lo and of hi + 128 (unsigned), then
  * s . hi = s . (hi + 128) - 128 sum(s), sum(s) from one more vpdpbusd per 4
- * values shared by every row. A block's int32 dot product is exact; per
- * output then
+ * values shared by every row. 8-bit activations a (signed bytes, as
+ * tq_quantize stores them) take one vpdpbusd per 4 values: Q4I's, Q5I's and
+ * Q6I's q unsigned against a broadcast of 4 bytes of a; Q8I's q = s + 128
+ * (one XOR per weight vector, shared by every row) against a, then
+ * s . a = q . a - 128 sum(a), 128 sum(a) per row and block computed once
+ * per call (like the 16-bit byte planes, once per phase of the fused step).
+ * A block's int32 dot product is exact; per output then
  *
  *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I, Q5I: acc = fma(m_w[b], s_x[b], acc))
  *
@@ -54,7 +59,12 @@
  * Speed (benchmarks/bench_quant_kernels.py: 2-vCPU Zen 4 VM, one thread,
  * weights hot in L2, Q4_1 1536 x 576): 52.5 G multiply-adds/s at one row
  * against 17.5 for the row-at-a-time kernel (one16_row), 83 at 8 rows
- * against ~40-47 for the float32 panel GEMM; see docs/benchmarks.md. */
+ * against ~40-47 for the float32 panel GEMM; see docs/benchmarks.md. With
+ * 8-bit activations (2-vCPU Intel Xeon VM, shared, two runs alternating
+ * with 16-bit ones): 137-151 at 8 rows and 129-152 at 64, 1.5-2.1x the
+ * 16-bit kernel, 4-6x the 8-bit row-at-a-time kernel (tile_avx512); about
+ * 1x-1.2x the 16-bit kernel at one row, where unpacking and scaling each
+ * block weigh more than its products. */
 
 #define IL_ROWS 16
 /* activation rows one pass over a group's blocks serves (accumulators in registers) */
@@ -129,12 +139,15 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
 
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
  * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times R
- * activation rows (row r: lo / hi bytes at lo + r ps, hi + r ps, hi + 128
- * for Q8I; FA planes at fa + r fs) into y [R, 16] (row stride ldy), bias
- * [16] and res [R, 16] (row stride ldr) added when not NULL. */
-INLINE void il_group(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
-                     const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa,
-                     int64_t fs, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+ * activation rows (16-bit: row r's lo / hi bytes at lo + r ps, hi + r hs,
+ * hi + 128 for Q8I; A8: its int8 values at lo + r ps and, Q8I, its blocks'
+ * 128 sum(a) as int32 at hi + r hs; FA planes at fa + r fs) into y [R, 16]
+ * (row stride ldy), bias [16] and res [R, 16] (row stride ldr) added when
+ * not NULL. */
+INLINE void il_group(const int kind, const int A8, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
+                     const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
+                     const float *fa, int64_t fs, float *y, int64_t ldy, const float *bias, const float *res,
+                     int64_t ldr) {
     const int qb = IL_QB(kind), ns = NSCALES(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -152,6 +165,8 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
             mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
         } else if (kind == K_Q6I) { /* the second half's scales */
             dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 32 + 16)));
+        } else if (A8) { /* Q8I, 8-bit: the unsigned q = s + 128 against a, then - 128 sum(a) per row */
+            for (int t = 0; t < 8; t++) w[t] = _mm512_xor_si512(w[t], _mm512_set1_epi8((char)0x80));
         } else { /* Q8I: 32768 sum(s), 256 times the 128 sum(s) that hi + 128 adds */
             const __m512i ones = _mm512_set1_epi8(1);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[0]);
@@ -164,7 +179,28 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * ps + b * QK);
+            if (A8) { /* one vpdpbusd per 4 values: q unsigned against 4 broadcast signed bytes of a */
+                const int32_t *a = (const int32_t *)(lo + r * ps + b * QK);
+                __m512i x[4]; /* four chains: values 0-7, 8-15, 16-23, 24-31 */
+                for (int c = 0; c < 4; c++) x[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * c], _mm512_set1_epi32(a[2 * c]));
+                for (int c = 0; c < 4; c++) x[c] = _mm512_dpbusd_epi32(x[c], w[2 * c + 1], _mm512_set1_epi32(a[2 * c + 1]));
+                const __m512i dot0 = _mm512_add_epi32(x[0], x[1]), dot1 = _mm512_add_epi32(x[2], x[3]);
+                const float dx = fa[r * fs + b];
+                if (kind == K_Q6I) { /* as the 16-bit branch below */
+                    const float *s01 = fa + r * fs + 2 * nb + 2 * b;
+                    acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx),
+                                                                 _mm512_set1_ps(-32.0f * s01[0])), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx),
+                                                                  _mm512_set1_ps(-32.0f * s01[1])), acc[r]);
+                    continue;
+                }
+                __m512i dot = _mm512_add_epi32(dot0, dot1);
+                if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(((const int32_t *)(hi + r * hs))[b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
+                if (IL_HAS_MIN(kind)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+                continue;
+            }
+            const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * hs + b * QK);
             /* four independent chains, values 0-15 (h0, l0) and 16-31 (h1, l1). Q4I, Q5I, Q6I: hi
              * against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128 unsigned against s signed */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
@@ -205,12 +241,14 @@ INLINE void il_group(const int kind, const int R, const int once, const uint8_t 
 }
 
 /* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of an interleaved
- * kind times M activation rows (byte planes lo, hi of row stride ps, FA
- * planes fa) into y (row stride ldy), bias and res (row stride ldr) added
- * when not NULL. */
-INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
-                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, const float *fa,
-                      int64_t M, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+ * kind times M activation rows (16-bit: byte planes lo, hi; A8: the int8
+ * rows lo and, for Q8I, hi their 128 sum(a) per block, int32 [M, nb]; row
+ * strides ps and hs bytes; FA planes fa) into y (row stride ldy), bias and
+ * res (row stride ldr) added when not NULL. */
+INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
+                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
+                      const float *fa, int64_t M, float *y, int64_t ldy, const float *bias, const float *res,
+                      int64_t ldr) {
     const int64_t fs = FA * nb;
     const int once = M <= IL_MR; /* one row tile: each weight is read once */
     for (int64_t g = g0; g < g1; g++) {
@@ -218,56 +256,80 @@ INLINE void il_groups(const int kind, int64_t g0, int64_t g1, const uint8_t *wq,
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
-            const uint8_t *l = lo + r0 * ps, *h = hi + r0 * ps;
+            const uint8_t *l = lo + r0 * ps, *h = hi ? hi + r0 * hs : 0;
             const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
+#define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, l, h, ps, hs, f, fs, o, ldy, bb, rr, ldr)
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
-            case 1: il_group(kind, 1, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 2: il_group(kind, 2, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 3: il_group(kind, 3, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 4: il_group(kind, 4, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 5: il_group(kind, 5, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 6: il_group(kind, 6, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            case 7: il_group(kind, 7, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
-            default: il_group(kind, 8, once, q, d, m, nb, l, h, ps, f, fs, o, ldy, bb, rr, ldr); break;
+            case 1: IL_GROUP(1); break;
+            case 2: IL_GROUP(2); break;
+            case 3: IL_GROUP(3); break;
+            case 4: IL_GROUP(4); break;
+            case 5: IL_GROUP(5); break;
+            case 6: IL_GROUP(6); break;
+            case 7: IL_GROUP(7); break;
+            default: IL_GROUP(8); break;
             }
+#undef IL_GROUP
         }
     }
 }
 
 /* y = x @ W^T (+ bias) (+ res) for W of an interleaved kind ([N, K], N a
- * multiple of 16) and M rows of 16-bit activations qa [M, K] with their FA
- * planes fa; returns 0, or -1 (nothing done) when the byte planes cannot be
+ * multiple of 16) and M rows of activations qa [M, K] quantized to `bits`
+ * (8: int8, 16: int16) with their FA planes fa; returns 0, or -1 (nothing
+ * done) when the byte planes (16-bit) or block sums (8-bit, Q8I) cannot be
  * allocated. */
-static int il_matmul_avx512(int kind, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t K,
-                            const int16_t *qa, const float *fa, int64_t M, float *y, int64_t ldy, const float *bias,
-                            const float *res, int64_t ldr) {
-    const int64_t nb = K / QK, ps = (K + 63) & ~(int64_t)63;
-    const int q8 = kind == K_Q8I;
-    /* the planes this thread split earlier in the same phase of the fused step (planes_tag) */
+static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                            int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
+                            const float *bias, const float *res, int64_t ldr) {
+    const int64_t nb = K / QK;
+    const int q8 = kind == K_Q8I, a8 = bits == 8;
+    /* what this thread made earlier in the same phase of the fused step (planes_tag) */
     const int reuse = planes_tag && planes_have.tag == planes_tag && planes_have.qa == qa && planes_have.M == M &&
-                      planes_have.K == K && planes_have.q8 == q8;
-    uint8_t *const lo = reuse ? planes_buf : activation_planes((size_t)(2 * M * ps));
-    if (!lo) return -1;
-    uint8_t *const hi = lo + M * ps;
-    /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
-    const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
-    if (!reuse) {
-        planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
-    }
-    for (int64_t r = 0; r < M && !reuse; r++)
-        for (int64_t k = 0; k < K; k += 32) {
-            const __m512i a = _mm512_loadu_si512((const void *)(qa + r * K + k));
-            _mm256_store_si256((__m256i *)(lo + r * ps + k), _mm512_cvtepi16_epi8(a));
-            _mm256_store_si256((__m256i *)(hi + r * ps + k),
-                               _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
+                      planes_have.K == K && planes_have.q8 == q8 && planes_have.bits == bits;
+    const uint8_t *lo = (const uint8_t *)qa, *hi = 0;
+    int64_t ps = K, hs = 0;
+    if (a8 && q8) { /* 128 sum(a) per block: q = s + 128 meets a, and s . a = q . a - 128 sum(a) */
+        int32_t *const sums = reuse ? (int32_t *)planes_buf : (int32_t *)activation_planes((size_t)(M * nb * 4));
+        if (!sums) return -1;
+        for (int64_t i = 0; i < M * nb && !reuse; i++) {
+            const int8_t *a = (const int8_t *)qa + i * QK;
+            int32_t s = 0;
+            for (int j = 0; j < QK; j++) s += a[j];
+            sums[i] = 128 * s;
         }
-#define IL_GROUPS(KIND) il_groups(KIND, n0, n1, wq, wd, wm, nb, lo, hi, ps, fa, M, y, ldy, bias, res, ldr)
-    PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind) {
-        case K_Q8I: IL_GROUPS(K_Q8I); break;
-        case K_Q5I: IL_GROUPS(K_Q5I); break;
-        case K_Q6I: IL_GROUPS(K_Q6I); break;
-        default: IL_GROUPS(K_Q4I); break;
+        hi = (const uint8_t *)sums, hs = 4 * nb;
+    } else if (!a8) {
+        ps = hs = (K + 63) & ~(int64_t)63;
+        uint8_t *const l = reuse ? planes_buf : activation_planes((size_t)(2 * M * ps));
+        if (!l) return -1;
+        uint8_t *const h = l + M * ps;
+        /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
+        const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
+        for (int64_t r = 0; r < M && !reuse; r++)
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512i a = _mm512_loadu_si512((const void *)((const int16_t *)qa + r * K + k));
+                _mm256_store_si256((__m256i *)(l + r * ps + k), _mm512_cvtepi16_epi8(a));
+                _mm256_store_si256((__m256i *)(h + r * ps + k),
+                                   _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
+            }
+        lo = l, hi = h;
+    }
+    if ((!a8 || q8) && !reuse) {
+        planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
+        planes_have.bits = bits;
+    }
+#define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, lo, hi, ps, hs, fa, M, y, ldy, bias, res, ldr)
+    PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind + 16 * a8) {
+        case K_Q8I: IL_GROUPS(K_Q8I, 0); break;
+        case K_Q5I: IL_GROUPS(K_Q5I, 0); break;
+        case K_Q6I: IL_GROUPS(K_Q6I, 0); break;
+        case K_Q4I: IL_GROUPS(K_Q4I, 0); break;
+        case 16 + K_Q8I: IL_GROUPS(K_Q8I, 1); break;
+        case 16 + K_Q5I: IL_GROUPS(K_Q5I, 1); break;
+        case 16 + K_Q6I: IL_GROUPS(K_Q6I, 1); break;
+        default: IL_GROUPS(K_Q4I, 1); break;
     });
 #undef IL_GROUPS
     return 0;

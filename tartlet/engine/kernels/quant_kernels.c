@@ -269,8 +269,8 @@ static void matmul_il_c(int kind, int bits, const uint8_t *wq, const uint16_t *w
  * decode step (decode_step.h): it sets planes_tag to a value unique to the
  * (step, phase) on each of its threads, during which the activations qa a
  * projection reads do not change, so a thread splits them into byte planes
- * once a phase instead of once a chunk (il_matmul_avx512). 0 (every other
- * caller): split on every call. */
+ * (8-bit ones: Q8I's block sums) once a phase instead of once a chunk
+ * (il_matmul_avx512). 0 (every other caller): split on every call. */
 static _Thread_local uint64_t planes_tag;
 
 /* --------------------------------------------------------------- x86 SIMD */
@@ -432,8 +432,7 @@ void tq_matmul(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const 
                const float *res, int64_t ldr) {
     if (IS_IL(kind)) { /* any row count: a row's result does not depend on M */
 #ifdef TQ_X86
-        if (cur_isa() == 3 && bits == 16 &&
-            il_matmul_avx512(kind, wq, wd, wm, N, K, (const int16_t *)qa, fa, M, y, ldy, bias, res, ldr) == 0)
+        if (cur_isa() == 3 && il_matmul_avx512(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr) == 0)
             return;
 #endif
         matmul_il_c(kind, bits, wq, wd, wm, N, K, qa, fa, M, y, ldy, bias, res, ldr);

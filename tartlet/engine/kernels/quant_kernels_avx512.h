@@ -250,17 +250,18 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
 static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
 /* What planes_buf holds when il_matmul_avx512 may reuse it (see planes_tag):
- * the split of qa [M, K] with Q8I's flip (q8) made under tag; tag 0: nothing
- * reusable. */
+ * the split of qa [M, K] with Q8I's flip (q8), or (bits 8) its block sums,
+ * made under tag; tag 0: nothing reusable. */
 static _Thread_local struct {
     uint64_t tag;
     const void *qa;
     int64_t M, K;
-    int q8;
+    int q8, bits;
 } planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
- * (one16, il_matmul_avx512), at least `bytes` long, 64-byte aligned;
+ * (one16, il_matmul_avx512) or the block sums of 8-bit ones
+ * (il_matmul_avx512, Q8I), at least `bytes` long, 64-byte aligned;
  * NULL when it cannot be allocated. */
 static uint8_t *activation_planes(size_t bytes) {
     planes_have.tag = 0; /* the caller overwrites it */

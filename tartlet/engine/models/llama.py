@@ -121,10 +121,11 @@ class LlamaModel:
             result then depends on whether its batch has 8+ rows (1-7 rows
             keep the 16-bit integer kernel), so batching can change greedy
             outputs at near-ties. Projections with 8-bit activations keep
-            their integer kernels at any row count. Q4/Q8 projections are
-            interleaved for the integer kernel of every row count only
-            with ``"float32"`` (see :mod:`tartlet.engine.models.quant_linear`);
-            ``"bfloat16"`` keeps them in the row layout for its panel.
+            their integer kernels at any row count. Q4/Q5/Q6/Q8 projections
+            are interleaved for the integer kernel of every row count (8-bit
+            or 16-bit activations; see
+            :mod:`tartlet.engine.models.quant_linear`), except the 16-bit
+            ones under ``"bfloat16"``, kept in the row layout for its panel.
 
     Quantized weights stay quantized on the CPU in float32 (:class:`QuantLinear`)
     and on CUDA with Triton in any compute dtype (:class:`CudaQuantLinear`,

@@ -13,14 +13,15 @@ France?": the inputs of the projections after an RMSNorm have outliers
 columns of one output matrix (bias and residual added in the kernel), all
 in one C call (``tq_linear``) over a descriptor built at load.
 
-On AVX-512 VNNI, Q4, Q5 and Q8 parts (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-Q8_0) with a multiple of 16 rows and 16-bit activations are interleaved by
-16 rows at load
-(:func:`~tartlet.engine.loading.quant_formats.interleave`) and multiplied by the
-integer kernel of ``interleaved_avx512.h`` for any number of rows: no
-per-row horizontal sums (2-3x the row-at-a-time kernel at one row), faster
-than the float panel GEMM at 8+ rows, and a row's result is the same bits
-in a batch of any size.
+On AVX-512 VNNI, Q4, Q5, Q6 and Q8 parts (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+Q5_K, Q6_K, Q8_0) with a multiple of 16 rows are interleaved by 16 rows at
+load (:func:`~tartlet.engine.loading.quant_formats.interleave`) and
+multiplied by the integer kernel of ``interleaved_avx512.h`` for any number
+of rows, with 16-bit activations (two ``vpdpbusd`` per 4 values) or 8-bit
+ones (one: ~1.5x the 16-bit speed at 8+ rows): no per-row horizontal sums
+(2-3x the row-at-a-time kernel at one row, 4-6x at 8+ rows with 8-bit
+activations), faster than the float panel GEMM at 8+ rows, and a row's
+result is the same bits in a batch of any size.
 
 Larger batches (prefill, large decode batches) of the other kinds multiply
 in float instead. On AVX-512, from ``QuantKernels.panel_rows`` rows (8), the same C call
@@ -78,10 +79,11 @@ class QuantLinear:
         bf16: the panel GEMM (AVX-512, 8+ rows) multiplies bfloat16 values
             (:meth:`QuantKernels.linear_desc`); needs ``act_bits`` 16.
 
-    With 16-bit activations, no ``bf16``, the AVX-512 VNNI kernels in use and
-    :data:`INTERLEAVE`, each Q4, Q5 or Q8 part of a multiple of 16 rows that
-    starts at a multiple of 16 outputs is replaced by its interleaved copy
-    (``parts`` then holds kind ``Q4I``, ``Q5I`` or ``Q8I``).
+    With no ``bf16``, the AVX-512 VNNI kernels in use and :data:`INTERLEAVE`,
+    each Q4, Q5, Q6 or Q8 part of a multiple of 16 rows that starts at a
+    multiple of 16 outputs is replaced by its interleaved copy (``parts``
+    then holds kind ``Q4I``, ``Q5I``, ``Q6I`` or ``Q8I``), for 8-bit and
+    16-bit activations alike.
 
     Raises:
         ValueError: parts of different widths, or a bias of the wrong size.
@@ -101,7 +103,7 @@ class QuantLinear:
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        interleaved = INTERLEAVE and act_bits == 16 and not bf16 and kernels.isa == 3
+        interleaved = INTERLEAVE and not bf16 and kernels.isa == 3  # either act_bits: interleaved_avx512.h
         merged: list[QuantWeight] = []
         n0 = 0
         for run in runs:
