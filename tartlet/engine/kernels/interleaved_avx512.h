@@ -137,6 +137,23 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
     }
 }
 
+/* A block's contribution to one activation row's accumulator (the header's
+ * formula). Q6I, per half (dot0, dot1; s01: the halves' scale-times-sum
+ * plane): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
+ * block's int32 dot product; sx: the activation block's scale times sum,
+ * read for Q4I and Q5I only): acc + dot d_w d_x (+ m_w s_x). */
+INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, const float *s01) {
+    acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx), _mm512_set1_ps(-32.0f * s01[0])), acc);
+    return _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx), _mm512_set1_ps(-32.0f * s01[1])),
+                           acc);
+}
+
+INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 mw, float dx, const float *sx) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc);
+    if (IL_HAS_MIN(kind)) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx), acc);
+    return acc;
+}
+
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
  * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times R
  * activation rows (16-bit: row r's lo / hi bytes at lo + r ps, hi + r hs,
@@ -186,18 +203,13 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                 for (int c = 0; c < 4; c++) x[c] = _mm512_dpbusd_epi32(x[c], w[2 * c + 1], _mm512_set1_epi32(a[2 * c + 1]));
                 const __m512i dot0 = _mm512_add_epi32(x[0], x[1]), dot1 = _mm512_add_epi32(x[2], x[3]);
                 const float dx = fa[r * fs + b];
-                if (kind == K_Q6I) { /* as the 16-bit branch below */
-                    const float *s01 = fa + r * fs + 2 * nb + 2 * b;
-                    acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx),
-                                                                 _mm512_set1_ps(-32.0f * s01[0])), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx),
-                                                                  _mm512_set1_ps(-32.0f * s01[1])), acc[r]);
+                if (kind == K_Q6I) {
+                    acc[r] = il_acc_q6(acc[r], dw, dw1, dot0, dot1, dx, fa + r * fs + 2 * nb + 2 * b);
                     continue;
                 }
                 __m512i dot = _mm512_add_epi32(dot0, dot1);
                 if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(((const int32_t *)(hi + r * hs))[b]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
-                if (IL_HAS_MIN(kind)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+                acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
                 continue;
             }
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * hs + b * QK);
@@ -216,20 +228,14 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                 l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
             }
             const float dx = fa[r * fs + b];
-            if (kind == K_Q6I) { /* per half: acc += d_w (d_x dot - 32 s_x), m = -32 d */
-                const __m512i dot0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
-                const __m512i dot1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
-                const float *s01 = fa + r * fs + 2 * nb + 2 * b;
-                acc[r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx),
-                                                             _mm512_set1_ps(-32.0f * s01[0])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx),
-                                                              _mm512_set1_ps(-32.0f * s01[1])), acc[r]);
+            if (kind == K_Q6I) { /* per half, m = -32 d */
+                acc[r] = il_acc_q6(acc[r], dw, dw1, _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0),
+                                   _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, fa + r * fs + 2 * nb + 2 * b);
                 continue;
             }
             __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
             if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
-            if (IL_HAS_MIN(kind)) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(fa[r * fs + nb + b]), acc[r]);
+            acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
         }
     }
     for (int r = 0; r < R; r++) {
