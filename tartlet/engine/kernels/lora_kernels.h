@@ -170,19 +170,19 @@ static inline __attribute__((always_inline)) void lora_b_panels_avx2(float *cons
 }
 
 /* The dispatch of a row count and a dtype to constants (so the loops unroll). */
-#define LORA_DT(dtype, call)                                                                                \
+#define LORA_DT(dtype, call, n)                                                                             \
     do {                                                                                                     \
-        if ((dtype) == TQ_LORA_F16) call(TQ_LORA_F16);                                                       \
-        else if ((dtype) == TQ_LORA_I8) call(TQ_LORA_I8);                                                    \
-        else call(TQ_LORA_F32);                                                                              \
+        if ((dtype) == TQ_LORA_F16) call(n, TQ_LORA_F16);                                                    \
+        else if ((dtype) == TQ_LORA_I8) call(n, TQ_LORA_I8);                                                 \
+        else call(n, TQ_LORA_F32);                                                                           \
     } while (0)
 #define LORA_NR_DT(nr, dtype, call)                                                                         \
     do {                                                                                                     \
         switch (nr) {                                                                                        \
-        case 1: LORA_DT(dtype, call##1); break;                                                              \
-        case 2: LORA_DT(dtype, call##2); break;                                                              \
-        case 3: LORA_DT(dtype, call##3); break;                                                              \
-        default: LORA_DT(dtype, call##4); break;                                                             \
+        case 1: LORA_DT(dtype, call, 1); break;                                                              \
+        case 2: LORA_DT(dtype, call, 2); break;                                                              \
+        case 3: LORA_DT(dtype, call, 3); break;                                                              \
+        default: LORA_DT(dtype, call, 4); break;                                                             \
         }                                                                                                    \
     } while (0)
 
@@ -264,43 +264,25 @@ static inline __attribute__((always_inline)) void lora_b_panels_512(float *const
 
 static void lora_a_group_avx512(const float *const *xr, int nr, const void *ag, int dt, int64_t K,
                                 float (*o)[TQ_LORA_W], int pf) {
-#define A1(h) lora_a_group_512(xr, 1, ag, h, K, o, pf)
-#define A2(h) lora_a_group_512(xr, 2, ag, h, K, o, pf)
-#define A3(h) lora_a_group_512(xr, 3, ag, h, K, o, pf)
-#define A4(h) lora_a_group_512(xr, 4, ag, h, K, o, pf)
+#define A(n, h) lora_a_group_512(xr, n, ag, h, K, o, pf)
     LORA_NR_DT(nr, dt, A);
-#undef A1
-#undef A2
-#undef A3
-#undef A4
+#undef A
 }
 
 static void lora_b_panels_avx512(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
                                  const int64_t *rows, int64_t N, int64_t s, int64_t e, int pf) {
-#define B1(h) lora_b_panels_512(lt, 1, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B2(h) lora_b_panels_512(lt, 2, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B3(h) lora_b_panels_512(lt, 3, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B4(h) lora_b_panels_512(lt, 4, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B(n, h) lora_b_panels_512(lt, n, bp, h, rb, j0, y, rows, N, s, e, pf)
     LORA_NR_DT(nr, dt, B);
-#undef B1
-#undef B2
-#undef B3
-#undef B4
+#undef B
 }
 #pragma GCC pop_options
 #endif /* x86 */
 
 static void lora_b_panels_avx2_any(float *const *lt, int nr, const void *bp, int dt, int64_t rb, int64_t j0, float *y,
                                    const int64_t *rows, int64_t N, int64_t s, int64_t e, int pf) {
-#define B1(h) lora_b_panels_avx2(lt, 1, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B2(h) lora_b_panels_avx2(lt, 2, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B3(h) lora_b_panels_avx2(lt, 3, bp, h, rb, j0, y, rows, N, s, e, pf)
-#define B4(h) lora_b_panels_avx2(lt, 4, bp, h, rb, j0, y, rows, N, s, e, pf)
+#define B(n, h) lora_b_panels_avx2(lt, n, bp, h, rb, j0, y, rows, N, s, e, pf)
     LORA_NR_DT(nr, dt, B);
-#undef B1
-#undef B2
-#undef B3
-#undef B4
+#undef B
 }
 #endif /* AVX2 */
 
