@@ -142,10 +142,9 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
  * plane): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
  * block's int32 dot product; sx: the activation block's scale times sum,
  * read for Q4I and Q5I only): acc + dot d_w d_x (+ m_w s_x). */
-INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, const float *s01) {
-    acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx), _mm512_set1_ps(-32.0f * s01[0])), acc);
-    return _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx), _mm512_set1_ps(-32.0f * s01[1])),
-                           acc);
+INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, const float *c01) {
+    acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx), _mm512_set1_ps(c01[0])), acc);
+    return _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx), _mm512_set1_ps(c01[1])), acc);
 }
 
 INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 mw, float dx, const float *sx) {
@@ -163,8 +162,8 @@ INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 
  * not NULL. */
 INLINE void il_group(const int kind, const int A8, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
-                     const float *fa, int64_t fs, float *y, int64_t ldy, const float *bias, const float *res,
-                     int64_t ldr) {
+                     const float *fa, int64_t fs, const float *c6, float *y, int64_t ldy, const float *bias,
+                     const float *res, int64_t ldr) {
     const int qb = IL_QB(kind), ns = NSCALES(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -198,13 +197,17 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
         for (int r = 0; r < R; r++) {
             if (A8) { /* one vpdpbusd per 4 values: q unsigned against 4 broadcast signed bytes of a */
                 const int32_t *a = (const int32_t *)(lo + r * ps + b * QK);
-                __m512i x[4]; /* four chains: values 0-7, 8-15, 16-23, 24-31 */
-                for (int c = 0; c < 4; c++) x[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * c], _mm512_set1_epi32(a[2 * c]));
-                for (int c = 0; c < 4; c++) x[c] = _mm512_dpbusd_epi32(x[c], w[2 * c + 1], _mm512_set1_epi32(a[2 * c + 1]));
-                const __m512i dot0 = _mm512_add_epi32(x[0], x[1]), dot1 = _mm512_add_epi32(x[2], x[3]);
+                /* two chains, values 0-15 and 16-31 (Q6I's halves): the rows of the pass give the
+                 * vpdpbusd ports enough independent chains, and each chain saved saves an add */
+                __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
+                __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
+                for (int t = 1; t < 4; t++) {
+                    dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
+                    dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
+                }
                 const float dx = fa[r * fs + b];
                 if (kind == K_Q6I) {
-                    acc[r] = il_acc_q6(acc[r], dw, dw1, dot0, dot1, dx, fa + r * fs + 2 * nb + 2 * b);
+                    acc[r] = il_acc_q6(acc[r], dw, dw1, dot0, dot1, dx, c6 + r * 2 * nb + 2 * b);
                     continue;
                 }
                 __m512i dot = _mm512_add_epi32(dot0, dot1);
@@ -230,7 +233,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
             const float dx = fa[r * fs + b];
             if (kind == K_Q6I) { /* per half, m = -32 d */
                 acc[r] = il_acc_q6(acc[r], dw, dw1, _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0),
-                                   _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, fa + r * fs + 2 * nb + 2 * b);
+                                   _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, c6 + r * 2 * nb + 2 * b);
                 continue;
             }
             __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
@@ -253,8 +256,8 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
  * res (row stride ldr) added when not NULL. */
 INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
                       const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
-                      const float *fa, int64_t M, float *y, int64_t ldy, const float *bias, const float *res,
-                      int64_t ldr) {
+                      const float *fa, const float *c6, int64_t M, float *y, int64_t ldy, const float *bias,
+                      const float *res, int64_t ldr) {
     const int64_t fs = FA * nb;
     const int once = M <= IL_MR; /* one row tile: each weight is read once */
     for (int64_t g = g0; g < g1; g++) {
@@ -263,9 +266,10 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
             const uint8_t *l = lo + r0 * ps, *h = hi ? hi + r0 * hs : 0;
-            const float *f = fa + r0 * fs, *bb = bias ? bias + n : 0, *rr = res ? res + r0 * ldr + n : 0;
+            const float *f = fa + r0 * fs, *c = c6 ? c6 + r0 * 2 * nb : 0, *bb = bias ? bias + n : 0;
+            const float *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
-#define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, l, h, ps, hs, f, fs, o, ldy, bb, rr, ldr)
+#define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, l, h, ps, hs, f, fs, c, o, ldy, bb, rr, ldr)
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
             case 1: IL_GROUP(1); break;
             case 2: IL_GROUP(2); break;
@@ -290,27 +294,47 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
                             int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                             const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK;
-    const int q8 = kind == K_Q8I, a8 = bits == 8;
+    const int q8 = kind == K_Q8I, q6 = kind == K_Q6I, a8 = bits == 8;
     /* what this thread made earlier in the same phase of the fused step (planes_tag) */
     const int reuse = planes_tag && planes_have.tag == planes_tag && planes_have.qa == qa && planes_have.M == M &&
-                      planes_have.K == K && planes_have.q8 == q8 && planes_have.bits == bits;
+                      planes_have.K == K && planes_have.q8 == q8 && planes_have.q6 == q6 && planes_have.bits == bits;
+    /* Row stride of the copies below: a line more than K, so that the rows of a pass do not fall in the
+     * same L1 sets (K = 4096 put them 4 KiB apart); with 8-bit activations the rows are copied for it
+     * (M x K bytes, once per phase of the fused step; see docs/benchmarks.md, bench_quant_kernels). */
+    const int64_t ps = ((K + 63) & ~(int64_t)63) + 64;
+    const int copy = a8 && M > 1;
+    /* The buffer: 16-bit, the byte planes lo, hi [M, ps] each; 8-bit, the rows [M, ps] (copy), then for
+     * Q8I 128 sum(a) per block (q = s + 128 meets a, and s . a = q . a - 128 sum(a)), int32 [M, nb]; then
+     * Q6I, -32 s_x per half block, float [M, 2 nb] (a broadcast load, where -32 times the FA plane's
+     * value cost a multiply per row and half). */
+    const size_t pbytes = (size_t)(a8 ? (copy ? M * ps : 0) + (q8 ? 4 * M * nb : 0) : 2 * M * ps);
+    const size_t cbytes = (size_t)(q6 ? 8 * M * nb : 0);
+    uint8_t *buf = 0;
+    if (pbytes + cbytes) {
+        buf = reuse ? planes_buf : activation_planes(pbytes + cbytes);
+        if (!buf) return -1;
+    }
     const uint8_t *lo = (const uint8_t *)qa, *hi = 0;
-    int64_t ps = K, hs = 0;
-    if (a8 && q8) { /* 128 sum(a) per block: q = s + 128 meets a, and s . a = q . a - 128 sum(a) */
-        int32_t *const sums = reuse ? (int32_t *)planes_buf : (int32_t *)activation_planes((size_t)(M * nb * 4));
-        if (!sums) return -1;
-        for (int64_t i = 0; i < M * nb && !reuse; i++) {
-            const int8_t *a = (const int8_t *)qa + i * QK;
-            int32_t s = 0;
-            for (int j = 0; j < QK; j++) s += a[j];
-            sums[i] = 128 * s;
+    int64_t ls = K, hs = 0;
+    float *const c6 = q6 ? (float *)(buf + pbytes) : 0;
+    if (a8) {
+        if (copy) {
+            for (int64_t r = 0; r < M && !reuse; r++) memcpy(buf + r * ps, (const int8_t *)qa + r * K, (size_t)K);
+            lo = buf, ls = ps;
         }
-        hi = (const uint8_t *)sums, hs = 4 * nb;
-    } else if (!a8) {
-        ps = hs = (K + 63) & ~(int64_t)63;
-        uint8_t *const l = reuse ? planes_buf : activation_planes((size_t)(2 * M * ps));
-        if (!l) return -1;
-        uint8_t *const h = l + M * ps;
+        if (q8) {
+            int32_t *const sums = (int32_t *)(buf + (copy ? M * ps : 0));
+            for (int64_t i = 0; i < M * nb && !reuse; i++) {
+                const int8_t *a = (const int8_t *)qa + i * QK;
+                int32_t s = 0;
+                for (int j = 0; j < QK; j++) s += a[j];
+                sums[i] = 128 * s;
+            }
+            hi = (const uint8_t *)sums, hs = 4 * nb;
+        }
+    } else {
+        ls = hs = ps;
+        uint8_t *const l = buf, *const h = buf + M * ps;
         /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
         const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
         for (int64_t r = 0; r < M && !reuse; r++)
@@ -322,11 +346,13 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
             }
         lo = l, hi = h;
     }
-    if ((!a8 || q8) && !reuse) {
+    for (int64_t r = 0; r < M && q6 && !reuse; r++) /* exact: a power of two */
+        for (int64_t i = 0; i < 2 * nb; i++) c6[r * 2 * nb + i] = -32.0f * fa[r * FA * nb + 2 * nb + i];
+    if (buf && !reuse) {
         planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
-        planes_have.bits = bits;
+        planes_have.q6 = q6, planes_have.bits = bits;
     }
-#define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, lo, hi, ps, hs, fa, M, y, ldy, bias, res, ldr)
+#define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, lo, hi, ls, hs, fa, c6, M, y, ldy, bias, res, ldr)
     PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind + 16 * a8) {
         case K_Q8I: IL_GROUPS(K_Q8I, 0); break;
         case K_Q5I: IL_GROUPS(K_Q5I, 0); break;

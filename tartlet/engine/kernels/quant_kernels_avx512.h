@@ -251,12 +251,13 @@ static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
 /* What planes_buf holds when il_matmul_avx512 may reuse it (see planes_tag):
  * the split of qa [M, K] with Q8I's flip (q8), or (bits 8) its block sums,
- * made under tag; tag 0: nothing reusable. */
+ * and for Q6I (q6) its -32 s_x plane, made under tag; tag 0: nothing
+ * reusable. */
 static _Thread_local struct {
     uint64_t tag;
     const void *qa;
     int64_t M, K;
-    int q8, bits;
+    int q8, q6, bits;
 } planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
