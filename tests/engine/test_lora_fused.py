@@ -205,6 +205,19 @@ def test_large_mixed_batch_matches_op_by_op(quant_engine, fused, adapters):
                  threads=(1, 2, 7))
 
 
+def test_one_adapter_on_many_rows_matches_op_by_op(quant_engine, fused, adapters):
+    """Most rows of a decode batch on one adapter (not contiguous: base rows
+    and another adapter's between them): on AVX-512 its rows take the
+    kernels' wide paths (from 8 rows of one adapter, ``lora_kernels.h``),
+    split by rows across the threads in the tails; fused equals op by op, on
+    1, 2 and 7 threads bitwise."""
+    a0, a1 = adapters[0], adapters[1]
+    row_adapters = [a0, a0, None, a0, a0, a0, a1, a0, a0, a0, a0, None, a0, a0, a0, a1, a0, a0, a0, a0]
+    pairs = [prefill(quant_engine, f"{PROMPTS[i % 4]} [{i}]", a) for i, a in enumerate(row_adapters)]
+    decode_steps(quant_engine, fused, [s for s, _ in pairs], [t for _, t in pairs], row_adapters, steps=2,
+                 threads=(1, 2, 7))
+
+
 def test_prefill_groups_with_adapters_match_op_by_op(quant_engine, fused, adapters):
     """Prompts of several lengths with different adapters (and one without),
     a prompt continued under an adapter and a decode row, in one fused step."""

@@ -2,9 +2,13 @@
 through :meth:`QuantKernels.lora_apply`, on shapes the default model's
 projections do not have: blocks and column ranges off the 16-column panel
 grid, ranks not a multiple of 8 or 16, a block with no ranks, ``k`` not a
-multiple of 4. Every instruction-set level the machine has (AVX-512, AVX2,
-portable C) computes the same bits, equal to ``(x @ A^T) @ B^T`` of the
-stored values, and leaves the columns outside the range alone.
+multiple of 4, a block of more ranks than the wide B path takes. Every
+instruction-set level the machine has (AVX-512, AVX2, portable C) computes
+the same bits, equal to ``(x @ A^T) @ B^T`` of the stored values, and
+leaves the columns outside the range alone; row counts from 1 to 53 take
+every way the kernels split rows into passes (AVX-512: up to 7 rows an A
+pass, 4 a narrow B pass, from 8 rows the wide B path in passes of up to 24),
+and each row comes out as it does alone.
 
 The decode steps with adapters against the op-by-op path are
 ``tests/engine/test_lora_fused.py``'s.
@@ -19,13 +23,19 @@ from tartlet.engine.kernels import quant_kernels
 from tartlet.engine.kernels.fused_decode import LORA_STORAGE, lora_storage, lora_stored_values
 from tartlet.engine.kernels.lora_layout import LORA_W, lora_mats, lora_pack
 
-#: (k, n, blocks, r): unaligned blocks (one with no ranks), the default model's QKV, dense ones
+#: (k, n, blocks, r): unaligned blocks (one with no ranks), the default model's QKV, dense ones (the last
+#: with more ranks than the wide B path takes, LORA_WIDE_RB)
 CASES = [
     (45, 77, ((0, 30, 0, 7), (30, 53, 7, 20), (53, 77, 20, 20)), 20),
     (576, 960, ((0, 576, 0, 16), (576, 768, 16, 32), (768, 960, 32, 48)), 48),
     (64, 100, (), 5),
     (33, 300, (), 37),
+    (18, 40, (), 130),
 ]
+
+#: Rows of one adapter: the kernels take them 1-7 an A pass, 1-4 a narrow B pass, and from 8 rows (AVX-512)
+#: in ceil(T / 24) near-equal wide B passes
+ROWS = (1, 3, 6, 8, 13, 25, 53)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,7 @@ def test_every_level_computes_the_same_update(kern, lora_dtype, case):
     arr, keep = lora_mats([{"qkv": (sat, sbt, blocks, scale)}], [{"qkv": (k, n)}])
     va, vb = lora_stored_values(at, bt, dtype)
     g = torch.Generator().manual_seed(100 + case)
-    for T in (1, 3, 6):
+    for T in ROWS:
         x, y0 = torch.randn(T, k, generator=g), torch.randn(T, n, generator=g)
         want = ((x.double() @ va.double()) @ vb.double()).float()
         for lo, hi in ((0, n), (5, n - 3), (17, 18), (n // 2, n // 2)):
@@ -91,6 +101,11 @@ def test_every_level_computes_the_same_update(kern, lora_dtype, case):
                 assert torch.equal(y, outs[0]), f"level {level} differs from portable C (T {T}, columns {lo}-{hi})"
             y = outs[0]
             assert torch.equal(y[:, :lo], y0[:, :lo]) and torch.equal(y[:, hi:], y0[:, hi:]), "columns outside the range"
+            if T > 1 and lo == 5:  # the rows beside a row change none of its bits (the best level)
+                for t in range(T):
+                    alone = y0[t : t + 1].clone()
+                    kern.lora_apply(arr[0], x[t : t + 1], alone, lo, hi)
+                    assert torch.equal(alone[0], y[t]), f"row {t} of {T} differs from the row alone"
             tol = 1e-4 * (1 + float(want.abs().max()))
             assert hi == lo or float((y[:, lo:hi] - y0[:, lo:hi] - want[:, lo:hi]).abs().max()) < tol
 

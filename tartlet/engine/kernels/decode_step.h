@@ -323,8 +323,9 @@ typedef struct {
     const int64_t *write_slots, *out_rows;
     int64_t T, S;
     int head;
-    /* LoRA rows, or NULL; lt: [T, r_max] each row's x @ at of the next projection; lora_rows: the rows
-     * with an adapter, grouped by adapter (adapter a's are lora_rows[lora_start[a] .. lora_start[a + 1])) */
+    /* LoRA rows, or NULL; lt: [r_max, T] rank-major, the x @ at of the next projection, rank c of the row
+     * at position j of lora_rows at lt[c T + j]; lora_rows: the rows with an adapter, grouped by adapter
+     * (adapter a's are lora_rows[lora_start[a] .. lora_start[a + 1])) */
     const tq_lora_batch *lora;
     float *lt;
     int64_t r_max;
@@ -470,7 +471,7 @@ int tq_decode_layers(const tq_decoder_desc *D, float *x, int64_t T, const float 
     if (!buf) return -1;
     float *xn = (float *)buf, *qkv = xn + T * kmax, *q = qkv + T * qkv_w, *attn = q + T * nh * hd;
     float *gu = attn + T * nh * hd, *scores = gu + T * 2 * F, *ktmp = scores + (int64_t)nt_max * g * Lmax;
-    float *lt = ktmp + (int64_t)nt_max * hd; /* [T, r_max] */
+    float *lt = ktmp + (int64_t)nt_max * hd; /* [r_max, T], rank-major (step_ctx) */
     void *qa = buf + (nf * sizeof(float) + 63) / 64 * 64;
     float *fa = (float *)((char *)qa + qbytes);
     ctr_line *ctr = (ctr_line *)((char *)fa + fbytes); /* phase ph: ctr + ph n_ctr */

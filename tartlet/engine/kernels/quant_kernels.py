@@ -36,7 +36,7 @@ _DIR = Path(__file__).parent
 _SOURCE = _DIR / "quant_kernels.c"
 _HEADERS = tuple(_DIR / h for h in ("abi.h", "quant_kernels_isa.h", "quant_kernels_avx512.h", "panel_gemm_avx512.h",
                                     "panel_gemm_bf16.h", "interleaved_avx512.h", "float_kernels.h", "kv_int8.h",
-                                    "decode_step.h", "lora_kernels.h", "repack.h"))
+                                    "decode_step.h", "lora_kernels.h", "lora_wide_avx512.h", "repack.h"))
 _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
