@@ -10,7 +10,10 @@ the core's L2 cache (~0.5 MiB), on ``--threads`` OpenMP threads (default
 between repeats beyond one ctypes call, ~1 us). Shapes are the default
 model's projections (hidden 576, FFN 1536): 1536 x 576 (half of gate/up),
 576 x 1536 (down), and a long row, 128 x 4096, where per-row overhead
-vanishes. Each Q4, Q5 and Q8 format runs in both layouts: ``rows`` (a row's
+vanishes (``--shapes`` gives others, e.g. ``512x4096``: a 7B model's
+input width). The K-quant formats ``q4_k``, ``q5_k`` and ``q6_k`` (random
+blocks: gguf-py cannot quantize to them) need K a multiple of 256 and
+skip the shapes that are not. Each format runs in both layouts: ``rows`` (a row's
 blocks in a row: the row-at-a-time integer kernel; the engine sends calls
 of 8+ rows in this layout to the float panel GEMM instead, not timed here)
 and ``x16`` (interleaved by 16 rows, as the engine holds them on AVX-512
@@ -20,7 +23,7 @@ time, GB/s = weight bytes / time (compare with the machine's read
 bandwidth, ``bench_roofline.py``). Prints a table and one ``JSON:`` line.
 Usage::
 
-    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16] [--layouts rows,x16]
+    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16] [--layouts rows,x16] [--formats q4_k,q6_k --shapes 512x4096]
 """
 
 from __future__ import annotations
@@ -31,6 +34,34 @@ import time
 
 SHAPES = [(1536, 576), (576, 1536), (128, 4096)]
 FORMATS = ["q4_0", "q4_1", "q5_1", "q8_0"]
+#: K-quant formats (``--formats q4_k,q6_k``): random blocks, since gguf-py has no K-quant quantizer; their
+#: speed does not depend on the values. They need K a multiple of 256 (``--shapes``, e.g. 512x4096).
+KQUANTS = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+
+
+def random_kquant(type_name: str, n: int, k: int, seed: int = 0):
+    """A ``QuantWeight`` of random ``type_name`` blocks (uniform bytes, the
+    float16 super-block scales set to 0.01 so no value is inf or NaN).
+
+    Raises:
+        ValueError: ``k`` not a multiple of 256 (a K-quant super-block).
+    """
+    import gguf
+    import numpy as np
+
+    from tartlet.engine.loading.quant_formats import from_gguf
+
+    if k % 256:
+        raise ValueError(f"{type_name} needs K a multiple of 256, not {k}")
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
+    b = np.random.default_rng(seed).integers(0, 256, size=(n * k // 256, size), dtype=np.uint8)
+    d = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if type_name == "Q6_K":  # ql, qh, scales, then d
+        b[:, size - 2:] = d
+    else:  # d, dmin first
+        b[:, 0:2] = d
+        b[:, 2:4] = d
+    return from_gguf(b.reshape(-1), type_name, n, k)
 
 
 def main() -> None:
@@ -40,8 +71,10 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="activation precision")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q5/Q8 kinds)")
+    ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q5/Q6/Q8 kinds)")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK matrices, comma-separated")
     a = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read when the kernel library starts its OpenMP runtime
 
     import torch
@@ -56,8 +89,10 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out, payload = [], []
     for fmt in a.formats.split(","):
-        for (n, k), layout in ((s, lay) for s in SHAPES for lay in a.layouts.split(",")):
-            w = quantize(torch.randn(n, k), fmt)
+        for (n, k), layout in ((s, lay) for s in shapes for lay in a.layouts.split(",")):
+            if fmt in KQUANTS and k % 256:
+                continue
+            w = random_kquant(KQUANTS[fmt], n, k) if fmt in KQUANTS else quantize(torch.randn(n, k), fmt)
             if layout == "x16":
                 if w.kind not in INTERLEAVED:
                     continue
