@@ -216,19 +216,15 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                 continue;
             }
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * hs + b * QK);
-            /* four independent chains, values 0-15 (h0, l0) and 16-31 (h1, l1). Q4I, Q5I, Q6I: hi
-             * against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128 unsigned against s signed */
+            /* Q4I, Q5I, Q6I: hi against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128
+             * unsigned against s signed. Q6I: four chains, values 0-15 (h0, l0) and 16-31 (h1, l1), its
+             * halves; the other kinds two (h0, l0), which the rows of the pass keep independent enough */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            for (int t = 0; t < 4; t++) {
-                if (kind != K_Q8I) {
-                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
-                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
-                } else {
-                    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
-                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 4]), w[t + 4]);
-                }
-                l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
-                l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
+            for (int t = 0; t < 8; t++) {
+                __m512i *const hc = kind == K_Q6I && t >= 4 ? &h1 : &h0, *const lc = kind == K_Q6I && t >= 4 ? &l1 : &l0;
+                *hc = kind != K_Q8I ? _mm512_dpbusd_epi32(*hc, w[t], _mm512_set1_epi32(h[t]))
+                                    : _mm512_dpbusd_epi32(*hc, _mm512_set1_epi32(h[t]), w[t]);
+                *lc = _mm512_dpbusd_epi32(*lc, _mm512_set1_epi32(l[t]), w[t]);
             }
             const float dx = fa[r * fs + b];
             if (kind == K_Q6I) { /* per half, m = -32 d */
@@ -236,7 +232,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                                    _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, c6 + r * 2 * nb + 2 * b);
                 continue;
             }
-            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
             if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
             acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
         }
