@@ -371,10 +371,9 @@ def test_eight_bit_interleaved_matches_op_by_op(a8_engine):
 def kquant_a8_engine(tmp_path_factory):
     """A random-weight 2-layer Llama mixed like a ``Q4_K_M`` file (Q6_K V,
     FFN down and head), 8-bit activations in every projection."""
-    from tiny_gguf import write_tiny_llama
-
     from tartlet.engine.core.engine import Engine, EngineConfig
     from tartlet.engine.loading.loader import load_model
+    from tiny_gguf import write_tiny_llama
 
     path = write_tiny_llama(tmp_path_factory.mktemp("kq") / "tiny.gguf",
                             {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"})
