@@ -138,8 +138,8 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
 }
 
 /* A block's contribution to one activation row's accumulator (the header's
- * formula). Q6I, per half (dot0, dot1; s01: the halves' scale-times-sum
- * plane): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
+ * formula). Q6I, per half (dot0, dot1; c01: the halves' -32 s_x, from
+ * il_matmul_avx512's plane): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
  * block's int32 dot product; sx: the activation block's scale times sum,
  * read for Q4I and Q5I only): acc + dot d_w d_x (+ m_w s_x). */
 INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, const float *c01) {
