@@ -296,7 +296,8 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
                       planes_have.K == K && planes_have.q8 == q8 && planes_have.q6 == q6 && planes_have.bits == bits;
     /* Row stride of the copies below: a line more than K, so that the rows of a pass do not fall in the
      * same L1 sets (K = 4096 put them 4 KiB apart); with 8-bit activations the rows are copied for it
-     * (M x K bytes, once per phase of the fused step; see docs/benchmarks.md, bench_quant_kernels). */
+     * (M x K bytes, once per phase of the fused step). A reasoned change, not a measured one: the
+     * 2-vCPU VM's kernel runs could not separate it (docs/benchmarks.md, bench_quant_kernels). */
     const int64_t ps = ((K + 63) & ~(int64_t)63) + 64;
     const int copy = a8 && M > 1;
     /* The buffer: 16-bit, the byte planes lo, hi [M, ps] each; 8-bit, the rows [M, ps] (copy), then for
