@@ -245,6 +245,64 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
     }
 }
 
+/* Activation rows one unpacked block serves in il_group_tile (accumulators in an L1 tile) */
+#define IL_MT 64
+
+/* il_group for 8-bit activations and R <= IL_MT rows (used above IL_MR, for Q5I and Q6I):
+ * each block of the group is unpacked once for all R rows, which run one after the other
+ * with their accumulators in acc [R, 16] (stack, L1) instead of registers; the arithmetic
+ * and its order per output are il_group's. il_group unpacks each block once per pass of
+ * IL_MR rows, and Q5I's and Q6I's unpacking (high bits: a shift and a vpternlogd per
+ * vector) is dear: measured in one process, paired calls alternating with il_group's, the
+ * tile ran Q6I at 0.88-0.98x the time at 16 and 64 rows, Q5I at 0.92-0.97x, and Q4I and
+ * Q8I, whose unpacking is cheap, at 0.95-1.03x, so those two keep il_group
+ * (docs/benchmarks.md, "Row tiles"). */
+INLINE void il_group_tile(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
+                          const uint16_t *wm, int64_t nb, const uint8_t *lo, int64_t ps, const float *fa, int64_t fs,
+                          const float *c6, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    const int qb = IL_QB(kind), ns = NSCALES(kind);
+    float acc[IL_MT * 16] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = wq + b * qb;
+        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once, kind);
+        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, once, kind);
+        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once, kind);
+        __m512i w[8];
+        il_unpack(kind, q, w);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16 * ns)));
+        __m512 mw = _mm512_setzero_ps(), dw1 = _mm512_setzero_ps();
+        if (kind == K_Q5I) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
+        else dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 32 + 16)));
+        const uint8_t *arow = lo + b * QK;
+        const float *f = fa + b, *c = c6 ? c6 + 2 * b : 0;
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            const int32_t *a = (const int32_t *)(arow + r * ps);
+            __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
+            __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
+            for (int t = 1; t < 4; t++) {
+                dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
+                dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
+            }
+            const float dx = f[r * fs];
+            __m512 v = _mm512_load_ps(acc + 16 * r);
+            if (kind == K_Q6I) {
+                v = il_acc_q6(v, dw, dw1, dot0, dot1, dx, c + r * 2 * nb);
+            } else {
+                v = il_acc(kind, v, _mm512_add_epi32(dot0, dot1), dw, mw, dx, f + r * fs + nb);
+            }
+            _mm512_store_ps(acc + 16 * r, v);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 v = _mm512_load_ps(acc + 16 * r);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+        if (res) v = _mm512_add_ps(v, _mm512_loadu_ps(res + r * ldr));
+        _mm512_storeu_ps(y + r * ldy, v);
+    }
+}
+
 /* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of an interleaved
  * kind times M activation rows (16-bit: byte planes lo, hi; A8: the int8
  * rows lo and, for Q8I, hi their 128 sum(a) per block, int32 [M, nb]; row
@@ -260,6 +318,15 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
+        if (A8 && M > IL_MR && (kind == K_Q5I || kind == K_Q6I)) { /* each block unpacked once per IL_MT rows */
+            for (int64_t r0 = 0; r0 < M; r0 += IL_MT) {
+                const int R = (int)(M - r0 < IL_MT ? M - r0 : IL_MT);
+                il_group_tile(kind, R, M <= IL_MT, q, d, m, nb, lo + r0 * ps, ps, fa + r0 * fs, fs,
+                              c6 ? c6 + r0 * 2 * nb : 0, y + r0 * ldy + n, ldy, bias ? bias + n : 0,
+                              res ? res + r0 * ldr + n : 0, ldr);
+            }
+            continue;
+        }
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
             const uint8_t *l = lo + r0 * ps, *h = hi ? hi + r0 * hs : 0;
             const float *f = fa + r0 * fs, *c = c6 ? c6 + r0 * 2 * nb : 0, *bb = bias ? bias + n : 0;
