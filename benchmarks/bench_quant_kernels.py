@@ -21,16 +21,34 @@ VNNI: the integer kernel of ``interleaved_avx512.h``, at any row count,
 for 16-bit and 8-bit activations). Best of 5 runs of ``--repeats`` calls; GMAC/s = rows x N x K /
 time, GB/s = weight bytes / time (compare with the machine's read
 bandwidth, ``bench_roofline.py``). Prints a table and one ``JSON:`` line.
+
+``--against DIR`` compares this tree's kernels with another source tree's
+(``DIR/tartlet``, e.g. a ``git worktree`` of an older commit; its library
+is built as ``quant_kernels.load`` builds it, in a subprocess, and loaded
+alongside): each case runs the two libraries' ``tq_matmul`` in pairs,
+``--repeats`` pairs, the order flipped from pair to pair, and reports the
+median of the per-pair time ratios (this tree / DIR: below 1, this tree is
+faster) after checking that both give the same bits. On the 2-vCPU VMs a
+core's speed drifts by up to 1.6x within minutes, so best-of-5 figures of
+runs made one after the other cannot resolve a change of 10-20%; pairs
+made microseconds apart can (repeated runs agree within ~0.03).
 Usage::
 
     .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 1] [--rows 1,4] [--bits 16] [--layouts rows,x16] [--formats q4_k,q6_k --shapes 512x4096]
+    git worktree add /tmp/base HEAD~1
+    .venv/bin/python benchmarks/bench_quant_kernels.py --bits 8 --layouts x16 --formats q4_k,q6_k --shapes 512x4096 --rows 16,64 --against /tmp/base
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 SHAPES = [(1536, 576), (576, 1536), (128, 4096)]
 FORMATS = ["q4_0", "q4_1", "q5_1", "q8_0"]
@@ -64,6 +82,40 @@ def random_kquant(type_name: str, n: int, k: int, seed: int = 0):
     return from_gguf(b.reshape(-1), type_name, n, k)
 
 
+def other_library(src: str) -> ctypes.CDLL:
+    """The quantized-kernel library of the source tree ``src`` (``src/tartlet``),
+    built (or found in the cache) by that tree's own ``quant_kernels.load``
+    in a subprocess, loaded here beside this tree's.
+
+    Raises:
+        SystemExit: the library could not be built there.
+    """
+    code = (f"import sys; sys.path.insert(0, {src!r}); from tartlet.engine.kernels import quant_kernels as q; "
+            "k = q.load(); print(k._lib._name if k else '')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode or not path:
+        raise SystemExit(f"--against {src}: its kernels could not be built: {out.stderr.strip()[-500:]}")
+    lib = ctypes.CDLL(path)
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.tq_matmul.argtypes = [ctypes.c_int, ctypes.c_int, P, P, P, I, I, P, P, I, P, I, P, P, I]
+    return lib
+
+
+def paired_ratio(mine: Callable[[], object], theirs: Callable[[], object], repeats: int) -> float:
+    """Median over ``repeats`` pairs of ``mine()``'s thread time / ``theirs()``'s,
+    the order flipped from pair to pair."""
+    ratios = []
+    for i in range(repeats):
+        ts = {}
+        for name, f in ((("m", mine), ("t", theirs)) if i % 2 == 0 else (("t", theirs), ("m", mine))):
+            t0 = time.thread_time_ns()
+            f()
+            ts[name] = time.thread_time_ns() - t0
+        ratios.append(ts["m"] / max(ts["t"], 1))
+    return statistics.median(ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -73,7 +125,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--layouts", default="rows,x16", help="rows, x16 (interleaved: Q4/Q5/Q6/Q8 kinds)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK matrices, comma-separated")
+    ap.add_argument("--against", metavar="DIR", help="another source tree: paired time ratios against its kernels")
     a = ap.parse_args()
+    if a.against and a.threads != 1:
+        ap.error("--against times thread CPU time: use --threads 1")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read when the kernel library starts its OpenMP runtime
 
@@ -86,6 +141,7 @@ def main() -> None:
     qk = quant_kernels.load()
     if qk is None:
         raise SystemExit("the quantized kernels could not be built on this machine")
+    other = other_library(a.against) if a.against else None
     torch.manual_seed(0)
     rows_out, payload = [], []
     for fmt in a.formats.split(","):
@@ -117,9 +173,22 @@ def main() -> None:
                                  f"{wbytes / best / 1e9:.1f}"])
                 payload.append({"format": fmt, "layout": layout, "n": n, "k": k, "rows": m, "us": best * 1e6,
                                 "gmac_s": gmac, "weight_gb_s": wbytes / best / 1e9})
+                if other is not None:
+                    theirs = torch.empty(m, n)
+                    targs = args[:10] + (theirs.data_ptr(),) + args[11:]
+                    for _ in range(20):
+                        other.tq_matmul(*targs)
+                    if not torch.equal(out, theirs):
+                        raise SystemExit(f"{fmt} {layout} {n}x{k} {m} rows: the two trees' kernels differ "
+                                         f"(max {(out - theirs).abs().max().item():.3g})")
+                    r = paired_ratio(lambda: call(*args), lambda: other.tq_matmul(*targs), a.repeats)
+                    rows_out[-1].append(f"{r:.3f}")
+                    payload[-1]["time_ratio_vs_against"] = r
+    head = ["format", "layout", "N x K", "rows", "us / call", "GMAC/s", "weight GB/s"]
     report(f"integer kernels, weights hot in cache: {a.bits}-bit activations, {a.threads} thread(s), "
-           f"ISA level {qk.isa}", ["format", "layout", "N x K", "rows", "us / call", "GMAC/s", "weight GB/s"], rows_out,
-           {"threads": a.threads, "bits": a.bits, "isa": qk.isa, "results": payload})
+           f"ISA level {qk.isa}" + (f"; time ratios, median of pairs, against {a.against}" if other else ""),
+           head + (["time / against"] if other else []), rows_out,
+           {"threads": a.threads, "bits": a.bits, "isa": qk.isa, "against": a.against, "results": payload})
 
 
 if __name__ == "__main__":
