@@ -248,18 +248,21 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
 /* Activation rows one unpacked block serves in il_group_tile (accumulators in an L1 tile) */
 #define IL_MT 64
 
-/* il_group for 8-bit activations and R <= IL_MT rows (used above IL_MR, for Q5I and Q6I):
- * each block of the group is unpacked once for all R rows, which run one after the other
- * with their accumulators in acc [R, 16] (stack, L1) instead of registers; the arithmetic
- * and its order per output are il_group's. il_group unpacks each block once per pass of
- * IL_MR rows, and Q5I's and Q6I's unpacking (high bits: a shift and a vpternlogd per
- * vector) is dear: measured in one process, paired calls alternating with il_group's, the
- * tile ran Q6I at 0.88-0.98x the time at 16 and 64 rows, Q5I at 0.92-0.97x, and Q4I and
- * Q8I, whose unpacking is cheap, at 0.95-1.03x, so those two keep il_group
- * (docs/benchmarks.md, "Row tiles"). */
-INLINE void il_group_tile(const int kind, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
-                          const uint16_t *wm, int64_t nb, const uint8_t *lo, int64_t ps, const float *fa, int64_t fs,
-                          const float *c6, float *y, int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+/* il_group for R <= IL_MT rows (used above IL_MR, for Q5I and Q6I; 8-bit activations, A8,
+ * or 16-bit ones): each block of the group is unpacked once for all R rows, which run one
+ * after the other with their accumulators in acc [R, 16] (stack, L1) instead of
+ * registers; the arithmetic and its order per output are il_group's. il_group unpacks
+ * each block once per pass of IL_MR rows, and Q5I's and Q6I's unpacking (high bits: a
+ * shift and a vpternlogd per vector) is dear: measured in one process, paired calls
+ * alternating with il_group's (bench_quant_kernels.py --against), the tile ran Q6I at
+ * 0.88-0.98x the time at 16 and 64 rows, Q5I at 0.89-0.97x, with 8-bit activations, and
+ * both at 0.91-0.985x with 16-bit ones; Q4I and Q8I, whose unpacking is cheap, at
+ * 0.95-1.03x (8-bit), so those two keep il_group (docs/benchmarks.md, "Paired
+ * comparisons"). */
+INLINE void il_group_tile(const int kind, const int A8, const int R, const int once, const uint8_t *wq,
+                          const uint16_t *wd, const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi,
+                          int64_t ps, int64_t hs, const float *fa, int64_t fs, const float *c6, float *y, int64_t ldy,
+                          const float *bias, const float *res, int64_t ldr) {
     const int qb = IL_QB(kind), ns = NSCALES(kind);
     float acc[IL_MT * 16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
@@ -274,23 +277,37 @@ INLINE void il_group_tile(const int kind, const int R, const int once, const uin
         __m512 mw = _mm512_setzero_ps(), dw1 = _mm512_setzero_ps();
         if (kind == K_Q5I) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
         else dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 32 + 16)));
-        const uint8_t *arow = lo + b * QK;
+        const uint8_t *arow = lo + b * QK, *hrow = A8 ? 0 : hi + b * QK;
         const float *f = fa + b, *c = c6 ? c6 + 2 * b : 0;
 #pragma GCC unroll 2
         for (int r = 0; r < R; r++) {
-            const int32_t *a = (const int32_t *)(arow + r * ps);
-            __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
-            __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
-            for (int t = 1; t < 4; t++) {
-                dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
-                dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
+            __m512i dot0, dot1;
+            if (A8) {
+                const int32_t *a = (const int32_t *)(arow + r * ps);
+                dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
+                dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
+                for (int t = 1; t < 4; t++) {
+                    dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
+                    dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
+                }
+            } else { /* il_group's 16-bit chains: Q6I four (its halves), Q5I two */
+                const int32_t *l = (const int32_t *)(arow + r * ps), *h = (const int32_t *)(hrow + r * hs);
+                __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+                for (int t = 0; t < 8; t++) {
+                    const int half = kind == K_Q6I && t >= 4;
+                    __m512i *const hc = half ? &h1 : &h0, *const lc = half ? &l1 : &l0;
+                    *hc = _mm512_dpbusd_epi32(*hc, w[t], _mm512_set1_epi32(h[t]));
+                    *lc = _mm512_dpbusd_epi32(*lc, _mm512_set1_epi32(l[t]), w[t]);
+                }
+                dot0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
+                dot1 = kind == K_Q6I ? _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1) : _mm512_setzero_si512();
             }
             const float dx = f[r * fs];
             __m512 v = _mm512_load_ps(acc + 16 * r);
             if (kind == K_Q6I) {
                 v = il_acc_q6(v, dw, dw1, dot0, dot1, dx, c + r * 2 * nb);
             } else {
-                v = il_acc(kind, v, _mm512_add_epi32(dot0, dot1), dw, mw, dx, f + r * fs + nb);
+                v = il_acc(kind, v, A8 ? _mm512_add_epi32(dot0, dot1) : dot0, dw, mw, dx, f + r * fs + nb);
             }
             _mm512_store_ps(acc + 16 * r, v);
         }
@@ -318,12 +335,12 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
-        if (A8 && M > IL_MR && (kind == K_Q5I || kind == K_Q6I)) { /* each block unpacked once per IL_MT rows */
+        if (M > IL_MR && (kind == K_Q5I || kind == K_Q6I)) { /* each block unpacked once per IL_MT rows */
             for (int64_t r0 = 0; r0 < M; r0 += IL_MT) {
                 const int R = (int)(M - r0 < IL_MT ? M - r0 : IL_MT);
-                il_group_tile(kind, R, M <= IL_MT, q, d, m, nb, lo + r0 * ps, ps, fa + r0 * fs, fs,
-                              c6 ? c6 + r0 * 2 * nb : 0, y + r0 * ldy + n, ldy, bias ? bias + n : 0,
-                              res ? res + r0 * ldr + n : 0, ldr);
+                il_group_tile(kind, A8, R, M <= IL_MT, q, d, m, nb, lo + r0 * ps, hi ? hi + r0 * hs : 0, ps, hs,
+                              fa + r0 * fs, fs, c6 ? c6 + r0 * 2 * nb : 0, y + r0 * ldy + n, ldy,
+                              bias ? bias + n : 0, res ? res + r0 * ldr + n : 0, ldr);
             }
             continue;
         }
