@@ -245,21 +245,27 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
     }
 }
 
-/* Activation rows one unpacked block serves in il_group_tile (accumulators in an L1 tile) */
-#define IL_MT 64
+/* Activation rows one unpacked block serves in il_group_tile (accumulators in an L1 tile), and
+ * the most rows of a call that takes it. Measured (paired, Q5I and Q6I, 8- and 16-bit
+ * activations, 512 x 4096 and 4096 x 4096): 32-row tiles beat 64-row ones at 32-128 rows, and
+ * at 200-512 rows (prefill) tiles of either size ran up to 1.2x il_group's time, whose passes
+ * of IL_MR rows read 8 activation streams, not 32 or 64. */
+#define IL_MT 32
+#define IL_TILE_MAX 128
 
-/* il_group for R <= IL_MT rows (used above IL_MR, for Q5I and Q6I; 8-bit activations, A8,
- * or 16-bit ones): each block of the group is unpacked once for all R rows, which run one
- * after the other with their accumulators in acc [R, 16] (stack, L1) instead of
- * registers; the arithmetic and its order per output are il_group's. il_group unpacks
- * each block once per pass of IL_MR rows, and Q5I's and Q6I's unpacking (high bits: a
- * shift and a vpternlogd per vector) is dear: measured in one process, paired calls
- * alternating with il_group's (bench_quant_kernels.py --against), the tile ran Q6I at
- * 0.88-0.98x the time at 16 and 64 rows, Q5I at 0.89-0.97x, with 8-bit activations, and
- * both at 0.91-0.985x with 16-bit ones; Q4I and Q8I, whose unpacking is cheap, at
- * 0.95-1.03x (8-bit), so those two keep il_group (docs/benchmarks.md, "Paired
- * comparisons"). */
-INLINE void il_group_tile(const int kind, const int A8, const int R, const int once, const uint8_t *wq,
+/* il_group for R <= IL_MT rows (calls of IL_MR + 1 .. IL_TILE_MAX rows, Q5I and Q6I; 8-bit
+ * activations, A8, or 16-bit ones): each block of the group is unpacked once for all R rows,
+ * which run one after the other with their accumulators in acc [R, 16] (stack, L1) instead
+ * of registers; the arithmetic and its order per output are il_group's. il_group unpacks
+ * each block once per pass of IL_MR rows, and Q5I's and Q6I's unpacking (high bits: a shift
+ * and a vpternlogd per vector) is dear. Weights are prefetched into L1 (IL_PREFETCH, T0) whatever
+ * the row count: non-temporal prefetches, right for a batch-1 stream, made 16-32-row calls on
+ * weights streamed from memory 1.1-1.3x slower. Measured in one process, paired calls
+ * alternating with il_group's (bench_quant_kernels.py --against): 0.82-0.93x the time with
+ * 8-bit activations, 0.89-1.02x with 16-bit ones, at 16-128 rows; Q4I and Q8I, whose
+ * unpacking is cheap, ran 0.95-1.03x at 16-64 rows and up to 1.3x at 128-512, so they keep
+ * il_group (docs/benchmarks.md, "Paired comparisons"). */
+INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8_t *wq,
                           const uint16_t *wd, const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi,
                           int64_t ps, int64_t hs, const float *fa, int64_t fs, const float *c6, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
@@ -268,9 +274,9 @@ INLINE void il_group_tile(const int kind, const int A8, const int R, const int o
     for (int r = 0; r < R; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * qb;
-        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, once, kind);
-        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, once, kind);
-        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, once, kind);
+        for (int o = 0; o < qb; o += 64) IL_PREFETCH(q + IL_PF + o, 0, kind);
+        IL_PREFETCH(wd + (b + IL_PF / qb) * 16 * ns, 0, kind);
+        if (IL_HAS_MIN(kind)) IL_PREFETCH(wm + (b + IL_PF / qb) * 16, 0, kind);
         __m512i w[8];
         il_unpack(kind, q, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 16 * ns)));
@@ -335,10 +341,10 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
-        if (M > IL_MR && (kind == K_Q5I || kind == K_Q6I)) { /* each block unpacked once per IL_MT rows */
+        if (M > IL_MR && M <= IL_TILE_MAX && (kind == K_Q5I || kind == K_Q6I)) { /* unpacked once per IL_MT rows */
             for (int64_t r0 = 0; r0 < M; r0 += IL_MT) {
                 const int R = (int)(M - r0 < IL_MT ? M - r0 : IL_MT);
-                il_group_tile(kind, A8, R, M <= IL_MT, q, d, m, nb, lo + r0 * ps, hi ? hi + r0 * hs : 0, ps, hs,
+                il_group_tile(kind, A8, R, q, d, m, nb, lo + r0 * ps, hi ? hi + r0 * hs : 0, ps, hs,
                               fa + r0 * fs, fs, c6 ? c6 + r0 * 2 * nb : 0, y + r0 * ldy + n, ldy,
                               bias ? bias + n : 0, res ? res + r0 * ldr + n : 0, ldr);
             }
