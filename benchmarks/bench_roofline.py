@@ -97,6 +97,10 @@ def main() -> None:
     cmp.add_argument("--compare-row-layout", action="store_true",
                      help="also load the model with its Q4/Q8 weights in the row layout (not interleaved by 16 "
                           "rows) and time its step likewise")
+    cmp.add_argument("--compare-prefetch", action="store_true",
+                     help="time the same engine's step also with the interleaved kernel's weight stream "
+                          "prefetched into L1 (QuantKernels.set_stream_prefetch(False)) instead of "
+                          "non-temporally, in the same rounds, alternating")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.steps, a.buffer_mb = 1, 8, 64
@@ -106,7 +110,15 @@ def main() -> None:
     cfg = {"threads": a.threads} if a.model is None else {"threads": a.threads, "model": a.model}
     engine = load_engine(**cfg)
     small, label, key = None, "", ""
-    if a.compare_small_pages:
+    kernels = None
+    if a.compare_prefetch:
+        from tartlet.engine.kernels import quant_kernels
+
+        kernels = quant_kernels.load()
+        if kernels is None:
+            raise SystemExit("--compare-prefetch: the quantized kernels could not be built")
+        small, label, key = engine, "weight stream prefetched into L1 (T0)", "prefetch_t0"
+    elif a.compare_small_pages:
         small, label, key = load_engine(**cfg, huge_pages=False), "weights on 4 KiB pages", "small_pages"
     elif a.compare_row_layout:
         with row_layout():
@@ -124,20 +136,29 @@ def main() -> None:
                 e.huge_pages_thread.join()
         chained_tpot(engine, ids, 4)  # warm-up
         direct_tpot(engine, ids, 4)
+        def other_step(e) -> float:  # the compared setting: another engine, or this one with T0 prefetches
+            if kernels is None:
+                return chained_tpot(e, ids, a.steps)
+            kernels.set_stream_prefetch(False)
+            try:
+                return chained_tpot(e, ids, a.steps)
+            finally:
+                kernels.set_stream_prefetch(True)
+
         if small is not None:
             chained_tpot(small, ids, 4)
         for r in range(a.rounds):
             reads.append(read_gbs(buf))
             copies.append(copy_gbs(dst, buf))
             if small is not None and r % 2:  # the other engine first every other round
-                small_steps.append(chained_tpot(small, ids, a.steps))
+                small_steps.append(other_step(small))
             if r % 2:  # and the two ways of stepping in turn
                 direct_steps.append(direct_tpot(engine, ids, a.steps))
             steps.append(chained_tpot(engine, ids, a.steps))
             if not r % 2:
                 direct_steps.append(direct_tpot(engine, ids, a.steps))
             if small is not None and not r % 2:
-                small_steps.append(chained_tpot(small, ids, a.steps))
+                small_steps.append(other_step(small))
         read, copy, step = statistics.median(reads), statistics.median(copies), statistics.median(steps)
         direct = statistics.median(direct_steps)
         roofline = weight / (read * 1e9)
@@ -169,7 +190,7 @@ def main() -> None:
         })
     finally:
         engine.close()
-        if small is not None:
+        if small is not None and small is not engine:
             small.close()
 
 

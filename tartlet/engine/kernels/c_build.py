@@ -68,6 +68,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``,
+    ``AuthenticAMD``, ...; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def find_compiler() -> str | None:
     """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -87,10 +87,15 @@
  * flight. T1 on every kind made the 7B Q4_K_M model's step (Q4I, Q6I)
  * 1.046-1.048x slower. NTA had replaced T0 so that a step would stop
  * evicting the Python between steps from L2. Read again (prefill, larger
- * decode batches), T0 keeps the lines in L1 for the next tile. */
+ * decode batches), T0 keeps the lines in L1 for the next tile. Those were
+ * measurements on a Zen 4 VM; on an Intel Xeon VM (family 6 model 207) T0
+ * for every stream ran the batch-1 step in 0.77x the time (default model)
+ * and 0.69x (7B Q4_K_M), and single 1-8-row calls on 7B-sized weights in
+ * 0.54-0.81x, so il_stream_nta (quant_kernels.c) is 0 there: the loader
+ * picks by CPU vendor (quant_kernels.stream_prefetch_nta). */
 #define IL_PREFETCH(p, once, kind)                                             \
     do {                                                                       \
-        if (!(once)) _mm_prefetch((const char *)(p), _MM_HINT_T0);             \
+        if (!(once) || !il_stream_nta) _mm_prefetch((const char *)(p), _MM_HINT_T0); \
         else if ((kind) == K_Q8I) _mm_prefetch((const char *)(p), _MM_HINT_T1); \
         else _mm_prefetch((const char *)(p), _MM_HINT_NTA);                    \
     } while (0)

@@ -88,6 +88,18 @@ int64_t tq_set_par_min(int64_t n) {
     return old;
 }
 
+/* How the interleaved kernel prefetches weights a call reads once (IL_PREFETCH: calls of up to
+ * IL_MR rows): 1, non-temporally (Q8I into L2); 0, into L1 like weights read again
+ * (tq_set_stream_prefetch; the default is below IL_PREFETCH). */
+static int il_stream_nta = 1;
+
+/* Set that policy; returns the previous one. */
+int tq_set_stream_prefetch(int nta) {
+    const int old = il_stream_nta;
+    il_stream_nta = nta != 0;
+    return old;
+}
+
 /* Run the statement after `split` for a range [n0, n1) of [0, N) (it names
  * n0 and n1): all of it on this thread when `split` is false or the caller
  * runs inside an OpenMP region already (a chunk of the fused step: a nested
