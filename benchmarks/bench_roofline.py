@@ -25,13 +25,16 @@ Prints both bandwidths, the roofline, both steps and their ratios to it
 (the fraction of the roofline reached), then one ``JSON:`` line. Usage::
 
     .venv/bin/python benchmarks/bench_roofline.py [--quick] [--threads 2] [--rounds 5]
-        [--compare-small-pages | --compare-row-layout] [--model FILE.gguf --steps 16]
+        [--compare-small-pages | --compare-row-layout | --compare-prefetch] [--model FILE.gguf --steps 16]
 
-The two ``--compare`` options load a second engine that differs in one
+Two ``--compare`` options load a second engine that differs in one
 setting (4 KiB pages under the weights; Q4/Q8 weights in the row layout
 rather than interleaved by 16 rows, ``quant_linear.INTERLEAVE``) and time
 its chained step in the same rounds, alternating which goes first, with the median
-of the per-round ratios.
+of the per-round ratios; ``--compare-prefetch`` times the same engine with
+the interleaved kernel's weight stream prefetched the way this CPU does
+not by default (``QuantKernels.set_stream_prefetch``: into L1 on Intel,
+non-temporally elsewhere).
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def main() -> None:
                           "rows) and time its step likewise")
     cmp.add_argument("--compare-prefetch", action="store_true",
                      help="time the same engine's step also with the interleaved kernel's weight stream "
-                          "prefetched into L1 (QuantKernels.set_stream_prefetch(False)) instead of "
-                          "non-temporally, in the same rounds, alternating")
+                          "prefetched the other way (QuantKernels.set_stream_prefetch: non-temporally or "
+                          "into L1, whichever is not this CPU's default), in the same rounds, alternating")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.steps, a.buffer_mb = 1, 8, 64
@@ -117,7 +120,8 @@ def main() -> None:
         kernels = quant_kernels.load()
         if kernels is None:
             raise SystemExit("--compare-prefetch: the quantized kernels could not be built")
-        small, label, key = engine, "weight stream prefetched into L1 (T0)", "prefetch_t0"
+        other = "into L1 (T0)" if kernels.stream_nta else "non-temporally (NTA; Q8I T1)"
+        small, label, key = engine, f"weight stream prefetched {other}", "prefetch_other"
     elif a.compare_small_pages:
         small, label, key = load_engine(**cfg, huge_pages=False), "weights on 4 KiB pages", "small_pages"
     elif a.compare_row_layout:
@@ -139,11 +143,11 @@ def main() -> None:
         def other_step(e) -> float:  # the compared setting: another engine, or this one with T0 prefetches
             if kernels is None:
                 return chained_tpot(e, ids, a.steps)
-            kernels.set_stream_prefetch(False)
+            default = kernels.set_stream_prefetch(not kernels.stream_nta)
             try:
                 return chained_tpot(e, ids, a.steps)
             finally:
-                kernels.set_stream_prefetch(True)
+                kernels.set_stream_prefetch(default)
 
         if small is not None:
             chained_tpot(small, ids, 4)
