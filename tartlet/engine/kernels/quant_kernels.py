@@ -42,7 +42,6 @@ _lock = threading.Lock()
 _loaded: "QuantKernels | None | Literal[False]" = False  # False: not tried yet
 
 
-
 def stream_prefetch_nta(vendor: str | None = None, env: str | None = None) -> bool:
     """Whether the interleaved kernel should prefetch a decode step's weight
     stream non-temporally (``True``) or into L1 (``False``): ``env``
