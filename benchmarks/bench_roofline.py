@@ -140,7 +140,8 @@ def main() -> None:
                 e.huge_pages_thread.join()
         chained_tpot(engine, ids, 4)  # warm-up
         direct_tpot(engine, ids, 4)
-        def other_step(e) -> float:  # the compared setting: another engine, or this one with T0 prefetches
+
+        def other_step(e) -> float:  # the compared setting: another engine, or this one with the other hint
             if kernels is None:
                 return chained_tpot(e, ids, a.steps)
             default = kernels.set_stream_prefetch(not kernels.stream_nta)
