@@ -221,15 +221,21 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                 continue;
             }
             const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * hs + b * QK);
-            /* Q4I, Q5I, Q6I: hi against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128
-             * unsigned against s signed. Q6I: four chains, values 0-15 (h0, l0) and 16-31 (h1, l1), its
-             * halves; the other kinds two (h0, l0), which the rows of the pass keep independent enough */
+            /* four independent chains, values 0-15 (h0, l0) and 16-31 (h1, l1). Q4I, Q5I, Q6I: hi
+             * against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128 unsigned against s
+             * signed. Two chains for the kinds other than Q6I (h0, l0; two adds fewer) ran 1.10-1.15x
+             * the time at 16 and 64 rows (paired, bench_quant_kernels --against, Q4_1 and Q8_0). */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            for (int t = 0; t < 8; t++) {
-                __m512i *const hc = kind == K_Q6I && t >= 4 ? &h1 : &h0, *const lc = kind == K_Q6I && t >= 4 ? &l1 : &l0;
-                *hc = kind != K_Q8I ? _mm512_dpbusd_epi32(*hc, w[t], _mm512_set1_epi32(h[t]))
-                                    : _mm512_dpbusd_epi32(*hc, _mm512_set1_epi32(h[t]), w[t]);
-                *lc = _mm512_dpbusd_epi32(*lc, _mm512_set1_epi32(l[t]), w[t]);
+            for (int t = 0; t < 4; t++) {
+                if (kind != K_Q8I) {
+                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
+                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
+                } else {
+                    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
+                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 4]), w[t + 4]);
+                }
+                l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
+                l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
             }
             const float dx = fa[r * fs + b];
             if (kind == K_Q6I) { /* per half, m = -32 d */
@@ -237,7 +243,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                                    _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, c6 + r * 2 * nb + 2 * b);
                 continue;
             }
-            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
+            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
             if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
             acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
         }
@@ -301,24 +307,24 @@ INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8
                     dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
                     dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
                 }
-            } else { /* il_group's 16-bit chains: Q6I four (its halves), Q5I two */
+            } else { /* il_group's 16-bit chains: values 0-15 (h0, l0) and 16-31 (h1, l1) */
                 const int32_t *l = (const int32_t *)(arow + r * ps), *h = (const int32_t *)(hrow + r * hs);
                 __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-                for (int t = 0; t < 8; t++) {
-                    const int half = kind == K_Q6I && t >= 4;
-                    __m512i *const hc = half ? &h1 : &h0, *const lc = half ? &l1 : &l0;
-                    *hc = _mm512_dpbusd_epi32(*hc, w[t], _mm512_set1_epi32(h[t]));
-                    *lc = _mm512_dpbusd_epi32(*lc, _mm512_set1_epi32(l[t]), w[t]);
+                for (int t = 0; t < 4; t++) {
+                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
+                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
+                    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
+                    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
                 }
                 dot0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
-                dot1 = kind == K_Q6I ? _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1) : _mm512_setzero_si512();
+                dot1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
             }
             const float dx = f[r * fs];
             __m512 v = _mm512_load_ps(acc + 16 * r);
             if (kind == K_Q6I) {
                 v = il_acc_q6(v, dw, dw1, dot0, dot1, dx, c + r * 2 * nb);
             } else {
-                v = il_acc(kind, v, A8 ? _mm512_add_epi32(dot0, dot1) : dot0, dw, mw, dx, f + r * fs + nb);
+                v = il_acc(kind, v, _mm512_add_epi32(dot0, dot1), dw, mw, dx, f + r * fs + nb);
             }
             _mm512_store_ps(acc + 16 * r, v);
         }
