@@ -273,7 +273,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
  * the row count: non-temporal prefetches, right for a batch-1 stream, made 16-32-row calls on
  * weights streamed from memory 1.1-1.3x slower. Measured in one process, paired calls
  * alternating with il_group's (bench_quant_kernels.py --against): 0.82-0.93x the time with
- * 8-bit activations, 0.89-1.02x with 16-bit ones, at 16-128 rows; Q4I and Q8I, whose
+ * 8-bit activations, 0.93-1.01x with 16-bit ones (four chains a row), at 16-128 rows; Q4I and Q8I, whose
  * unpacking is cheap, ran 0.95-1.03x at 16-64 rows and up to 1.3x at 128-512, so they keep
  * il_group (docs/benchmarks.md, "Paired comparisons"). */
 INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8_t *wq,
