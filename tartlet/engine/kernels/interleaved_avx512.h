@@ -158,6 +158,47 @@ INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 
     return acc;
 }
 
+/* One activation row against block w (il_unpack's vectors; Q8I's XORed at 8 bits): the int32
+ * dot products, Q6I's per half in d[0], d[1], the other kinds' whole block in d[0] (Q8I's
+ * before its correction). 8-bit (A8): a = l's signed bytes, one vpdpbusd per 4 values, q
+ * unsigned against 4 broadcast bytes of a, in two chains, values 0-15 and 16-31: the rows of
+ * a pass give the ports enough independent chains, and each chain saved saves an add
+ * (measured paired: one chain, Q4I, 1.04-1.15x the time; four 0.97-1.06x). 16-bit: a = 256 h
+ * + l, four chains, values 0-15 (h0, l0) and 16-31 (h1, l1); Q4I, Q5I, Q6I: h against q
+ * unsigned, l unsigned against q signed; Q8I: l and h + 128 unsigned against s signed. Two
+ * chains for the kinds other than Q6I (two adds fewer) ran 1.10-1.15x the time at 16 and 64
+ * rows (paired, bench_quant_kernels --against, Q4_1 and Q8_0). */
+INLINE void il_dots(const int kind, const int A8, const __m512i w[8], const int32_t *l, const int32_t *h,
+                    __m512i d[2]) {
+    if (A8) {
+        __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(l[0]));
+        __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(l[4]));
+        for (int t = 1; t < 4; t++) {
+            d0 = _mm512_dpbusd_epi32(d0, w[t], _mm512_set1_epi32(l[t]));
+            d1 = _mm512_dpbusd_epi32(d1, w[t + 4], _mm512_set1_epi32(l[t + 4]));
+        }
+        d[0] = kind == K_Q6I ? d0 : _mm512_add_epi32(d0, d1), d[1] = d1;
+        return;
+    }
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+    for (int t = 0; t < 4; t++) {
+        if (kind != K_Q8I) {
+            h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
+            h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
+        } else {
+            h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
+            h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 4]), w[t + 4]);
+        }
+        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
+        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
+    }
+    if (kind == K_Q6I) {
+        d[0] = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0), d[1] = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
+    } else {
+        d[0] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+    }
+}
+
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
  * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times R
  * activation rows (16-bit: row r's lo / hi bytes at lo + r ps, hi + r hs,
@@ -200,52 +241,17 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            if (A8) { /* one vpdpbusd per 4 values: q unsigned against 4 broadcast signed bytes of a */
-                const int32_t *a = (const int32_t *)(lo + r * ps + b * QK);
-                /* two chains, values 0-15 and 16-31 (Q6I's halves): the rows of the pass give the
-                 * vpdpbusd ports enough independent chains, and each chain saved saves an add
-                 * (measured paired: one chain, Q4I, 1.04-1.15x the time; four 0.97-1.06x) */
-                __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
-                __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
-                for (int t = 1; t < 4; t++) {
-                    dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
-                    dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
-                }
-                const float dx = fa[r * fs + b];
-                if (kind == K_Q6I) {
-                    acc[r] = il_acc_q6(acc[r], dw, dw1, dot0, dot1, dx, c6 + r * 2 * nb + 2 * b);
-                    continue;
-                }
-                __m512i dot = _mm512_add_epi32(dot0, dot1);
-                if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(((const int32_t *)(hi + r * hs))[b]));
-                acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
-                continue;
-            }
-            const int32_t *l = (const int32_t *)(lo + r * ps + b * QK), *h = (const int32_t *)(hi + r * hs + b * QK);
-            /* four independent chains, values 0-15 (h0, l0) and 16-31 (h1, l1). Q4I, Q5I, Q6I: hi
-             * against q unsigned, lo unsigned against q signed; Q8I: lo and hi + 128 unsigned against s
-             * signed. Two chains for the kinds other than Q6I (h0, l0; two adds fewer) ran 1.10-1.15x
-             * the time at 16 and 64 rows (paired, bench_quant_kernels --against, Q4_1 and Q8_0). */
-            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            for (int t = 0; t < 4; t++) {
-                if (kind != K_Q8I) {
-                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
-                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
-                } else {
-                    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(h[t]), w[t]);
-                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(h[t + 4]), w[t + 4]);
-                }
-                l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
-                l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
-            }
+            __m512i d[2];
+            const int32_t *l = (const int32_t *)(lo + r * ps + b * QK);
+            il_dots(kind, A8, w, l, A8 ? 0 : (const int32_t *)(hi + r * hs + b * QK), d);
             const float dx = fa[r * fs + b];
             if (kind == K_Q6I) { /* per half, m = -32 d */
-                acc[r] = il_acc_q6(acc[r], dw, dw1, _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0),
-                                   _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), dx, c6 + r * 2 * nb + 2 * b);
+                acc[r] = il_acc_q6(acc[r], dw, dw1, d[0], d[1], dx, c6 + r * 2 * nb + 2 * b);
                 continue;
             }
-            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-            if (kind == K_Q8I) dot = _mm512_sub_epi32(dot, corr);
+            __m512i dot = d[0];
+            if (kind == K_Q8I) /* 8-bit: - 128 sum(a) of this row's block; 16-bit: the shared correction */
+                dot = _mm512_sub_epi32(dot, A8 ? _mm512_set1_epi32(((const int32_t *)(hi + r * hs))[b]) : corr);
             acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
         }
     }
@@ -299,34 +305,12 @@ INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8
         const float *f = fa + b, *c = c6 ? c6 + 2 * b : 0;
 #pragma GCC unroll 2
         for (int r = 0; r < R; r++) {
-            __m512i dot0, dot1;
-            if (A8) {
-                const int32_t *a = (const int32_t *)(arow + r * ps);
-                dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
-                dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(a[4]));
-                for (int t = 1; t < 4; t++) {
-                    dot0 = _mm512_dpbusd_epi32(dot0, w[t], _mm512_set1_epi32(a[t]));
-                    dot1 = _mm512_dpbusd_epi32(dot1, w[t + 4], _mm512_set1_epi32(a[t + 4]));
-                }
-            } else { /* il_group's 16-bit chains: values 0-15 (h0, l0) and 16-31 (h1, l1) */
-                const int32_t *l = (const int32_t *)(arow + r * ps), *h = (const int32_t *)(hrow + r * hs);
-                __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-                for (int t = 0; t < 4; t++) {
-                    h0 = _mm512_dpbusd_epi32(h0, w[t], _mm512_set1_epi32(h[t]));
-                    h1 = _mm512_dpbusd_epi32(h1, w[t + 4], _mm512_set1_epi32(h[t + 4]));
-                    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(l[t]), w[t]);
-                    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(l[t + 4]), w[t + 4]);
-                }
-                dot0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0);
-                dot1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
-            }
+            __m512i d[2];
+            il_dots(kind, A8, w, (const int32_t *)(arow + r * ps), A8 ? 0 : (const int32_t *)(hrow + r * hs), d);
             const float dx = f[r * fs];
             __m512 v = _mm512_load_ps(acc + 16 * r);
-            if (kind == K_Q6I) {
-                v = il_acc_q6(v, dw, dw1, dot0, dot1, dx, c + r * 2 * nb);
-            } else {
-                v = il_acc(kind, v, _mm512_add_epi32(dot0, dot1), dw, mw, dx, f + r * fs + nb);
-            }
+            v = kind == K_Q6I ? il_acc_q6(v, dw, dw1, d[0], d[1], dx, c + r * 2 * nb)
+                              : il_acc(kind, v, d[0], dw, mw, dx, f + r * fs + nb);
             _mm512_store_ps(acc + 16 * r, v);
         }
     }
