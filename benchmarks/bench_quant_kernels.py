@@ -82,10 +82,13 @@ def random_kquant(type_name: str, n: int, k: int, seed: int = 0):
     return from_gguf(b.reshape(-1), type_name, n, k)
 
 
-def other_library(src: str) -> ctypes.CDLL:
+def other_library(src: str, stream_nta: bool) -> ctypes.CDLL:
     """The quantized-kernel library of the source tree ``src`` (``src/tartlet``),
     built (or found in the cache) by that tree's own ``quant_kernels.load``
-    in a subprocess, loaded here beside this tree's.
+    in a subprocess, loaded here beside this tree's, its weight-stream
+    prefetch set to ``stream_nta`` as this tree's is (where it has the
+    setting: a library loaded by hand keeps its C default, not the policy
+    its Python would pick).
 
     Raises:
         SystemExit: the library could not be built there.
@@ -99,6 +102,8 @@ def other_library(src: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.tq_matmul.argtypes = [ctypes.c_int, ctypes.c_int, P, P, P, I, I, P, P, I, P, I, P, P, I]
+    if hasattr(lib, "tq_set_stream_prefetch"):
+        lib.tq_set_stream_prefetch(int(stream_nta))
     return lib
 
 
@@ -141,7 +146,7 @@ def main() -> None:
     qk = quant_kernels.load()
     if qk is None:
         raise SystemExit("the quantized kernels could not be built on this machine")
-    other = other_library(a.against) if a.against else None
+    other = other_library(a.against, qk.stream_nta) if a.against else None
     torch.manual_seed(0)
     rows_out, payload = [], []
     for fmt in a.formats.split(","):
