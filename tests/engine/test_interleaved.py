@@ -58,8 +58,9 @@ def test_interleave_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name, bits):
-    """Every row count 1..19, 33, 64 and 70 (row tiles of 8 and every
-    tail), a bias and a residual, 16-bit and 8-bit activations: each row's
+    """Every row count 1..19, 33, 64, 70, 131 and 138 (passes of 8 and every
+    tail; Q5I's and Q6I's row tiles up to 128 rows, their passes beyond),
+    a bias and a residual, 16-bit and 8-bit activations: each row's
     result is the same bits alone, in any slice and on every instruction
     set (the portable C twin, ``matmul_il_c``, below AVX-512 VNNI: the
     oracle of the AVX-512 kernel); against the exact product of the
@@ -69,16 +70,17 @@ def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name, bits):
     wi = interleave(w)
     held = kern.dequantize(w)
     g = torch.Generator().manual_seed(2)
-    x, res, bias = torch.randn(70, k, generator=g) * 4, torch.randn(70, 64, generator=g), torch.randn(64, generator=g)
+    n = 138
+    x, res, bias = torch.randn(n, k, generator=g) * 4, torch.randn(n, 64, generator=g), torch.randn(64, generator=g)
     x[:, ::5] *= 40  # both bytes of the 16-bit values matter
     qa, fa = kern.quantize(x, bits)
-    full = torch.empty(70, 64)
+    full = torch.empty(n, 64)
     kern.matmul(wi, qa, fa, full, bias=bias, residual=res)
-    xq = (qa.view(70, -1, 32).float() * fa[:, 0, :, None]).view(70, k)
+    xq = (qa.view(n, -1, 32).float() * fa[:, 0, :, None]).view(n, k)
     assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name.endswith("_K") else 1e-5)
     for isa in isa_levels():
         kern.set_isa(isa)
-        for lo, hi in [(r, r + 1) for r in range(0, 70, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (0, 64), (1, 70)]:
+        for lo, hi in [(r, r + 1) for r in range(0, n, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (0, 64), (1, 71), (7, n)]:
             out = torch.empty(hi - lo, 64)
             kern.matmul(wi, qa[lo:hi], fa[lo:hi], out, bias=bias, residual=res[lo:hi])
             assert torch.equal(out, full[lo:hi]), (type_name, isa, lo, hi)

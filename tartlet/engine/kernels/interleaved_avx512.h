@@ -105,6 +105,23 @@
 /* Whether the kind has stored minimums (Q6I's are -32 d, Q8I has none). */
 #define IL_HAS_MIN(kind) ((kind) == K_Q4I || (kind) == K_Q5I)
 
+/* The pass layout of the activations (made once a call, or once a phase of the fused step, by
+ * il_matmul_avx512): rows in passes of IL_MR (the last pass: the M % IL_MR left, if any), a
+ * pass's blocks one after the other, and in block b of a pass of R rows its rows' values one
+ * after the other: 8-bit, row r's QK signed bytes at b R IL_VB + r QK; 16-bit, its low bytes
+ * there and its high bytes (+ 128 for Q8I) R QK further on. Beside them, per pass, block and
+ * row, IL_NF(kind) float meta fields, field j of row r at b IL_NF R + j R + r: d_x (the
+ * block's scale), then s_x (Q4I, Q5I: scale times sum), Q8I at 8 bits 128 sum(a) as int32,
+ * Q6I the halves' -32 s_x in two fields. So the R rows of a pass read their values and
+ * scales at fixed offsets from two pointers that step by a constant a block, one stream each.
+ * With rows K bytes apart and the scales in each row's FA planes (before 2026-12-02) GCC kept
+ * a pointer per row and stream, and reloaded 15 of them a block from the stack and from
+ * vector registers (8-row Q4I pass, 8-bit). Paired against that (bench_quant_kernels.py
+ * --against, 4096 x 4096, one thread): 0.89-0.93x the time at 8-256 rows for Q4_K and Q8_0,
+ * 8- and 16-bit, 0.90-0.98x for Q5I's and Q6I's row tiles, 0.91-1.0x at one row. */
+#define IL_VB(A8) ((A8) ? QK : 2 * QK)
+#define IL_NF(kind) ((kind) == K_Q6I ? 3 : 2)
+
 /* Block b's 16 x 32 values of a group as 8 vectors, w[t] = values 4t..4t+3 of each row. */
 INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
     if (kind == K_Q8I) {
@@ -143,18 +160,18 @@ INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
 }
 
 /* A block's contribution to one activation row's accumulator (the header's
- * formula). Q6I, per half (dot0, dot1; c01: the halves' -32 s_x, from
- * il_matmul_avx512's plane): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
+ * formula). Q6I, per half (dot0, dot1; c0, c1: the halves' -32 s_x, from the
+ * pass's meta fields): acc + d_w (d_x dot - 32 s_x) twice. The other kinds (dot: the
  * block's int32 dot product; sx: the activation block's scale times sum,
- * read for Q4I and Q5I only): acc + dot d_w d_x (+ m_w s_x). */
-INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, const float *c01) {
-    acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx), _mm512_set1_ps(c01[0])), acc);
-    return _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx), _mm512_set1_ps(c01[1])), acc);
+ * used for Q4I and Q5I only): acc + dot d_w d_x (+ m_w s_x). */
+INLINE __m512 il_acc_q6(__m512 acc, __m512 dw, __m512 dw1, __m512i dot0, __m512i dot1, float dx, float c0, float c1) {
+    acc = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dx), _mm512_set1_ps(c0)), acc);
+    return _mm512_fmadd_ps(dw1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx), _mm512_set1_ps(c1)), acc);
 }
 
-INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 mw, float dx, const float *sx) {
+INLINE __m512 il_acc(const int kind, __m512 acc, __m512i dot, __m512 dw, __m512 mw, float dx, float sx) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc);
-    if (IL_HAS_MIN(kind)) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx), acc);
+    if (IL_HAS_MIN(kind)) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc);
     return acc;
 }
 
@@ -200,17 +217,14 @@ INLINE void il_dots(const int kind, const int A8, const __m512i w[8], const int3
 }
 
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
- * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times R
- * activation rows (16-bit: row r's lo / hi bytes at lo + r ps, hi + r hs,
- * hi + 128 for Q8I; A8: its int8 values at lo + r ps and, Q8I, its blocks'
- * 128 sum(a) as int32 at hi + r hs; FA planes at fa + r fs) into y [R, 16]
- * (row stride ldy), bias [16] and res [R, 16] (row stride ldr) added when
- * not NULL. */
+ * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times the
+ * R activation rows of one pass in the pass layout (il_matmul_avx512: values
+ * a, meta fields mt) into y [R, 16] (row stride ldy), bias [16] and res
+ * [R, 16] (row stride ldr) added when not NULL. */
 INLINE void il_group(const int kind, const int A8, const int R, const int once, const uint8_t *wq, const uint16_t *wd,
-                     const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
-                     const float *fa, int64_t fs, const float *c6, float *y, int64_t ldy, const float *bias,
-                     const float *res, int64_t ldr) {
-    const int qb = IL_QB(kind), ns = NSCALES(kind);
+                     const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, float *y, int64_t ldy,
+                     const float *bias, const float *res, int64_t ldr) {
+    const int qb = IL_QB(kind), ns = NSCALES(kind), vb = IL_VB(A8), nf = IL_NF(kind);
     __m512 acc[IL_MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -239,20 +253,21 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
             }
             corr = _mm512_slli_epi32(_mm512_add_epi32(s0, s1), 15);
         }
+        const uint8_t *ab = a + b * R * vb; /* the pass's block b: row r's values at ab + r QK */
+        const float *mb = mt + b * nf * R;   /* its meta: field j of row r at mb[j R + r] */
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512i d[2];
-            const int32_t *l = (const int32_t *)(lo + r * ps + b * QK);
-            il_dots(kind, A8, w, l, A8 ? 0 : (const int32_t *)(hi + r * hs + b * QK), d);
-            const float dx = fa[r * fs + b];
+            il_dots(kind, A8, w, (const int32_t *)(ab + r * QK), A8 ? 0 : (const int32_t *)(ab + (R + r) * QK), d);
+            const float dx = mb[r];
             if (kind == K_Q6I) { /* per half, m = -32 d */
-                acc[r] = il_acc_q6(acc[r], dw, dw1, d[0], d[1], dx, c6 + r * 2 * nb + 2 * b);
+                acc[r] = il_acc_q6(acc[r], dw, dw1, d[0], d[1], dx, mb[R + r], mb[2 * R + r]);
                 continue;
             }
             __m512i dot = d[0];
             if (kind == K_Q8I) /* 8-bit: - 128 sum(a) of this row's block; 16-bit: the shared correction */
-                dot = _mm512_sub_epi32(dot, A8 ? _mm512_set1_epi32(((const int32_t *)(hi + r * hs))[b]) : corr);
-            acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, fa + r * fs + nb + b);
+                dot = _mm512_sub_epi32(dot, A8 ? _mm512_set1_epi32(((const int32_t *)mb)[R + r]) : corr);
+            acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, IL_HAS_MIN(kind) ? mb[R + r] : 0.0f);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -283,11 +298,27 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
  * 8-bit activations, 0.93-1.01x with 16-bit ones (four chains a row), at 16-128 rows; Q4I and Q8I, whose
  * unpacking is cheap, ran 0.95-1.03x at 16-64 rows and up to 1.3x at 128-512, so they keep
  * il_group (docs/benchmarks.md, "Paired comparisons"). */
-INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8_t *wq,
-                          const uint16_t *wd, const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi,
-                          int64_t ps, int64_t hs, const float *fa, int64_t fs, const float *c6, float *y, int64_t ldy,
+/* One pass of P rows (pass layout: values a, meta mt) against block b (il_unpack's w, scales
+ * dw, dw1, minimums mw) into il_group_tile's accumulators acc [P, 16]. */
+INLINE void il_tile_pass(const int kind, const int A8, const int P, const __m512i w[8], __m512 dw, __m512 dw1,
+                         __m512 mw, int64_t b, const uint8_t *a, const float *mt, float *acc) {
+    const uint8_t *ab = a + b * P * IL_VB(A8);
+    const float *mb = mt + b * IL_NF(kind) * P;
+#pragma GCC unroll 2
+    for (int r = 0; r < P; r++) {
+        __m512i d[2];
+        il_dots(kind, A8, w, (const int32_t *)(ab + r * QK), A8 ? 0 : (const int32_t *)(ab + (P + r) * QK), d);
+        __m512 v = _mm512_load_ps(acc + 16 * r);
+        v = kind == K_Q6I ? il_acc_q6(v, dw, dw1, d[0], d[1], mb[r], mb[P + r], mb[2 * P + r])
+                          : il_acc(kind, v, d[0], dw, mw, mb[r], mb[P + r]);
+        _mm512_store_ps(acc + 16 * r, v);
+    }
+}
+
+INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8_t *wq, const uint16_t *wd,
+                          const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
-    const int qb = IL_QB(kind), ns = NSCALES(kind);
+    const int qb = IL_QB(kind), ns = NSCALES(kind), vb = IL_VB(A8), nf = IL_NF(kind);
     float acc[IL_MT * 16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
@@ -301,17 +332,12 @@ INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8
         __m512 mw = _mm512_setzero_ps(), dw1 = _mm512_setzero_ps();
         if (kind == K_Q5I) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * 16)));
         else dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * 32 + 16)));
-        const uint8_t *arow = lo + b * QK, *hrow = A8 ? 0 : hi + b * QK;
-        const float *f = fa + b, *c = c6 ? c6 + 2 * b : 0;
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++) {
-            __m512i d[2];
-            il_dots(kind, A8, w, (const int32_t *)(arow + r * ps), A8 ? 0 : (const int32_t *)(hrow + r * hs), d);
-            const float dx = f[r * fs];
-            __m512 v = _mm512_load_ps(acc + 16 * r);
-            v = kind == K_Q6I ? il_acc_q6(v, dw, dw1, d[0], d[1], dx, c + r * 2 * nb)
-                              : il_acc(kind, v, d[0], dw, mw, dx, f + r * fs + nb);
-            _mm512_store_ps(acc + 16 * r, v);
+        for (int r0 = 0; r0 < R; r0 += IL_MR) { /* the tile's passes: full ones with constant offsets */
+            const int P = R - r0 < IL_MR ? R - r0 : IL_MR;
+            const uint8_t *pa = a + r0 * nb * vb;
+            const float *pm = mt + r0 * nb * nf;
+            if (P == IL_MR) il_tile_pass(kind, A8, IL_MR, w, dw, dw1, mw, b, pa, pm, acc + 16 * r0);
+            else il_tile_pass(kind, A8, P, w, dw, dw1, mw, b, pa, pm, acc + 16 * r0);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -323,35 +349,31 @@ INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8
 }
 
 /* Groups g0 .. g1 - 1 (16 weight rows each) of W [N, K] of an interleaved
- * kind times M activation rows (16-bit: byte planes lo, hi; A8: the int8
- * rows lo and, for Q8I, hi their 128 sum(a) per block, int32 [M, nb]; row
- * strides ps and hs bytes; FA planes fa) into y (row stride ldy), bias and
- * res (row stride ldr) added when not NULL. */
+ * kind times M activation rows in the pass layout (values a, meta fields mt)
+ * into y (row stride ldy), bias and res (row stride ldr) added when not NULL. */
 INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, const uint8_t *wq, const uint16_t *wd,
-                      const uint16_t *wm, int64_t nb, const uint8_t *lo, const uint8_t *hi, int64_t ps, int64_t hs,
-                      const float *fa, const float *c6, int64_t M, float *y, int64_t ldy, const float *bias,
-                      const float *res, int64_t ldr) {
-    const int64_t fs = FA * nb;
+                      const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, int64_t M, float *y,
+                      int64_t ldy, const float *bias, const float *res, int64_t ldr) {
+    const int64_t vs = nb * IL_VB(A8), ms = nb * IL_NF(kind); /* a row's share of the values, meta */
     const int once = M <= IL_MR; /* one row tile: each weight is read once */
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
         const uint16_t *d = wd + n * nb * NSCALES(kind), *m = wm ? wm + n * nb : 0;
+        const float *bb = bias ? bias + n : 0;
         if (M > IL_MR && M <= IL_TILE_MAX && (kind == K_Q5I || kind == K_Q6I)) { /* unpacked once per IL_MT rows */
             for (int64_t r0 = 0; r0 < M; r0 += IL_MT) {
                 const int R = (int)(M - r0 < IL_MT ? M - r0 : IL_MT);
-                il_group_tile(kind, A8, R, q, d, m, nb, lo + r0 * ps, hi ? hi + r0 * hs : 0, ps, hs,
-                              fa + r0 * fs, fs, c6 ? c6 + r0 * 2 * nb : 0, y + r0 * ldy + n, ldy,
-                              bias ? bias + n : 0, res ? res + r0 * ldr + n : 0, ldr);
+                il_group_tile(kind, A8, R, q, d, m, nb, a + r0 * vs, mt + r0 * ms, y + r0 * ldy + n, ldy, bb,
+                              res ? res + r0 * ldr + n : 0, ldr);
             }
             continue;
         }
         for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
-            const uint8_t *l = lo + r0 * ps, *h = hi ? hi + r0 * hs : 0;
-            const float *f = fa + r0 * fs, *c = c6 ? c6 + r0 * 2 * nb : 0, *bb = bias ? bias + n : 0;
-            const float *rr = res ? res + r0 * ldr + n : 0;
+            const uint8_t *pa = a + r0 * vs;
+            const float *pm = mt + r0 * ms, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
-#define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, l, h, ps, hs, f, fs, c, o, ldy, bb, rr, ldr)
+#define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, pa, pm, o, ldy, bb, rr, ldr)
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
             case 1: IL_GROUP(1); break;
             case 2: IL_GROUP(2); break;
@@ -370,72 +392,59 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
 /* y = x @ W^T (+ bias) (+ res) for W of an interleaved kind ([N, K], N a
  * multiple of 16) and M rows of activations qa [M, K] quantized to `bits`
  * (8: int8, 16: int16) with their FA planes fa; returns 0, or -1 (nothing
- * done) when the byte planes (16-bit) or block sums (8-bit, Q8I) cannot be
- * allocated. */
+ * done) when the pass layout's buffer cannot be allocated. */
 static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t N,
                             int64_t K, const void *qa, const float *fa, int64_t M, float *y, int64_t ldy,
                             const float *bias, const float *res, int64_t ldr) {
     const int64_t nb = K / QK;
     const int q8 = kind == K_Q8I, q6 = kind == K_Q6I, a8 = bits == 8;
+    const int vb = IL_VB(a8), nf = IL_NF(kind);
     /* what this thread made earlier in the same phase of the fused step (planes_tag) */
     const int reuse = planes_tag && planes_have.tag == planes_tag && planes_have.qa == qa && planes_have.M == M &&
                       planes_have.K == K && planes_have.q8 == q8 && planes_have.q6 == q6 && planes_have.bits == bits;
-    /* Row stride of the copies below: a line more than K, so that the rows of a pass do not fall in the
-     * same L1 sets (K = 4096 put them 4 KiB apart); with 8-bit activations the rows are copied for it
-     * (M x K bytes, once per phase of the fused step). A reasoned change, not a measured one: the
-     * 2-vCPU VM's kernel runs could not separate it (docs/benchmarks.md, bench_quant_kernels). */
-    const int64_t ps = ((K + 63) & ~(int64_t)63) + 64;
-    const int copy = a8 && M > 1;
-    /* The buffer: 16-bit, the byte planes lo, hi [M, ps] each; 8-bit, the rows [M, ps] (copy), then for
-     * Q8I 128 sum(a) per block (q = s + 128 meets a, and s . a = q . a - 128 sum(a)), int32 [M, nb]; then
-     * Q6I, -32 s_x per half block, float [M, 2 nb] (a broadcast load, where -32 times the FA plane's
-     * value cost a multiply per row and half). */
-    const size_t pbytes = (size_t)(a8 ? (copy ? M * ps : 0) + (q8 ? 4 * M * nb : 0) : 2 * M * ps);
-    const size_t cbytes = (size_t)(q6 ? 8 * M * nb : 0);
-    uint8_t *buf = 0;
-    if (pbytes + cbytes) {
-        buf = reuse ? planes_buf : activation_planes(pbytes + cbytes);
-        if (!buf) return -1;
-    }
-    const uint8_t *lo = (const uint8_t *)qa, *hi = 0;
-    int64_t ls = K, hs = 0;
-    float *const c6 = q6 ? (float *)(buf + pbytes) : 0;
-    if (a8) {
-        if (copy) {
-            for (int64_t r = 0; r < M && !reuse; r++) memcpy(buf + r * ps, (const int8_t *)qa + r * K, (size_t)K);
-            lo = buf, ls = ps;
-        }
-        if (q8) {
-            int32_t *const sums = (int32_t *)(buf + (copy ? M * ps : 0));
-            for (int64_t i = 0; i < M * nb && !reuse; i++) {
-                const int8_t *a = (const int8_t *)qa + i * QK;
-                int32_t s = 0;
-                for (int j = 0; j < QK; j++) s += a[j];
-                sums[i] = 128 * s;
+    /* The pass layout (IL_VB above): values, then the meta fields; one 8-bit row is already in it. */
+    const int copy = !a8 || M > 1;
+    const size_t vbytes = (size_t)(copy ? M * nb * vb : 0), mbytes = (size_t)(4 * nf * M * nb);
+    uint8_t *const buf = reuse ? planes_buf : activation_planes(vbytes + mbytes);
+    if (!buf) return -1;
+    const uint8_t *const a = copy ? buf : (const uint8_t *)qa;
+    float *const mt = (float *)(buf + vbytes);
+    /* a = 256 hi + lo (16-bit): low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
+    const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
+    for (int64_t r = 0; r < M && !reuse; r++) {
+        const int64_t r0 = r - r % IL_MR, R = M - r0 < IL_MR ? M - r0 : IL_MR; /* its pass */
+        uint8_t *const pv = buf + r0 * nb * vb + (r - r0) * QK;
+        float *const pm = mt + r0 * nb * nf + (r - r0);
+        const float *const f = fa + r * FA * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *const v = pv + b * R * vb;
+            float *const m = pm + b * nf * R;
+            if (!a8) {
+                const __m512i x = _mm512_loadu_si512((const void *)((const int16_t *)qa + r * K + b * QK));
+                _mm256_store_si256((__m256i *)v, _mm512_cvtepi16_epi8(x));
+                _mm256_store_si256((__m256i *)(v + R * QK),
+                                   _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 8)), flip));
+            } else if (copy) {
+                memcpy(v, (const int8_t *)qa + r * K + b * QK, QK);
             }
-            hi = (const uint8_t *)sums, hs = 4 * nb;
-        }
-    } else {
-        ls = hs = ps;
-        uint8_t *const l = buf, *const h = buf + M * ps;
-        /* a = 256 hi + lo: low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
-        const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
-        for (int64_t r = 0; r < M && !reuse; r++)
-            for (int64_t k = 0; k < K; k += 32) {
-                const __m512i a = _mm512_loadu_si512((const void *)((const int16_t *)qa + r * K + k));
-                _mm256_store_si256((__m256i *)(l + r * ps + k), _mm512_cvtepi16_epi8(a));
-                _mm256_store_si256((__m256i *)(h + r * ps + k),
-                                   _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8)), flip));
+            m[0] = f[b];
+            if (q6) { /* exact: a power of two */
+                m[R] = -32.0f * f[2 * nb + 2 * b], m[2 * R] = -32.0f * f[2 * nb + 2 * b + 1];
+            } else if (q8 && a8) { /* q = s + 128 meets a, and s . a = q . a - 128 sum(a) */
+                const int8_t *x = (const int8_t *)qa + r * K + b * QK;
+                int32_t sum = 0;
+                for (int j = 0; j < QK; j++) sum += x[j];
+                ((int32_t *)m)[R] = 128 * sum;
+            } else {
+                m[R] = f[nb + b];
             }
-        lo = l, hi = h;
+        }
     }
-    for (int64_t r = 0; r < M && q6 && !reuse; r++) /* exact: a power of two */
-        for (int64_t i = 0; i < 2 * nb; i++) c6[r * 2 * nb + i] = -32.0f * fa[r * FA * nb + 2 * nb + i];
-    if (buf && !reuse) {
+    if (!reuse) {
         planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
         planes_have.q6 = q6, planes_have.bits = bits;
     }
-#define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, lo, hi, ls, hs, fa, c6, M, y, ldy, bias, res, ldr)
+#define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, a, mt, M, y, ldy, bias, res, ldr)
     PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind + 16 * a8) {
         case K_Q8I: IL_GROUPS(K_Q8I, 0); break;
         case K_Q5I: IL_GROUPS(K_Q5I, 0); break;

@@ -250,9 +250,9 @@ INLINE void one16_row(const int kind, const int R, const uint8_t *w, const uint1
 static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
 /* What planes_buf holds when il_matmul_avx512 may reuse it (see planes_tag):
- * the split of qa [M, K] with Q8I's flip (q8), or (bits 8) its block sums,
- * and for Q6I (q6) its -32 s_x plane, made under tag; tag 0: nothing
- * reusable. */
+ * qa [M, K] and its FA planes in the pass layout (interleaved_avx512.h),
+ * whose bytes and meta fields depend on bits, Q8I (q8) and Q6I (q6), made
+ * under tag; tag 0: nothing reusable. */
 static _Thread_local struct {
     uint64_t tag;
     const void *qa;
@@ -261,9 +261,8 @@ static _Thread_local struct {
 } planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
- * (one16, il_matmul_avx512) or the block sums of 8-bit ones
- * (il_matmul_avx512, Q8I), at least `bytes` long, 64-byte aligned;
- * NULL when it cannot be allocated. */
+ * (one16) or the pass layout of activations (il_matmul_avx512), at least
+ * `bytes` long, 64-byte aligned; NULL when it cannot be allocated. */
 static uint8_t *activation_planes(size_t bytes) {
     planes_have.tag = 0; /* the caller overwrites it */
     if (bytes > planes_cap) {
