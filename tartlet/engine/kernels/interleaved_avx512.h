@@ -39,7 +39,7 @@
  * Q6I's q unsigned against a broadcast of 4 bytes of a; Q8I's q = s + 128
  * (one XOR per weight vector, shared by every row) against a, then
  * s . a = q . a - 128 sum(a), 128 sum(a) per row and block computed once
- * per call (like the 16-bit byte planes, once per phase of the fused step).
+ * per call with the pass layout (below; once per phase of the fused step).
  * A block's int32 dot product is exact; per output then
  *
  *   acc = fma(dot_b, d_w[b] * d_x[b], acc)  (+ Q4I, Q5I: acc = fma(m_w[b], s_x[b], acc))
