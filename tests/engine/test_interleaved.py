@@ -80,7 +80,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name, bits):
     assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name.endswith("_K") else 1e-5)
     for isa in isa_levels():
         kern.set_isa(isa)
-        for lo, hi in [(r, r + 1) for r in range(0, n, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (0, 64), (1, 71), (7, n)]:
+        for lo, hi in [(r, r + 1) for r in range(0, n, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (0, 64), (1, 70), (1, 71), (7, n)]:
             out = torch.empty(hi - lo, 64)
             kern.matmul(wi, qa[lo:hi], fa[lo:hi], out, bias=bias, residual=res[lo:hi])
             assert torch.equal(out, full[lo:hi]), (type_name, isa, lo, hi)

@@ -216,6 +216,22 @@ INLINE void il_dots(const int kind, const int A8, const __m512i w[8], const int3
     }
 }
 
+/* Row r of a pass of R rows (pass layout: block b's values ab, its meta fields mb) against
+ * block w (il_unpack's; scales dw, Q6I's second half's dw1, minimums mw; corr: 16-bit Q8I's
+ * shared correction): acc plus the block's contribution (il_acc, il_acc_q6). */
+INLINE __m512 il_row(const int kind, const int A8, const int R, const int r, const __m512i w[8], const uint8_t *ab,
+                     const float *mb, __m512 dw, __m512 dw1, __m512 mw, __m512i corr, __m512 acc) {
+    __m512i d[2];
+    il_dots(kind, A8, w, (const int32_t *)(ab + r * QK), A8 ? 0 : (const int32_t *)(ab + (R + r) * QK), d);
+    const float dx = mb[r];
+    if (kind == K_Q6I) /* per half, m = -32 d */
+        return il_acc_q6(acc, dw, dw1, d[0], d[1], dx, mb[R + r], mb[2 * R + r]);
+    __m512i dot = d[0];
+    if (kind == K_Q8I) /* 8-bit: - 128 sum(a) of this row's block; 16-bit: the shared correction */
+        dot = _mm512_sub_epi32(dot, A8 ? _mm512_set1_epi32(((const int32_t *)mb)[R + r]) : corr);
+    return il_acc(kind, acc, dot, dw, mw, dx, IL_HAS_MIN(kind) ? mb[R + r] : 0.0f);
+}
+
 /* One group (16 weight rows: values wq, scales wd, minimums wm (Q4I, Q5I),
  * nb blocks; once: no later row tile reads them, see IL_PREFETCH) times the
  * R activation rows of one pass in the pass layout (il_matmul_avx512: values
@@ -256,19 +272,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
         const uint8_t *ab = a + b * R * vb; /* the pass's block b: row r's values at ab + r QK */
         const float *mb = mt + b * nf * R;   /* its meta: field j of row r at mb[j R + r] */
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            __m512i d[2];
-            il_dots(kind, A8, w, (const int32_t *)(ab + r * QK), A8 ? 0 : (const int32_t *)(ab + (R + r) * QK), d);
-            const float dx = mb[r];
-            if (kind == K_Q6I) { /* per half, m = -32 d */
-                acc[r] = il_acc_q6(acc[r], dw, dw1, d[0], d[1], dx, mb[R + r], mb[2 * R + r]);
-                continue;
-            }
-            __m512i dot = d[0];
-            if (kind == K_Q8I) /* 8-bit: - 128 sum(a) of this row's block; 16-bit: the shared correction */
-                dot = _mm512_sub_epi32(dot, A8 ? _mm512_set1_epi32(((const int32_t *)mb)[R + r]) : corr);
-            acc[r] = il_acc(kind, acc[r], dot, dw, mw, dx, IL_HAS_MIN(kind) ? mb[R + r] : 0.0f);
-        }
+        for (int r = 0; r < R; r++) acc[r] = il_row(kind, A8, R, r, w, ab, mb, dw, dw1, mw, corr, acc[r]);
     }
     for (int r = 0; r < R; r++) {
         __m512 v = acc[r];
@@ -276,6 +280,18 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
         if (res) v = _mm512_add_ps(v, _mm512_loadu_ps(res + r * ldr));
         _mm512_storeu_ps(y + r * ldy, v);
     }
+}
+
+/* One pass of P rows (pass layout: values a, meta mt) against block b (il_unpack's w, scales
+ * dw, dw1, minimums mw) into il_group_tile's accumulators acc [P, 16]. */
+INLINE void il_tile_pass(const int kind, const int A8, const int P, const __m512i w[8], __m512 dw, __m512 dw1,
+                         __m512 mw, int64_t b, const uint8_t *a, const float *mt, float *acc) {
+    const uint8_t *ab = a + b * P * IL_VB(A8);
+    const float *mb = mt + b * IL_NF(kind) * P;
+#pragma GCC unroll 2
+    for (int r = 0; r < P; r++)
+        _mm512_store_ps(acc + 16 * r, il_row(kind, A8, P, r, w, ab, mb, dw, dw1, mw, _mm512_setzero_si512(),
+                                             _mm512_load_ps(acc + 16 * r)));
 }
 
 /* Activation rows one unpacked block serves in il_group_tile (accumulators in an L1 tile), and
@@ -298,23 +314,6 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
  * 8-bit activations, 0.93-1.01x with 16-bit ones (four chains a row), at 16-128 rows; Q4I and Q8I, whose
  * unpacking is cheap, ran 0.95-1.03x at 16-64 rows and up to 1.3x at 128-512, so they keep
  * il_group (docs/benchmarks.md, "Paired comparisons"). */
-/* One pass of P rows (pass layout: values a, meta mt) against block b (il_unpack's w, scales
- * dw, dw1, minimums mw) into il_group_tile's accumulators acc [P, 16]. */
-INLINE void il_tile_pass(const int kind, const int A8, const int P, const __m512i w[8], __m512 dw, __m512 dw1,
-                         __m512 mw, int64_t b, const uint8_t *a, const float *mt, float *acc) {
-    const uint8_t *ab = a + b * P * IL_VB(A8);
-    const float *mb = mt + b * IL_NF(kind) * P;
-#pragma GCC unroll 2
-    for (int r = 0; r < P; r++) {
-        __m512i d[2];
-        il_dots(kind, A8, w, (const int32_t *)(ab + r * QK), A8 ? 0 : (const int32_t *)(ab + (P + r) * QK), d);
-        __m512 v = _mm512_load_ps(acc + 16 * r);
-        v = kind == K_Q6I ? il_acc_q6(v, dw, dw1, d[0], d[1], mb[r], mb[P + r], mb[2 * P + r])
-                          : il_acc(kind, v, d[0], dw, mw, mb[r], mb[P + r]);
-        _mm512_store_ps(acc + 16 * r, v);
-    }
-}
-
 INLINE void il_group_tile(const int kind, const int A8, const int R, const uint8_t *wq, const uint16_t *wd,
                           const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, float *y, int64_t ldy,
                           const float *bias, const float *res, int64_t ldr) {
