@@ -58,8 +58,9 @@ def test_interleave_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name, bits):
-    """Every row count 1..19, 33, 64, 70, 131 and 138 (passes of 8 and every
-    tail; Q5I's and Q6I's row tiles up to 128 rows, their passes beyond),
+    """Every row count 1..19, 24, 31, 33, 40, 64, 70, 131 and 138 (8-bit Q4I's
+    and Q8I's wide passes of 16 and the passes of 8 after them, passes of 8
+    and every tail; Q5I's and Q6I's row tiles up to 128 rows, their passes beyond),
     a bias and a residual, 16-bit and 8-bit activations: each row's
     result is the same bits alone, in any slice and on every instruction
     set (the portable C twin, ``matmul_il_c``, below AVX-512 VNNI: the
@@ -80,7 +81,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(kern, type_name, bits):
     assert rel_err(full, xq @ held.T + bias + res) < (1e-3 if type_name.endswith("_K") else 1e-5)
     for isa in isa_levels():
         kern.set_isa(isa)
-        for lo, hi in [(r, r + 1) for r in range(0, n, 7)] + [(0, m) for m in range(2, 20)] + [(3, 36), (0, 64), (1, 70), (1, 71), (7, n)]:
+        for lo, hi in [(r, r + 1) for r in range(0, n, 7)] + [(0, m) for m in range(2, 20)] + [(0, 24), (0, 31), (3, 36), (2, 42), (0, 64), (1, 70), (1, 71), (7, n)]:
             out = torch.empty(hi - lo, 64)
             kern.matmul(wi, qa[lo:hi], fa[lo:hi], out, bias=bias, residual=res[lo:hi])
             assert torch.equal(out, full[lo:hi]), (type_name, isa, lo, hi)

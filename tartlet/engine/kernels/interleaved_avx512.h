@@ -69,13 +69,24 @@
 #define IL_ROWS 16
 /* activation rows one pass over a group's blocks serves (accumulators in registers) */
 #define IL_MR 8
+/* rows of a wide pass (il_wide: 8-bit activations against Q4I and Q8I, whose unpacking is
+ * cheap, and against Q5I and Q6I beyond their row tiles (IL_TILE_MAX)): 16 accumulators in
+ * registers, so each unpacked block serves twice the rows. Measured paired against passes of
+ * IL_MR (bench_quant_kernels.py --against, 4096 x 4096, one thread, Xeon VM): Q4_K 0.91-0.97x
+ * the time and Q8_0 0.87-0.96x at 16-256 rows, Q5_K 0.84-0.86x and Q6_K 0.89-0.91x at
+ * 129-512; Q6_K in place of its row tile 0.94-1.06x at 16-64 rows, so the tiles stay; with
+ * 16-bit activations (four chains a row) 0.95-1.03x, so they keep IL_MR. Only full wide
+ * passes take them (one instance more per kind): the rows left run in passes of IL_MR, since
+ * an instance per row count 1-16 made the kernel library's gcc -O3 compile 50 s -> 133 s. */
+#define IL_MR_WIDE 16
+#define il_wide(kind, A8, M) ((A8) && ((kind) == K_Q4I || (kind) == K_Q8I || (M) > IL_TILE_MAX))
 /* bytes of values prefetched ahead: on a 2-vCPU Zen 4 VM two threads
  * streaming 55 MB of Q4I reached 25.9 GB/s without, 34.7 with 2 KiB ahead,
  * 37.0 with 4 KiB */
 #define IL_PF 4096
 
-/* Prefetch for a weight stream read once (one row tile: decode batches of
- * up to IL_MR rows) or again by later row tiles. Read once: Q8I lines are
+/* Prefetch for a weight stream read once (one pass: decode batches of up
+ * to IL_MR rows, IL_MR_WIDE for il_wide kinds) or again by later passes. Read once: Q8I lines are
  * prefetched into L2 (PREFETCHT1), the other kinds' non-temporally
  * (PREFETCHNTA), both measured in one process alternating
  * (docs/benchmarks.md). With NTA the default model's 30 MB Q8I LM head
@@ -106,8 +117,8 @@
 #define IL_HAS_MIN(kind) ((kind) == K_Q4I || (kind) == K_Q5I)
 
 /* The pass layout of the activations (made once a call, or once a phase of the fused step, by
- * il_matmul_avx512): rows in passes of IL_MR (the last pass: the M % IL_MR left, if any), a
- * pass's blocks one after the other, and in block b of a pass of R rows its rows' values one
+ * il_matmul_avx512): rows in passes (il_pass: of IL_MR_WIDE or IL_MR rows), a pass's blocks
+ * one after the other, and in block b of a pass of R rows its rows' values one
  * after the other: 8-bit, row r's QK signed bytes at b R IL_VB + r QK; 16-bit, its low bytes
  * there and its high bytes (+ 128 for Q8I) R QK further on. Beside them, per pass, block and
  * row, IL_NF(kind) float meta fields, field j of row r at b IL_NF R + j R + r: d_x (the
@@ -121,6 +132,20 @@
  * 8- and 16-bit, 0.90-0.98x for Q5I's and Q6I's row tiles, 0.91-1.0x at one row. */
 #define IL_VB(A8) ((A8) ? QK : 2 * QK)
 #define IL_NF(kind) ((kind) == K_Q6I ? 3 : 2)
+
+/* The pass holding row r of M in the pass layout: returns its row count and sets *r0 to its
+ * first row. Wide kinds (il_wide, `wide`) take passes of IL_MR_WIDE rows while that many are
+ * left, then every kind passes of IL_MR (the last: the rows left). A pass of R rows at r0
+ * starts r0 nb IL_VB bytes into the values and r0 nb IL_NF fields into the meta. */
+INLINE int64_t il_pass(const int wide, const int64_t M, const int64_t r, int64_t *r0) {
+    const int64_t f = wide ? M - M % IL_MR_WIDE : 0; /* rows in full wide passes */
+    if (r < f) {
+        *r0 = r - r % IL_MR_WIDE;
+        return IL_MR_WIDE;
+    }
+    *r0 = r - (r - f) % IL_MR;
+    return M - *r0 < IL_MR ? M - *r0 : IL_MR;
+}
 
 /* Block b's 16 x 32 values of a group as 8 vectors, w[t] = values 4t..4t+3 of each row. */
 INLINE void il_unpack(const int kind, const uint8_t *q, __m512i w[8]) {
@@ -241,7 +266,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
                      const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, float *y, int64_t ldy,
                      const float *bias, const float *res, int64_t ldr) {
     const int qb = IL_QB(kind), ns = NSCALES(kind), vb = IL_VB(A8), nf = IL_NF(kind);
-    __m512 acc[IL_MR];
+    __m512 acc[IL_MR_WIDE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * qb;
@@ -271,7 +296,7 @@ INLINE void il_group(const int kind, const int A8, const int R, const int once, 
         }
         const uint8_t *ab = a + b * R * vb; /* the pass's block b: row r's values at ab + r QK */
         const float *mb = mt + b * nf * R;   /* its meta: field j of row r at mb[j R + r] */
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) acc[r] = il_row(kind, A8, R, r, w, ab, mb, dw, dw1, mw, corr, acc[r]);
     }
     for (int r = 0; r < R; r++) {
@@ -354,7 +379,9 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
                       const uint16_t *wm, int64_t nb, const uint8_t *a, const float *mt, int64_t M, float *y,
                       int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     const int64_t vs = nb * IL_VB(A8), ms = nb * IL_NF(kind); /* a row's share of the values, meta */
-    const int once = M <= IL_MR; /* one row tile: each weight is read once */
+    const int wide = il_wide(kind, A8, M);
+    const int64_t f = wide ? M - M % IL_MR_WIDE : 0;                 /* rows in full wide passes */
+    const int once = M <= IL_MR || (wide && M == IL_MR_WIDE); /* one pass: each weight is read once */
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
@@ -368,11 +395,15 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
             }
             continue;
         }
-        for (int64_t r0 = 0; r0 < M; r0 += IL_MR) {
+        for (int64_t r0 = 0; r0 < M; r0 += r0 < f ? IL_MR_WIDE : IL_MR) { /* il_pass's passes */
             const uint8_t *pa = a + r0 * vs;
             const float *pm = mt + r0 * ms, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
 #define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, pa, pm, o, ldy, bb, rr, ldr)
+            if (wide && r0 < f) { /* wide is a constant: no instance for the other kinds */
+                IL_GROUP(IL_MR_WIDE);
+                continue;
+            }
             switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
             case 1: IL_GROUP(1); break;
             case 2: IL_GROUP(2); break;
@@ -399,8 +430,10 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
     const int q8 = kind == K_Q8I, q6 = kind == K_Q6I, a8 = bits == 8;
     const int vb = IL_VB(a8), nf = IL_NF(kind);
     /* what this thread made earlier in the same phase of the fused step (planes_tag) */
+    const int wide = il_wide(kind, a8, M);
     const int reuse = planes_tag && planes_have.tag == planes_tag && planes_have.qa == qa && planes_have.M == M &&
-                      planes_have.K == K && planes_have.q8 == q8 && planes_have.q6 == q6 && planes_have.bits == bits;
+                      planes_have.K == K && planes_have.q8 == q8 && planes_have.q6 == q6 && planes_have.bits == bits &&
+                      planes_have.wide == wide;
     /* The pass layout (IL_VB above): values, then the meta fields; one 8-bit row is already in it. */
     const int copy = !a8 || M > 1;
     const size_t vbytes = (size_t)(copy ? M * nb * vb : 0), mbytes = (size_t)(4 * nf * M * nb);
@@ -411,7 +444,8 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
     /* a = 256 hi + lo (16-bit): low bytes as they are, high bytes by an arithmetic shift (+ 128 for Q8I) */
     const __m256i flip = _mm256_set1_epi8(q8 ? (char)0x80 : 0);
     for (int64_t r = 0; r < M && !reuse; r++) {
-        const int64_t r0 = r - r % IL_MR, R = M - r0 < IL_MR ? M - r0 : IL_MR; /* its pass */
+        int64_t r0;
+        const int64_t R = il_pass(wide, M, r, &r0); /* its pass */
         uint8_t *const pv = buf + r0 * nb * vb + (r - r0) * QK;
         float *const pm = mt + r0 * nb * nf + (r - r0);
         const float *const f = fa + r * FA * nb;
@@ -441,7 +475,7 @@ static int il_matmul_avx512(int kind, int bits, const uint8_t *wq, const uint16_
     }
     if (!reuse) {
         planes_have.tag = planes_tag, planes_have.qa = qa, planes_have.M = M, planes_have.K = K, planes_have.q8 = q8;
-        planes_have.q6 = q6, planes_have.bits = bits;
+        planes_have.q6 = q6, planes_have.bits = bits, planes_have.wide = wide;
     }
 #define IL_GROUPS(KIND, A8) il_groups(KIND, A8, n0, n1, wq, wd, wm, nb, a, mt, M, y, ldy, bias, res, ldr)
     PAR_RANGE(N / IL_ROWS, N * M * nb >= par_min, switch (kind + 16 * a8) {

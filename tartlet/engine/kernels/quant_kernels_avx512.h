@@ -251,13 +251,13 @@ static _Thread_local uint8_t *planes_buf;
 static _Thread_local size_t planes_cap;
 /* What planes_buf holds when il_matmul_avx512 may reuse it (see planes_tag):
  * qa [M, K] and its FA planes in the pass layout (interleaved_avx512.h),
- * whose bytes and meta fields depend on bits, Q8I (q8) and Q6I (q6), made
- * under tag; tag 0: nothing reusable. */
+ * whose bytes, meta fields and passes depend on bits, Q8I (q8), Q6I (q6) and
+ * wide passes (il_wide), made under tag; tag 0: nothing reusable. */
 static _Thread_local struct {
     uint64_t tag;
     const void *qa;
     int64_t M, K;
-    int q8, q6, bits;
+    int q8, q6, bits, wide;
 } planes_have;
 
 /* This thread's buffer for the byte planes of split 16-bit activations
