@@ -131,14 +131,28 @@ ALWAYS_INLINE void weighted_values(const float *p, const int64_t *sl, int64_t L,
  * -inf entries (masked) become 0; at least one entry must be finite. */
 static inline void softmax_row(float *ph, int64_t L)
 {
-    float m = -INFINITY, sum = 0.f;
+    float m = -INFINITY, lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t j = 0; j < L; j++)
         m = ph[j] > m ? ph[j] : m;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < L; j++) {
+#pragma omp simd
+    for (int64_t j = 0; j < L; j++)
         ph[j] = exp_nonpositive(ph[j] - m);
-        sum += ph[j];
-    }
+    /* The sum in a fixed order: lane j % 8 adds its entries in turn, then a fixed tree. Masked
+     * keys (0 here) after the last visible one add exact zeros, so a query's weights are the same
+     * bits whatever the length of its group: alone (decode) and in a multi-row step (a prompt
+     * chunk, a speculative verify) whose later rows' keys it does not see. An `omp simd`
+     * reduction's association depended on L (its vector tail) and made them differ by an ulp,
+     * which 8-bit activations amplified into different greedy tokens. */
+    int64_t j = 0;
+#ifdef TARTLET_AVX2 /* the same sums, 8 lanes at a time (a zero-padded tail adds exact zeros) */
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= L; j += 8)
+        acc = _mm256_add_ps(acc, _mm256_loadu_ps(ph + j));
+    _mm256_storeu_ps(lane, acc);
+#endif
+    for (; j < L; j++)
+        lane[j & 7] += ph[j];
+    const float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < L; j++)
