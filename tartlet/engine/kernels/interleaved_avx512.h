@@ -380,8 +380,8 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
                       int64_t ldy, const float *bias, const float *res, int64_t ldr) {
     const int64_t vs = nb * IL_VB(A8), ms = nb * IL_NF(kind); /* a row's share of the values, meta */
     const int wide = il_wide(kind, A8, M);
-    const int64_t f = wide ? M - M % IL_MR_WIDE : 0;                 /* rows in full wide passes */
-    const int once = M <= IL_MR || (wide && M == IL_MR_WIDE); /* one pass: each weight is read once */
+    int64_t first;
+    const int once = il_pass(wide, M, 0, &first) == M; /* one pass: each weight is read once */
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * IL_ROWS;
         const uint8_t *q = wq + n * nb * (IL_QB(kind) / IL_ROWS);
@@ -395,16 +395,17 @@ INLINE void il_groups(const int kind, const int A8, int64_t g0, int64_t g1, cons
             }
             continue;
         }
-        for (int64_t r0 = 0; r0 < M; r0 += r0 < f ? IL_MR_WIDE : IL_MR) { /* il_pass's passes */
+        for (int64_t r0 = 0, P; r0 < M; r0 += P) { /* the pass layout's passes */
+            P = il_pass(wide, M, r0, &first);
             const uint8_t *pa = a + r0 * vs;
             const float *pm = mt + r0 * ms, *rr = res ? res + r0 * ldr + n : 0;
             float *o = y + r0 * ldy + n;
 #define IL_GROUP(R) il_group(kind, A8, R, once, q, d, m, nb, pa, pm, o, ldy, bb, rr, ldr)
-            if (wide && r0 < f) { /* wide is a constant: no instance for the other kinds */
+            if (wide && P == IL_MR_WIDE) { /* wide is a constant: no instance for the other kinds */
                 IL_GROUP(IL_MR_WIDE);
                 continue;
             }
-            switch (M - r0 < IL_MR ? M - r0 : IL_MR) { /* R a constant in each instance */
+            switch (P) { /* R a constant in each instance */
             case 1: IL_GROUP(1); break;
             case 2: IL_GROUP(2); break;
             case 3: IL_GROUP(3); break;
