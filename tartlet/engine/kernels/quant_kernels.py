@@ -53,8 +53,8 @@ def stream_prefetch_nta(vendor: str | None = None, env: str | None = None) -> bo
     the non-temporal hint had won (4.84-4.94 against 5.09-6.33 ms a
     step, the default model: the stream stopped evicting the Python
     between steps from L2), and on a 2-vCPU AMD Zen 5 (family 26) the two
-    were within noise (into L1: 0.99x the step on the default model, 1.02x
-    on the 7B file). Other vendors keep the non-temporal hint.
+    were within noise (into L1: 0.95-0.99x the step on the default model,
+    1.02x on the 7B file). Other vendors keep the non-temporal hint.
 
     Raises:
         ValueError: ``env`` is set to something else.
